@@ -1,0 +1,109 @@
+"""Shared measuring tools for the benchmarks: interleaved repetitions, medians, ceilings.
+
+Machines here are shared and noisy, so every figure is a ratio of timings taken in the same
+run, with the competing candidates' repetitions interleaved (A B C A B C ...), after a warm-up.
+"""
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.15):
+    """Time every callable in ``candidates`` (name -> fn) ``repeats`` times, round-robin.
+
+    ``settle`` seconds pass, untimed, before each timing: BLAS and OpenMP worker threads keep
+    spinning for a while after a parallel call (OpenBLAS ~0.1 s), and would otherwise steal cores
+    from whichever candidate runs next.
+
+    Returns name -> {"median": s, "min": s, "max": s, "spread": (max - min) / median}."""
+    for _ in range(warmup):
+        for fn in candidates.values():
+            fn()
+    times = {name: [] for name in candidates}
+    t_end = time.perf_counter() + min_seconds
+    rounds = 0
+    while rounds < repeats or time.perf_counter() < t_end:
+        for name, fn in candidates.items():
+            time.sleep(settle)
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        rounds += 1
+    out = {}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        out[name] = {"median": med, "min": min(ts), "max": max(ts),
+                     "spread": (max(ts) - min(ts)) / med if med else 0.0, "n": len(ts)}
+    return out
+
+
+def peak_rss_mib():
+    """Peak resident memory of this process so far (VmHWM), MiB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def random_bf16(rng, shape, scale):
+    """Gaussian bf16 bits (scale = standard deviation), rounded by the reference rule."""
+    from ltx2blas.reference import bf16_round
+
+    return bf16_round(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+
+
+def widen(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def machine():
+    import scipy
+    import threadpoolctl
+
+    import ltx2blas
+    from ltx2blas import info
+
+    data = info.collect(probe_depths=())
+    data.pop("sgemm_exact_depth", None)
+    data.update({
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "platform": platform.platform(),
+        "cores": os.cpu_count(),
+        "ltx2blas": ltx2blas.__version__,
+        "scipy": scipy.__version__,
+        "threadpoolctl": threadpoolctl.__version__,
+        "blas_libraries": threadpoolctl.threadpool_info(),
+    })
+    try:
+        import torch
+
+        data["torch"] = torch.__version__
+    except ImportError:
+        data["torch"] = None
+    return data
+
+
+def check_installed_not_checkout():
+    """The benchmarks measure the installed package. A checkout's ltx2blas/ folder that got on
+    sys.path first would shadow it, and has no compiled modules: say so instead of a traceback."""
+    try:
+        import ltx2blas._gemm  # noqa: F401
+    except ImportError as exc:
+        sys.exit(f"bench: cannot import the compiled ltx2blas ({exc}); install the project "
+                 "(see README) and run the benchmarks from outside the checkout's root")
+
+
+def write_json(path, data):
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=str)

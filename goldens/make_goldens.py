@@ -1,0 +1,91 @@
+"""Record the golden cases: small inputs and what ltx2blas.reference (the spec's plain loops)
+computes from them.
+
+The reference module is loaded from its file, by path, so no compiled part of ltx2blas -- the
+code under test -- takes part in making a golden.  Run from anywhere:
+
+    python goldens/make_goldens.py            # writes goldens/*.npz next to this script
+    python goldens/make_goldens.py --check    # recomputes and compares, writes nothing
+"""
+import argparse
+import importlib.util
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REFERENCE = os.path.join(HERE, os.pardir, "ltx2blas", "reference.py")
+
+
+def load_reference():
+    spec = importlib.util.spec_from_file_location("ltx2blas_reference_for_goldens", REFERENCE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fuse_cases(ref):
+    """name -> dict of arrays. Each case: weight, adapters (a_i, b_i, strength_i), expected."""
+    rng = np.random.default_rng(20260101)
+
+    def bf16(shape, scale):
+        return ref.bf16_round(rng.standard_normal(shape).astype(np.float32) * np.float32(scale))
+
+    specs = [
+        # name, rows, cols, [(rank, strength), ...], weight scale
+        ("rank1", 5, 9, [(1, 1.0)], 0.02),
+        ("rank7_negative", 7, 13, [(7, -0.5)], 0.02),
+        ("rank384_ltx2", 33, 70, [(384, 0.8)], 0.02),
+        ("rank450_ltx25", 17, 40, [(450, 2.5)], 0.02),
+        ("rank512_zero_strength", 9, 21, [(512, 0.0)], 0.02),
+        ("rank1500", 6, 11, [(1500, -1.25)], 0.02),
+        ("two_adapters", 20, 30, [(16, 1.0), (450, 0.75)], 0.02),
+        ("three_adapters", 11, 19, [(1024, 0.5), (3, -2.0), (384, 1.0)], 0.02),
+        ("large_values", 12, 16, [(64, 3.0)], 40.0),
+    ]
+    cases = {}
+    for name, rows, cols, adapters, wscale in specs:
+        case = {"weight": bf16((rows, cols), wscale)}
+        if name == "rank384_ltx2":
+            # special weights: NaN, -NaN, inf, -inf, -0, +0, subnormals, the largest bf16
+            case["weight"][0, :9] = [0x7FC0, 0xFFC0, 0x7F80, 0xFF80, 0x8000, 0x0000, 0x0001,
+                                     0x8001, 0x7F7F]
+        for i, (rank, strength) in enumerate(adapters):
+            case[f"lora_a{i}"] = bf16((rank, cols), 0.01 if wscale < 1 else 1.0)
+            case[f"lora_b{i}"] = bf16((rows, rank), 0.01 if wscale < 1 else 1.0)
+            case[f"strength{i}"] = np.float64(strength)
+        pairs = [(case[f"lora_a{i}"], case[f"lora_b{i}"], float(case[f"strength{i}"]))
+                 for i in range(len(adapters))]
+        if len(pairs) == 1:
+            case["rule"] = np.array("fuse_lora")
+            case["expected"] = ref.fuse_lora(case["weight"], *pairs[0])
+        else:
+            case["rule"] = np.array("fuse_loras")
+            case["expected"] = ref.fuse_loras(case["weight"], pairs)
+        cases[name] = case
+    return cases
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="compare with the files, write nothing")
+    args = parser.parse_args(argv)
+    ref = load_reference()
+    bad = 0
+    for name, case in fuse_cases(ref).items():
+        path = os.path.join(HERE, f"fuse_{name}.npz")
+        if args.check:
+            with np.load(path) as stored:
+                same = set(stored.files) == set(case) and all(
+                    np.array_equal(stored[k], case[k]) for k in case)
+            print(f"{'ok  ' if same else 'DIFF'} {os.path.basename(path)}")
+            bad += not same
+        else:
+            np.savez_compressed(path, **case)
+            print(f"wrote {os.path.basename(path)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""ltx2blas: exact, multi-threaded LoRA fusion and bf16 Linear for LTX-2 models on the CPU.
+
+Public API::
+
+    fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None)
+    fuse_loras(weight, [(lora_a, lora_b, strength), ...], *, threads=None, out=None)
+
+``ltx2blas.reference`` holds the arithmetic contract as plain numpy loops.
+"""
+from importlib.metadata import PackageNotFoundError, version as _version
+
+from . import errors, reference
+from .errors import (
+    DTypeError,
+    LayoutError,
+    Ltx2BlasError,
+    NonFiniteInputError,
+    NonFiniteResultError,
+    NonFiniteWeightError,
+    NumericsError,
+    ShapeError,
+)
+from .fuse import fuse_lora, fuse_loras
+
+try:
+    __version__ = _version("ltx2blas")
+except PackageNotFoundError:  # running from a build tree
+    __version__ = "unknown"
+
+__all__ = [
+    "fuse_lora",
+    "fuse_loras",
+    "reference",
+    "errors",
+    "Ltx2BlasError",
+    "ShapeError",
+    "DTypeError",
+    "LayoutError",
+    "NumericsError",
+    "NonFiniteInputError",
+    "NonFiniteWeightError",
+    "NonFiniteResultError",
+    "__version__",
+]

@@ -1,0 +1,31 @@
+"""bf16 arrays come in two kinds: uint16 bit patterns and ml_dtypes.bfloat16. Both are the same
+bytes; results come back as the kind the weight came in."""
+import numpy as np
+
+from .errors import DTypeError
+
+_BITS = np.dtype(np.uint16)
+
+
+def is_ml_bfloat16(dtype):
+    return dtype.kind == "V" and dtype.itemsize == 2 and dtype.name == "bfloat16"
+
+
+def bf16_bits(array, name):
+    """The uint16 view of a bf16 array, or DTypeError naming the argument."""
+    if not isinstance(array, np.ndarray):
+        raise DTypeError(f"{name} must be a numpy array, got {type(array).__name__}")
+    dtype = array.dtype
+    if dtype == _BITS:
+        return array
+    if is_ml_bfloat16(dtype):
+        return array.view(np.uint16)
+    raise DTypeError(
+        f"{name} must be bfloat16 (ml_dtypes.bfloat16, or uint16 bit patterns in native byte "
+        f"order), got {dtype.str} ({dtype})"
+    )
+
+
+def like(bits, template):
+    """View uint16 bits as the bf16 kind of ``template``."""
+    return bits.view(template.dtype) if is_ml_bfloat16(template.dtype) else bits

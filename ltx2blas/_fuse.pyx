@@ -1,0 +1,217 @@
+"""Tile driver of the LoRA fuse: widen, multiply through the seam, round, store -- per output
+tile, in parallel, with the GIL released.
+
+Each output tile [mt x nt] is independent: its bytes depend only on the inputs, never on which
+thread ran it or how many threads there were, so results are identical for any thread count.
+Tiles are numbered row strip by row strip and handed to threads in contiguous runs, so a thread
+rounds and widens each adapter's bf16(B * s) rows once per strip it visits, not once per tile
+(that pass costs about four times more per element than widening A, which is redone per tile).
+"""
+from cython.parallel cimport parallel, prange
+from libc.stdint cimport int64_t, uint16_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memset
+
+from ._gemm cimport exact_product, kernels, ltx_kernels
+
+import numpy as np
+
+cdef extern from *:
+    """
+    #include <stdlib.h>
+    static void *ltx_aligned_alloc(size_t bytes) {
+        void *p = NULL;
+        if (bytes == 0) bytes = 64;
+        if (posix_memalign(&p, 64, (bytes + 63) & ~(size_t)63) != 0) return NULL;
+        return p;
+    }
+    #ifdef _OPENMP
+    #include <omp.h>
+    #else
+    static int omp_get_thread_num(void) { return 0; }
+    #endif
+    """
+    void *ltx_aligned_alloc(size_t bytes) nogil
+    int omp_get_thread_num() nogil
+
+
+cdef struct Adapters:
+    int count
+    const uint16_t **a        # [rank, cols] bf16, row stride cols
+    const uint16_t **b        # [rows, rank] bf16
+    int *rank
+    Py_ssize_t *bs_offset     # where adapter a's rows start in a thread's bs buffer
+    Py_ssize_t *panel_offset  # where adapter a's A panel starts in a thread's panel buffer
+    float *scale
+    int *depth                # [count][4]: verified sgemm depth per tile shape (see fuse_tile)
+
+
+cdef struct Job:
+    const uint16_t *w
+    uint16_t *out
+    Py_ssize_t rows, cols
+    int mb, nb
+    Py_ssize_t tiles_n
+    bint sum_rule             # several-adapter rule: total = bf16(0 + d1 + d2 ...)
+    bint dry_run              # compute and check, write nothing
+    bint check                # record the first non-finite output per tile
+    const ltx_kernels *kern
+
+
+cdef struct Slot:
+    # One thread's buffers (64-byte aligned) and which row strip its bs rows hold.
+    float *bs                 # every adapter's [mt, rank] = f32(bf16(B * s)) for the strip
+    float *panels             # every adapter's [rank, nt] = f32(A[:, tile columns])
+    float *acc                # [mt, nt] product
+    float *total              # [mt, nt] several-adapter sum
+    uint16_t *scratch         # [mt, nt] dry-run output
+    Py_ssize_t strip          # row strip the bs rows hold, -1 for none
+
+
+cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot,
+                    int64_t *bad) noexcept nogil:
+    cdef Py_ssize_t ti = t // job.tiles_n, tj = t % job.tiles_n
+    cdef Py_ssize_t o0 = ti * job.mb, i0 = tj * job.nb
+    cdef int mt = <int>min(<Py_ssize_t>job.mb, job.rows - o0)
+    cdef int nt = <int>min(<Py_ssize_t>job.nb, job.cols - i0)
+    # Tile shape class (full or edge, per dimension): the depth was verified per class.
+    cdef int shape = 2 * (mt != job.mb) + (nt != job.nb)
+    cdef const ltx_kernels *kern = job.kern
+    cdef Py_ssize_t p, q, r
+    cdef int a, rank
+    cdef float *bs
+    cdef float *panel
+    cdef const float *result = slot.acc
+    cdef uint16_t *dst
+    cdef Py_ssize_t ldo
+
+    if slot.strip != ti:
+        for a in range(ad.count):
+            kern.scale_round_widen(ad.b[a] + o0 * ad.rank[a], ad.scale[a],
+                                   slot.bs + ad.bs_offset[a], <Py_ssize_t>mt * ad.rank[a])
+        slot.strip = ti
+
+    if job.sum_rule:
+        memset(slot.total, 0, <size_t>mt * nt * sizeof(float))
+    for a in range(ad.count):
+        rank = ad.rank[a]
+        panel = slot.panels + ad.panel_offset[a]
+        for p in range(rank):
+            kern.widen_bf16(ad.a[a] + p * job.cols + i0, panel + p * nt, nt)
+        exact_product(kern, mt, nt, rank, slot.bs + ad.bs_offset[a], rank, panel, slot.acc,
+                      ad.depth[4 * a + shape])
+        if job.sum_rule:
+            kern.accumulate_rounded(slot.acc, slot.total, <Py_ssize_t>mt * nt)
+    if job.sum_rule:
+        result = slot.total
+
+    if job.dry_run:
+        dst, ldo = slot.scratch, nt
+    else:
+        dst, ldo = job.out + o0 * job.cols + i0, job.cols
+    kern.store_fused(result, job.w + o0 * job.cols + i0, job.cols, dst, ldo, mt, nt)
+    if job.check:
+        for r in range(mt):
+            q = kern.first_nonfinite_bf16(dst + r * ldo, nt)
+            if q >= 0:
+                bad[t] = (o0 + r) * job.cols + i0 + q
+                break
+
+
+def fuse_tiles(const uint16_t[:, ::1] weight, uint16_t[:, ::1] out, list lora_a, list lora_b,
+               float[::1] scales, int[:, ::1] depths, int mb, int nb, int threads,
+               bint allow_fma, bint sum_rule, bint check, bint dry_run):
+    """Fuse adapters into ``weight``, writing ``out`` (which may be ``weight``).
+
+    ``depths[a]`` holds the verified sgemm depth of adapter a for the tile shapes
+    (full, full), (full, edge), (edge, full), (edge, edge) in (rows, cols).
+    Validation happens in :mod:`ltx2blas.fuse`; this trusts shapes, dtypes and contiguity.
+    Returns the flat index of the first non-finite output (or -1) when ``check`` is set."""
+    cdef Py_ssize_t rows = weight.shape[0], cols = weight.shape[1]
+    cdef Py_ssize_t tiles_m = (rows + mb - 1) // mb, tiles_n = (cols + nb - 1) // nb
+    cdef Py_ssize_t tiles = tiles_m * tiles_n, t
+    cdef int count = len(lora_a), a
+    cdef Py_ssize_t rank_sum = 0
+    cdef const uint16_t[:, ::1] view
+    cdef Job job
+    cdef Adapters ad
+    cdef size_t bs_len, panels_len, tile_len, scratch_len, slot_len
+    cdef char *buffers = NULL
+    cdef Slot *slots = NULL
+    cdef char *base
+    cdef int s
+    if rows == 0 or cols == 0 or count == 0:
+        return -1
+
+    keep = []  # the memoryviews whose pointers the C structs hold
+    ad.count = count
+    ad.a = <const uint16_t **>malloc(count * sizeof(void *))
+    ad.b = <const uint16_t **>malloc(count * sizeof(void *))
+    ad.rank = <int *>malloc(count * sizeof(int))
+    ad.panel_offset = <Py_ssize_t *>malloc(count * sizeof(Py_ssize_t))
+    ad.bs_offset = <Py_ssize_t *>malloc(count * sizeof(Py_ssize_t))
+    ad.scale = <float *>malloc(count * sizeof(float))
+    ad.depth = <int *>malloc(count * 4 * sizeof(int))
+    bad_array = np.full(tiles, -1, dtype=np.int64)
+    cdef int64_t[::1] bad = bad_array
+    try:
+        if not (ad.a and ad.b and ad.rank and ad.panel_offset and ad.bs_offset and ad.scale
+                and ad.depth):
+            raise MemoryError()
+        for a in range(count):
+            view = lora_a[a]
+            keep.append(view)
+            ad.a[a] = &view[0, 0]
+            ad.rank[a] = <int>view.shape[0]
+            ad.panel_offset[a] = rank_sum * nb
+            ad.bs_offset[a] = rank_sum * mb
+            rank_sum += view.shape[0]
+            view = lora_b[a]
+            keep.append(view)
+            ad.b[a] = &view[0, 0]
+            ad.scale[a] = scales[a]
+            for s in range(4):
+                ad.depth[4 * a + s] = depths[a, s]
+        job.w = &weight[0, 0]
+        job.out = &out[0, 0]
+        job.rows, job.cols = rows, cols
+        job.mb, job.nb = mb, nb
+        job.tiles_n = tiles_n
+        job.sum_rule, job.dry_run, job.check = sum_rule, dry_run, check
+        job.kern = kernels(allow_fma)
+
+        # Per-thread buffers, allocated here so that a failure happens before any tile is
+        # written. Panel offsets are multiples of nb floats; every part is 64-byte aligned.
+        bs_len = (<size_t>mb * rank_sum * sizeof(float) + 63) & ~(<size_t>63)
+        panels_len = (<size_t>rank_sum * nb * sizeof(float) + 63) & ~(<size_t>63)
+        tile_len = (<size_t>mb * nb * sizeof(float) + 63) & ~(<size_t>63)
+        scratch_len = (<size_t>mb * nb * sizeof(uint16_t) + 63) & ~(<size_t>63)
+        slot_len = bs_len + panels_len + tile_len * (1 + sum_rule) + scratch_len * dry_run
+        buffers = <char *>ltx_aligned_alloc(slot_len * threads)
+        slots = <Slot *>malloc(threads * sizeof(Slot))
+        if buffers == NULL or slots == NULL:
+            raise MemoryError(f"could not allocate {slot_len * threads} bytes of tile buffers")
+        for s in range(threads):
+            base = buffers + slot_len * s
+            slots[s].bs = <float *>base
+            slots[s].panels = <float *>(base + bs_len)
+            slots[s].acc = <float *>(base + bs_len + panels_len)
+            slots[s].total = <float *>(base + bs_len + panels_len + tile_len)
+            slots[s].scratch = <uint16_t *>(base + bs_len + panels_len + tile_len * (1 + sum_rule))
+            slots[s].strip = -1
+
+        with nogil, parallel(num_threads=threads):
+            for t in prange(tiles, schedule="static"):
+                fuse_tile(&job, &ad, t, &slots[omp_get_thread_num()], &bad[0])
+    finally:
+        free(buffers)
+        free(slots)
+        free(ad.a)
+        free(ad.b)
+        free(ad.rank)
+        free(ad.panel_offset)
+        free(ad.bs_offset)
+        free(ad.scale)
+        free(ad.depth)
+    hits = bad_array[bad_array >= 0]
+    return int(hits.min()) if hits.size else -1

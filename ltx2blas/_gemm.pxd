@@ -1,0 +1,28 @@
+# The seam: every GEMM that ltx2blas runs goes through the functions declared here.
+from libc.stdint cimport uint16_t
+
+cdef extern from "kernels.h" nogil:
+    ctypedef Py_ssize_t ltx_idx
+    ctypedef struct ltx_kernels:
+        const char *name
+        void (*seq_gemm)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
+                         const float *y, ltx_idx ldy, float *c, ltx_idx ldc) noexcept nogil
+        void (*widen_bf16)(const uint16_t *src, float *dst, ltx_idx n) noexcept nogil
+        void (*scale_round_widen)(const uint16_t *src, float s, float *dst, ltx_idx n) noexcept nogil
+        void (*store_fused)(const float *acc, const uint16_t *w, ltx_idx ldw, uint16_t *out,
+                            ltx_idx ldo, ltx_idx rows, ltx_idx cols) noexcept nogil
+        void (*accumulate_rounded)(const float *acc, float *total, ltx_idx n) noexcept nogil
+        ltx_idx (*first_nonfinite_bf16)(const uint16_t *src, ltx_idx n) noexcept nogil
+        ltx_idx (*scan_bf16)(const uint16_t *src, ltx_idx n, uint16_t *max_mag,
+                             uint16_t *min_mag) noexcept nogil
+
+cdef const ltx_kernels *kernels(bint allow_fma) noexcept nogil
+
+cdef void sgemm_rowmajor(int m, int n, int k, const float *x, int ldx, const float *y, int ldy,
+                         float beta, float *c, int ldc) noexcept nogil
+
+cdef void dgemm_rowmajor(int m, int n, int k, const double *x, int ldx, const double *y, int ldy,
+                         double beta, double *c, int ldc) noexcept nogil
+
+cdef void exact_product(const ltx_kernels *kern, int m, int n, int k, const float *x, int ldx,
+                        const float *y, float *c, int blas_depth) noexcept nogil

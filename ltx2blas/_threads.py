@@ -1,0 +1,105 @@
+"""How many threads a call uses, and keeping BLAS single-threaded underneath them.
+
+ltx2blas parallelises over output tiles with OpenMP and calls sgemm from every thread, so the
+BLAS must not start threads of its own (threads would multiply, and some BLAS builds split the
+depth differently per thread count, which would break exactness).  While any ltx2blas call is
+running, BLAS is limited to one thread; the caller's setting is restored when the last
+concurrent call returns.
+"""
+import math
+import operator
+import os
+import threading
+from contextlib import contextmanager
+
+from . import _gemm
+
+
+def _cgroup_cpus():
+    """CPUs granted by a cgroup quota (containers), or None when unlimited or unknown."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            return max(1, math.ceil(int(quota) / int(period)))
+        return None
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as f:
+            quota = int(f.read())
+        with open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as f:
+            period = int(f.read())
+        if quota > 0 and period > 0:
+            return max(1, math.ceil(quota / period))
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def available_cpus():
+    """CPUs this process may run on: affinity mask, capped by a cgroup quota."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    quota = _cgroup_cpus()
+    return min(cpus, quota) if quota else cpus
+
+
+def default_threads():
+    """threads=None: every CPU the process may use, capped by OMP_NUM_THREADS and by an OpenMP
+    limit set through threadpoolctl (both show in omp_get_max_threads)."""
+    if not _gemm.have_openmp():
+        return 1
+    return max(1, min(available_cpus(), _gemm.omp_max_threads()))
+
+
+def resolve_threads(threads):
+    """The thread count a call runs with: None means default_threads(); an int is used as
+    given (values above the CPU count are allowed, for benchmarking oversubscription)."""
+    if threads is None:
+        return default_threads()
+    if isinstance(threads, bool):
+        raise TypeError(f"threads must be None or a positive int, got {threads!r}")
+    try:
+        threads = operator.index(threads)
+    except TypeError:
+        raise TypeError(f"threads must be None or a positive int, got {threads!r}") from None
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    return threads if _gemm.have_openmp() else 1
+
+
+_lock = threading.Lock()
+_active = 0
+_limiter = None
+_controller = None
+
+
+def _blas_controller():
+    global _controller
+    if _controller is None:
+        from threadpoolctl import ThreadpoolController
+
+        _controller = ThreadpoolController()
+    return _controller
+
+
+@contextmanager
+def blas_single_threaded():
+    """Limit every BLAS library in the process to one thread for the duration (reference
+    counted across Python threads: the original limits come back when the last one leaves)."""
+    global _active, _limiter
+    with _lock:
+        if _active == 0:
+            _limiter = _blas_controller().limit(limits=1, user_api="blas")
+        _active += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _active -= 1
+            if _active == 0:
+                _limiter.restore_original_limits()
+                _limiter = None

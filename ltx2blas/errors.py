@@ -1,0 +1,38 @@
+"""One exception hierarchy, so callers can catch by kind.
+
+Every class derives from :class:`Ltx2BlasError` and from the built-in exception a caller would
+already expect (``ValueError`` for bad values and shapes, ``TypeError`` for wrong dtypes,
+``OSError`` for files), so ``except ValueError`` keeps working.
+"""
+
+
+class Ltx2BlasError(Exception):
+    """Base class of every error ltx2blas raises on purpose."""
+
+
+class ShapeError(Ltx2BlasError, ValueError):
+    """Array shapes or ranks that do not fit together."""
+
+
+class DTypeError(Ltx2BlasError, TypeError):
+    """An array of a dtype the operation does not take (never silently converted)."""
+
+
+class LayoutError(Ltx2BlasError, ValueError):
+    """An array whose memory layout the operation cannot use (strides, read-only, overlap)."""
+
+
+class NumericsError(Ltx2BlasError, ValueError):
+    """Non-finite values where finite ones are required."""
+
+
+class NonFiniteInputError(NumericsError):
+    """An adapter tensor or scale holds inf or NaN."""
+
+
+class NonFiniteWeightError(NumericsError):
+    """The base weight already holds inf or NaN before anything is fused into it."""
+
+
+class NonFiniteResultError(NumericsError):
+    """A fused value overflowed to inf (or became NaN) when rounded to the storage dtype."""

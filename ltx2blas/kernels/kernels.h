@@ -1,0 +1,51 @@
+/*
+ * Element kernels of ltx2blas, compiled once per instruction set and chosen at run time.
+ *
+ * Every routine here is exact in the sense of docs: it performs the IEEE f32 operations written
+ * beside it, in the order written, one rounding per operation.  The only freedom taken is
+ * fusing `c + x*y` into an FMA in the "fast" tables, which is exact only when the product x*y is
+ * exact in f32 (bf16 x bf16 products are, unless they underflow or overflow); callers that
+ * cannot rule that out use the strict table, which never contracts.
+ */
+#ifndef LTX2BLAS_KERNELS_H
+#define LTX2BLAS_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef ptrdiff_t ltx_idx;
+
+typedef struct {
+    const char *name;
+    /* c[m x n] (ldc) = c + sum_p x[i,p] * y[p,j], p = 0 .. k-1 in order, one element at a time:
+     * the textbook accumulation, continued from whatever c holds. Row-major operands. */
+    void (*seq_gemm)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
+                     const float *y, ltx_idx ldy, float *c, ltx_idx ldc);
+    /* dst[i] = f32(src[i]) */
+    void (*widen_bf16)(const uint16_t *src, float *dst, ltx_idx n);
+    /* dst[i] = f32(bf16(f32(src[i]) * s)) */
+    void (*scale_round_widen)(const uint16_t *src, float s, float *dst, ltx_idx n);
+    /* out[r, i] = bf16(f32(w[r, i]) + f32(bf16(acc[r, i]))) over a rows x cols tile; acc is
+     * packed (row stride cols), w and out have row strides ldw and ldo; out may equal w */
+    void (*store_fused)(const float *acc, const uint16_t *w, ltx_idx ldw, uint16_t *out,
+                        ltx_idx ldo, ltx_idx rows, ltx_idx cols);
+    /* total[i] = total[i] + f32(bf16(acc[i])) */
+    void (*accumulate_rounded)(const float *acc, float *total, ltx_idx n);
+    /* index of the first bf16 element that is inf or NaN, or -1 */
+    ltx_idx (*first_nonfinite_bf16)(const uint16_t *src, ltx_idx n);
+    /* magnitude bits (x & 0x7FFF) of the largest element (capped at 0x7F7F, the largest
+     * finite, when inf/NaN are present: an upper bound on the finite ones) and of the smallest
+     * non-zero finite element (0 when none), and the index of the first inf/NaN or -1 */
+    ltx_idx (*scan_bf16)(const uint16_t *src, ltx_idx n, uint16_t *max_mag, uint16_t *min_mag);
+} ltx_kernels;
+
+/* The fastest table this CPU runs (may contract into FMA). */
+const ltx_kernels *ltx_fast_kernels(void);
+/* Never contracts: mul then add, as the reference loop does. */
+const ltx_kernels *ltx_strict_kernels(void);
+/* A table by name ("avx512", "avx2", "neon", "base"), or NULL if absent or unsupported here. */
+const ltx_kernels *ltx_kernels_by_name(const char *name);
+/* Names of the tables built into this module, comma separated. */
+const char *ltx_kernels_built(void);
+
+#endif

@@ -1,0 +1,34 @@
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+try:
+    import ltx2blas._gemm  # noqa: F401
+except ImportError as exc:  # the checkout's ltx2blas/ folder shadowing the installed package
+    raise ImportError(
+        "tests need the installed (compiled) ltx2blas; install it as the README says and run "
+        "`pytest` (not `python -m pytest` from the checkout root)") from exc
+
+from ltx2blas import _gemm
+
+
+@pytest.fixture
+def rng(request):
+    # A fixed seed per test, so failures reproduce.
+    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+
+
+@pytest.fixture(params=[name for name in ("base", "avx2", "avx512", "neon")
+                        if name in _gemm.kernels_built()])
+def kernel_table(request):
+    """Every kernel table this build has; skipped where the CPU lacks it."""
+    try:
+        _gemm.use_kernels(request.param)
+    except ValueError:
+        pytest.skip(f"this CPU cannot run the {request.param} kernels")
+    yield request.param
+    _gemm.use_kernels(None)

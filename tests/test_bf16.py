@@ -1,0 +1,107 @@
+"""f32 -> bf16 rounding, against ml_dtypes, in the reference and in every kernel table."""
+import numpy as np
+import pytest
+
+from ltx2blas import _gemm, reference
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+NEG_ZERO = np.uint16(0x8000)
+
+
+def ml_round(f32):
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.asarray(f32, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def edge_f32():
+    """Ties, near-ties, overflow boundary, NaN payloads, infinities, zeros and subnormals."""
+    bits = []
+    for hi in (0x0000, 0x0001, 0x007F, 0x0080, 0x3F80, 0x3F81, 0x4049, 0x7F7E, 0x7F7F, 0x7F80,
+               0x7FC0, 0x7FFF):
+        for lo in (0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF):
+            for sign in (0, 0x80000000):
+                bits.append(sign | (hi << 16) | lo)
+    bits += [0x7F800001, 0x7FBFFFFF, 0xFF800001, 0x7FC00001, 0x00000001, 0x80000001,
+             0x7F7F8000, 0x7F7F7FFF, 0xFF7F8000, 0x00008000, 0x00018000]
+    return np.array(bits, dtype=np.uint32).view(np.float32)
+
+
+def every_bf16_as_f32():
+    return (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
+
+
+def random_f32(n=1 << 20):
+    return np.random.default_rng(7).integers(0, 2**32, size=n, dtype=np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("values", [every_bf16_as_f32(), edge_f32(), random_f32()],
+                         ids=["all-65536-bf16", "edge-cases", "random-f32-bits"])
+def test_reference_rounding_matches_ml_dtypes(values):
+    assert np.array_equal(reference.bf16_round(values), ml_round(values))
+
+
+def test_reference_rounding_specific_values():
+    bits = np.array([0x3F808000, 0x3F818000, 0x7F7F7FFF, 0x7F7F8000, 0xFF7F8000, 0x7FC12345,
+                     0xFF800001, 0x00008000, 0x00018000], dtype=np.uint32)
+    got = reference.bf16_round(bits.view(np.float32))
+    # 1 + 2^-8 is a tie: to even (1.0); 1 + 3*2^-8 ties up to 1 + 2^-6.  Just below the tie past
+    # the largest bf16 (0x7F7F) stays there; the tie itself goes to even, which is inf.  NaN:
+    # the quiet NaN with the sign kept, payload dropped.  Subnormal ties go to even too.
+    assert got.tolist() == [0x3F80, 0x3F82, 0x7F7F, 0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x0000,
+                            0x0002]
+
+
+def test_widen_is_exact_and_round_trips():
+    h = np.arange(65536, dtype=np.uint16)
+    widened = reference.bf16_widen(h)
+    assert np.array_equal(widened.view(np.uint32) >> 16, h.astype(np.uint32))
+    nan = np.isnan(widened)
+    back = reference.bf16_round(widened)
+    assert np.array_equal(back[~nan], h[~nan])
+    assert np.array_equal(back[nan], np.where(h[nan] & 0x8000, 0xFFC0, 0x7FC0).astype(np.uint16))
+
+
+@pytest.mark.parametrize("values", [every_bf16_as_f32(), edge_f32(), random_f32()],
+                         ids=["all-65536-bf16", "edge-cases", "random-f32-bits"])
+def test_kernel_rounding_matches_ml_dtypes(kernel_table, values):
+    # store_fused with w = -0.0 computes bf16(-0.0 + bf16(x)) = bf16(x): -0.0 is the identity
+    # of IEEE addition (x + -0.0 = x for every x, +0.0 included).
+    w = np.full(values.shape, NEG_ZERO, dtype=np.uint16)
+    assert np.array_equal(_gemm._store_fused(values, w, kernel_table), ml_round(values))
+
+
+def test_kernel_store_matches_reference(kernel_table):
+    rng = np.random.default_rng(3)
+    acc = random_f32(1 << 16)
+    w = rng.integers(0, 65536, size=acc.shape, dtype=np.uint16)
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = reference.bf16_round(reference.bf16_widen(w) + reference.bf16_widen(
+            reference.bf16_round(acc)))
+    got = _gemm._store_fused(acc, w, kernel_table)
+    # NaN + NaN keeps one of the two NaNs (IEEE leaves which unspecified): compare NaN-ness
+    # there, bits everywhere else.
+    both_nan = np.isnan(reference.bf16_widen(w)) & np.isnan(acc)
+    assert np.array_equal(got[~both_nan], expected[~both_nan])
+    assert np.all(np.isnan(reference.bf16_widen(got[both_nan])))
+
+
+@pytest.mark.parametrize("s", [0.8, -1.5, 0.0, 1e30, 3.0e-39, 1.0])
+def test_kernel_scale_round_widen(kernel_table, s):
+    h = np.arange(65536, dtype=np.uint16)
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = reference.bf16_widen(
+            reference.bf16_round(reference.bf16_widen(h) * np.float32(s)))
+    got = _gemm._scale_round_widen(h, s, kernel_table)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
+def test_kernel_accumulate_rounded(kernel_table):
+    acc = random_f32(1 << 16)
+    total = np.random.default_rng(4).standard_normal(acc.shape).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = total + reference.bf16_widen(reference.bf16_round(acc))
+    _gemm._accumulate_rounded(acc, total, kernel_table)
+    nan = np.isnan(expected)
+    assert np.array_equal(np.isnan(total), nan)
+    assert np.array_equal(total[~nan].view(np.uint32), expected[~nan].view(np.uint32))

@@ -1,0 +1,49 @@
+"""The command line: ``ltx2blas info`` and ``ltx2blas demo`` (run as a user would)."""
+import json
+import os
+import subprocess
+import sys
+
+
+def run(*args):
+    # From /, so that a checkout's ltx2blas/ folder cannot shadow the installed package.
+    return subprocess.run([sys.executable, "-m", "ltx2blas", *args], capture_output=True,
+                          text=True, cwd="/", timeout=300)
+
+
+def test_info_reports_blas_threads_and_depth():
+    out = run("info")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for needle in ("ltx2blas", "blas", "threads", "kernels", "exact depth of sgemm", "rank   384"):
+        assert needle in text
+
+
+def test_info_json():
+    out = run("info", "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["threads_default"] >= 1
+    assert info["blas"]["library"]
+    depths = info["sgemm_exact_depth"]["by_rank"]
+    assert set(depths) == {"32", "384", "450", "512"}
+    assert all(0 <= d <= int(k) for k, d in depths.items())
+
+
+def test_demo_checks_and_times():
+    out = run("demo", "--rows", "256", "--cols", "512", "--rank", "64", "--threads", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "byte-identical" in out.stdout
+    assert "of the sgemm rate" in out.stdout
+
+
+def test_user_error_exits_2_without_a_traceback():
+    out = run("demo", "--rows", "16", "--cols", "16", "--rank", "4", "--threads", "0")
+    assert out.returncode == 2
+    assert "--threads: expected a positive integer, got 0" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_help():
+    out = run("--help")
+    assert out.returncode == 0 and "demo" in out.stdout and "info" in out.stdout

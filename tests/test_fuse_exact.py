@@ -1,0 +1,163 @@
+"""The contract: fuse_lora / fuse_loras are byte-identical to ltx2blas.reference, the textbook
+loop of spec §1, for every rank, shape, strength, thread count, tile size and kernel table."""
+import numpy as np
+import pytest
+
+import ltx2blas
+from ltx2blas import _gemm, reference
+
+from helpers import random_bf16
+
+RANKS = [1, 7, 384, 450, 512, 1024, 1500]
+SHAPES = [(1, 1), (7, 13), (97, 101), (16, 700), (700, 16), (333, 777)]
+
+
+def adapter(rng, rows, cols, rank, scale=0.01):
+    return random_bf16(rng, (rank, cols), scale), random_bf16(rng, (rows, rank), scale)
+
+
+@pytest.mark.parametrize("rank", RANKS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_fuse_lora_matches_reference(rng, shape, rank):
+    rows, cols = shape
+    weight = random_bf16(rng, shape, 0.02)
+    lora_a, lora_b = adapter(rng, rows, cols, rank)
+    got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8)
+    assert got.dtype == np.uint16 and got.shape == shape
+    assert np.array_equal(got, reference.fuse_lora(weight, lora_a, lora_b, 0.8))
+
+
+@pytest.mark.parametrize("strength", [0.8, -1.25, 0.0, 1.0, 3.0, -0.0, 1e-3, 7])
+def test_strengths(rng, strength):
+    weight = random_bf16(rng, (61, 130), 0.02)
+    lora_a, lora_b = adapter(rng, 61, 130, 450)
+    got = ltx2blas.fuse_lora(weight, lora_a, lora_b, strength)
+    assert np.array_equal(got, reference.fuse_lora(weight, lora_a, lora_b, strength))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("tile", [(7, 16), (64, 96), None])
+def test_threads_and_tiles_do_not_change_bytes(rng, threads, tile):
+    weight = random_bf16(rng, (203, 517), 0.02)
+    lora_a, lora_b = adapter(rng, 203, 517, 460)
+    expected = reference.fuse_lora(weight, lora_a, lora_b, 0.8)
+    got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=threads, tile=tile)
+    assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("rank", [5, 384, 600])
+def test_every_kernel_table(kernel_table, rng, rank):
+    weight = random_bf16(rng, (45, 300), 0.02)
+    lora_a, lora_b = adapter(rng, 45, 300, rank)
+    got = ltx2blas.fuse_lora(weight, lora_a, lora_b, -0.7, threads=2, tile=(16, 64))
+    assert np.array_equal(got, reference.fuse_lora(weight, lora_a, lora_b, -0.7))
+
+
+@pytest.mark.parametrize("shape", [(13, 29), (8, 64), (1, 33), (70, 1)])
+def test_sequential_kernel_alone(kernel_table, rng, shape):
+    """The kernel that carries the terms sgemm cannot: c + x @ y, each element in k order."""
+    m, n = shape
+    k = 300
+    x = reference.bf16_widen(random_bf16(rng, (m, k)))
+    y = reference.bf16_widen(random_bf16(rng, (k, n)))
+    c0 = reference.bf16_widen(random_bf16(rng, (m, n)))
+    expected = c0.copy()
+    for p in range(k):
+        expected = expected + x[:, p:p + 1] * y[p:p + 1, :]
+    c = c0.copy()
+    _gemm.seq_gemm(x, y, c, kernel_table)
+    assert np.array_equal(c.view(np.uint32), expected.view(np.uint32))
+
+
+def test_in_place_fuse(rng):
+    weight = random_bf16(rng, (300, 520), 0.02)
+    lora_a, lora_b = adapter(rng, 300, 520, 384)
+    expected = reference.fuse_lora(weight, lora_a, lora_b, 0.8)
+    result = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, out=weight)
+    assert result is weight
+    assert np.array_equal(weight, expected)
+
+
+def test_out_argument(rng):
+    weight = random_bf16(rng, (40, 50), 0.02)
+    before = weight.copy()
+    lora_a, lora_b = adapter(rng, 40, 50, 3)
+    out = np.zeros_like(weight)
+    result = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, out=out)
+    assert result is out
+    assert np.array_equal(out, reference.fuse_lora(weight, lora_a, lora_b, 0.8))
+    assert np.array_equal(weight, before)
+
+
+def test_ml_dtypes_kind_round_trips(rng):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    weight = random_bf16(rng, (33, 70), 0.02)
+    lora_a, lora_b = adapter(rng, 33, 70, 9)
+    expected = reference.fuse_lora(weight, lora_a, lora_b, 0.5)
+    got = ltx2blas.fuse_lora(weight.view(ml_dtypes.bfloat16), lora_a.view(ml_dtypes.bfloat16),
+                             lora_b, 0.5)
+    assert got.dtype == ml_dtypes.bfloat16
+    assert np.array_equal(got.view(np.uint16), expected)
+    got = ltx2blas.fuse_lora(weight, lora_a.view(ml_dtypes.bfloat16), lora_b, 0.5)
+    assert got.dtype == np.uint16 and np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("ranks", [[450], [16, 450], [1024, 7, 384]])
+def test_fuse_loras_matches_reference(rng, ranks):
+    weight = random_bf16(rng, (150, 333), 0.02)
+    adapters = [(*adapter(rng, 150, 333, r), s) for r, s in zip(ranks, [0.8, -1.0, 2.0])]
+    expected = reference.fuse_loras(weight, adapters)
+    for threads in (1, 3):
+        got = ltx2blas.fuse_loras(weight, adapters, threads=threads, tile=(64, 128))
+        assert np.array_equal(got, expected)
+
+
+def test_fuse_loras_in_place_and_empty(rng):
+    weight = random_bf16(rng, (20, 30), 0.02)
+    adapters = [(*adapter(rng, 20, 30, 4), 1.0), (*adapter(rng, 20, 30, 5), 0.3)]
+    expected = reference.fuse_loras(weight, adapters)
+    before = weight.copy()
+    assert np.array_equal(ltx2blas.fuse_loras(weight, []), before)
+    ltx2blas.fuse_loras(weight, adapters, out=weight)
+    assert np.array_equal(weight, expected)
+
+
+def test_products_outside_the_normal_range_take_the_strict_path(rng):
+    """Products that underflow are not exact in f32, so an FMA (and any BLAS) could round them
+    differently from the textbook mul-then-add; such inputs are detected and computed strictly."""
+    weight = random_bf16(rng, (30, 70), 1e-30)
+    lora_a = random_bf16(rng, (40, 70), 1e-19)
+    lora_b = random_bf16(rng, (30, 40), 1e-19)
+    got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 1.0)
+    assert np.array_equal(got, reference.fuse_lora(weight, lora_a, lora_b, 1.0))
+    big_a = random_bf16(rng, (40, 70), 1e19)
+    big_b = random_bf16(rng, (30, 40), 1e19)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = reference.fuse_lora(weight, big_a, big_b, 1.0)
+    got = ltx2blas.fuse_lora(weight, big_a, big_b, 1.0)
+    nan = np.isnan(reference.bf16_widen(expected))
+    assert np.array_equal(got[~nan], expected[~nan])
+    assert np.all(np.isnan(reference.bf16_widen(got[nan])))
+
+
+def test_special_values_in_weight_propagate(rng):
+    weight = random_bf16(rng, (24, 40), 0.02)
+    weight[0, :6] = [0x7FC0, 0xFFC0, 0x7F80, 0xFF80, 0x8000, 0x0000]  # NaN, -NaN, inf, -inf, -0, 0
+    weight[1, :3] = [0x0001, 0x8001, 0x7F7F]  # subnormals and the largest bf16
+    lora_a, lora_b = adapter(rng, 24, 40, 450)
+    got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8)
+    assert np.array_equal(got, reference.fuse_lora(weight, lora_a, lora_b, 0.8))
+
+
+def test_non_finite_adapter_values_propagate_like_the_reference(rng):
+    weight = random_bf16(rng, (24, 40), 0.02)
+    lora_a, lora_b = adapter(rng, 24, 40, 20)
+    lora_a[3, 5] = 0x7FC0  # NaN in A: column 5 of every row
+    lora_b[7, 2] = 0x7F80  # inf in B: row 7 (inf * 0 -> NaN where A is 0)
+    lora_a[2, 9] = 0x0000
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = reference.fuse_lora(weight, lora_a, lora_b, 0.8)
+    got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8)
+    nan = np.isnan(reference.bf16_widen(expected))
+    assert np.array_equal(np.isnan(reference.bf16_widen(got)), nan)
+    assert np.array_equal(got[~nan], expected[~nan])

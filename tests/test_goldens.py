@@ -1,0 +1,48 @@
+"""Recorded cases (goldens/, made by goldens/make_goldens.py from ltx2blas.reference alone):
+the library must reproduce them byte for byte, and so must the reference itself (a change to
+the oracle shows here first)."""
+import glob
+import os
+
+import numpy as np
+import pytest
+
+import ltx2blas
+from ltx2blas import reference
+
+GOLDENS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "goldens")
+FUSE_CASES = sorted(glob.glob(os.path.join(GOLDENS, "fuse_*.npz")))
+
+
+def load(path):
+    with np.load(path) as f:
+        case = {k: f[k] for k in f.files}
+    n = sum(1 for k in case if k.startswith("lora_a"))
+    adapters = [(case[f"lora_a{i}"], case[f"lora_b{i}"], float(case[f"strength{i}"]))
+                for i in range(n)]
+    return case, adapters
+
+
+def test_goldens_exist():
+    assert len(FUSE_CASES) >= 9
+
+
+@pytest.mark.parametrize("path", FUSE_CASES, ids=os.path.basename)
+@pytest.mark.parametrize("threads, tile", [(1, None), (2, (8, 16)), (3, (5, 7))])
+def test_fuse_reproduces_golden(path, threads, tile):
+    case, adapters = load(path)
+    if str(case["rule"]) == "fuse_lora":
+        got = ltx2blas.fuse_lora(case["weight"], *adapters[0], threads=threads, tile=tile)
+    else:
+        got = ltx2blas.fuse_loras(case["weight"], adapters, threads=threads, tile=tile)
+    assert np.array_equal(got, case["expected"])
+
+
+@pytest.mark.parametrize("path", FUSE_CASES, ids=os.path.basename)
+def test_reference_reproduces_golden(path):
+    case, adapters = load(path)
+    if str(case["rule"]) == "fuse_lora":
+        again = reference.fuse_lora(case["weight"], *adapters[0])
+    else:
+        again = reference.fuse_loras(case["weight"], adapters)
+    assert np.array_equal(again, case["expected"])

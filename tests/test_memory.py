@@ -1,0 +1,54 @@
+"""An in-place fuse allocates panel buffers only: no full-size temporary of the weight.
+
+Bound per thread (ltx2blas.fuse.buffer_bytes): 4 bytes x (tile_rows x rank + rank x tile_cols
++ tile_rows x tile_cols), plus small fixed costs. Measured as the growth of the process's peak
+resident memory (VmHWM, reset just before the call) over its resident memory before the call, in
+a fresh subprocess."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import json, numpy as np
+import ltx2blas
+from ltx2blas.fuse import buffer_bytes
+
+def status(field):
+    for line in open('/proc/self/status'):
+        if line.startswith(field + ':'):
+            return int(line.split()[1]) * 1024
+
+rows, cols, rank, threads = {rows}, {cols}, {rank}, {threads}
+rng = np.random.default_rng(0)
+weight = rng.integers(0x3800, 0x3C00, size=(rows, cols), dtype=np.uint16)
+lora_a = rng.integers(0x3800, 0x3C00, size=(rank, cols), dtype=np.uint16)
+lora_b = rng.integers(0x3800, 0x3C00, size=(rows, rank), dtype=np.uint16)
+# Warm up imports, thread pools and the depth probes of these shapes with a rank-8 call (its
+# buffers are 50x smaller, so the measured growth still includes the real call's buffers).
+ltx2blas.fuse_lora(weight[:512].copy(), lora_a[:8].copy(), lora_b[:512, :8].copy(), threads=threads)
+from ltx2blas import _gemm
+from ltx2blas._threads import blas_single_threaded
+with blas_single_threaded():
+    _gemm.verified_depth(256, 512, rank, rank)
+with open('/proc/self/clear_refs', 'w') as f:
+    f.write('5')  # reset the peak (VmHWM) to the current resident size
+before = status('VmRSS')
+ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.5, threads=threads, out=weight)
+print(json.dumps({{"growth": status('VmHWM') - before, "weight": weight.nbytes,
+                  "buffers": buffer_bytes([rank], threads=threads)}}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_in_place_fuse_allocates_panels_only(threads):
+    rows, cols, rank = 4096, 8192, 384  # a 64 MiB weight
+    code = SCRIPT.format(rows=rows, cols=cols, rank=rank, threads=threads)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
+                         timeout=300, check=True)
+    m = json.loads(out.stdout)
+    # The panel buffers, plus 4 MiB for what a call allocates besides (Python objects, the
+    # per-tile flags, allocator rounding). A full-size temporary would add >= 64 MiB.
+    assert m["growth"] <= m["buffers"] + 4 * 2**20, m

@@ -1,0 +1,117 @@
+"""Threads: the same bytes for any count, BLAS kept single-threaded underneath and its limits
+restored, safe from several Python threads at once."""
+import threading
+
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info, threadpool_limits
+
+import ltx2blas
+from ltx2blas import _threads, reference
+
+from helpers import random_bf16
+
+
+def blas_threads():
+    return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+
+def test_blas_limits_are_restored(rng):
+    weight = random_bf16(rng, (64, 64), 0.02)
+    lora_a, lora_b = random_bf16(rng, (8, 64)), random_bf16(rng, (64, 8))
+    before = blas_threads()
+    ltx2blas.fuse_lora(weight, lora_a, lora_b, threads=2)
+    assert blas_threads() == before
+
+
+def test_blas_is_single_threaded_during_a_call():
+    with _threads.blas_single_threaded():
+        assert set(blas_threads()) == {1}
+        with _threads.blas_single_threaded():
+            assert set(blas_threads()) == {1}
+        assert set(blas_threads()) == {1}
+
+
+def test_under_caller_limits(rng):
+    weight = random_bf16(rng, (70, 90), 0.02)
+    lora_a, lora_b = random_bf16(rng, (450, 90), 0.01), random_bf16(rng, (70, 450), 0.01)
+    expected = reference.fuse_lora(weight, lora_a, lora_b, 0.3)
+    with threadpool_limits(limits=1):
+        assert ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.3).tolist() == expected.tolist()
+        assert set(blas_threads()) == {1}
+    with threadpool_limits(limits=1, user_api="blas"):
+        got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.3, threads=3)
+        assert set(blas_threads()) == {1}
+    assert np.array_equal(got, expected)
+
+
+def test_eight_python_threads_at_once(rng):
+    weight = random_bf16(rng, (150, 260), 0.02)
+    adapters = [(random_bf16(rng, (r, 260), 0.01), random_bf16(rng, (150, r), 0.01))
+                for r in (16, 450, 520, 64)]
+    expected = [reference.fuse_lora(weight, a, b, 0.8) for a, b in adapters]
+    before = blas_threads()
+    results = [None] * 8
+    errors = []
+    barrier = threading.Barrier(8)
+
+    def work(i):
+        try:
+            a, b = adapters[i % 4]
+            barrier.wait()
+            for _ in range(3):
+                results[i] = ltx2blas.fuse_lora(weight, a, b, 0.8, threads=2, tile=(32, 64))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors
+    for i in range(8):
+        assert np.array_equal(results[i], expected[i % 4])
+    assert blas_threads() == before
+
+
+def test_default_threads_respects_available_cpus():
+    assert 1 <= _threads.default_threads() <= _threads.available_cpus()
+    assert _threads.resolve_threads(None) == _threads.default_threads()
+    assert _threads.resolve_threads(5) == 5 or not ltx2blas._gemm.have_openmp()
+
+
+@pytest.mark.parametrize("quota, expected", [("max 100000", None), ("150000 100000", 2),
+                                             ("50000 100000", 1)])
+def test_cgroup_quota(monkeypatch, tmp_path, quota, expected):
+    import builtins
+
+    real_open = builtins.open
+
+    def fake_open(path, *args, **kwargs):
+        if path == "/sys/fs/cgroup/cpu.max":
+            f = tmp_path / "cpu.max"
+            f.write_text(quota)
+            return real_open(f, *args, **kwargs)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    assert _threads._cgroup_cpus() == expected
+
+
+def test_omp_num_threads_sets_the_default():
+    import subprocess
+    import sys
+
+    code = "from ltx2blas import _threads; print(_threads.default_threads())"
+    env = dict(__import__("os").environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, cwd="/")
+    assert out.stdout.strip() == "1"
+
+
+def test_threadpool_limits_on_openmp_set_the_default():
+    if not ltx2blas._gemm.have_openmp():
+        pytest.skip("built without OpenMP")
+    with threadpool_limits(limits=1):
+        assert _threads.default_threads() == 1
