@@ -86,11 +86,23 @@ def run(threads_list, shapes, ranks, repeats, sample_rows=16):
     return rows_out
 
 
+def markdown(rows):
+    """The README table: one line per (threads, shape, rank)."""
+    lines = ["| threads | W (out × in) | rank | GFLOP/s | ÷ sgemm 2048³ | ÷ sgemm same shape | exact |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['threads']} | {r['rows']} × {r['cols']} | {r['rank']} | "
+                     f"{r['gflops']:.0f} | {r['of_sgemm_square']:.2f} | {r['of_sgemm_same']:.2f} | "
+                     f"{'yes' if r['exact'] else 'NO'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one small shape, few repeats")
     parser.add_argument("--threads", default=None, help="comma list, default 1..all CPUs")
     parser.add_argument("--out", default=None, help="write rows as JSON here")
+    parser.add_argument("--md", default=None, help="write a markdown table here")
     args = parser.parse_args(argv)
     harness.check_installed_not_checkout()
     from ltx2blas._threads import available_cpus
@@ -103,6 +115,9 @@ def main(argv=None):
         rows = run(threads, SHAPES, RANKS, repeats=7)
     if args.out:
         harness.write_json(args.out, {"machine": harness.machine(), "rows": rows})
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(markdown(rows) + "\n")
     return 0 if all(r["exact"] for r in rows) else 1
 
 

@@ -77,7 +77,7 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
     # Tile shape class (full or edge, per dimension): the depth was verified per class.
     cdef int shape = 2 * (mt != job.mb) + (nt != job.nb)
     cdef const ltx_kernels *kern = job.kern
-    cdef Py_ssize_t p, q, r
+    cdef Py_ssize_t q, r
     cdef int a, rank
     cdef float *bs
     cdef float *panel
@@ -96,8 +96,7 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
     for a in range(ad.count):
         rank = ad.rank[a]
         panel = slot.panels + ad.panel_offset[a]
-        for p in range(rank):
-            kern.widen_bf16(ad.a[a] + p * job.cols + i0, panel + p * nt, nt)
+        kern.widen_bf16_rows(ad.a[a] + i0, job.cols, panel, nt, rank, nt)
         exact_product(kern, mt, nt, rank, slot.bs + ad.bs_offset[a], rank, panel, slot.acc,
                       ad.depth[4 * a + shape])
         if job.sum_rule:

@@ -15,14 +15,24 @@ cdef extern from "kernels.h" nogil:
         ltx_idx (*first_nonfinite_bf16)(const uint16_t *src, ltx_idx n) noexcept nogil
         ltx_idx (*scan_bf16)(const uint16_t *src, ltx_idx n, uint16_t *max_mag,
                              uint16_t *min_mag) noexcept nogil
+        void (*widen_bf16_f64)(const uint16_t *src, double *dst, ltx_idx n) noexcept nogil
+        void (*f32_to_f64)(const float *src, double *dst, ltx_idx n) noexcept nogil
+        void (*f64_to_f32)(const double *src, float *dst, ltx_idx n) noexcept nogil
+        void (*widen_bf16_rows)(const uint16_t *src, ltx_idx lds, float *dst, ltx_idx ldd,
+                                ltx_idx rows, ltx_idx cols) noexcept nogil
+        void (*stream_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
+                           const uint16_t *w, ltx_idx ldw, float *acc) noexcept nogil
 
 cdef const ltx_kernels *kernels(bint allow_fma) noexcept nogil
 
 cdef void sgemm_rowmajor(int m, int n, int k, const float *x, int ldx, const float *y, int ldy,
                          float beta, float *c, int ldc) noexcept nogil
 
-cdef void dgemm_rowmajor(int m, int n, int k, const double *x, int ldx, const double *y, int ldy,
-                         double beta, double *c, int ldc) noexcept nogil
+cdef void sgemm_wxt(int m, int n, int k, const float *x, int ldx, const float *w, int ldw,
+                    float beta, float *c, int ldc) noexcept nogil
+
+cdef void dgemm_wxt(int m, int n, int k, const double *x, int ldx, const double *w, int ldw,
+                    double beta, double *c, int ldc) noexcept nogil
 
 cdef void exact_product(const ltx_kernels *kern, int m, int n, int k, const float *x, int ldx,
                         const float *y, float *c, int blas_depth) noexcept nogil

@@ -22,8 +22,8 @@ from .errors import (
 __all__ = ["fuse_lora", "fuse_loras", "buffer_bytes", "DEFAULT_TILE"]
 
 #: Output tile (rows, cols) each thread computes at a time. The f32 accumulator tile
-#: (256 x 512 x 4 B = 512 KiB) stays in L2 between the product and the rounding store.
-DEFAULT_TILE = (256, 512)
+#: (512 x 256 x 4 B = 512 KiB) stays in L2 between the product and the rounding store.
+DEFAULT_TILE = (512, 256)
 
 _INT_MAX = 2**31 - 1
 _BF16_FINITE_LIMIT = 3.0e38  # below bf16's largest finite value (3.39e38), with margin
@@ -83,7 +83,7 @@ def fuse_loras(weight, adapters, *, threads=None, out=None, check_finite=False, 
 
 def buffer_bytes(ranks, threads=1, tile=None, several=None):
     """Bytes of panel buffers a fuse allocates (its extra memory, beyond the output when not
-    in place): per thread, f32 bf16(B*s) rows [tile_rows x sum(ranks)], A panels
+    in place).  Per thread: f32 bf16(B*s) rows [tile_rows x sum(ranks)], A panels
     [sum(ranks) x tile_cols] and the product tile [tile_rows x tile_cols] (twice for several
     adapters), each rounded up to 64 bytes."""
     mb, nb = DEFAULT_TILE if tile is None else tile

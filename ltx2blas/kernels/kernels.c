@@ -147,6 +147,16 @@ static inline uint32_t bf16_high(float f)
     return (f != f) ? qnan : rounded;
 }
 
+/* Rows of a weight come from memory one short run at a time, too short for the hardware
+ * prefetcher to get ahead: ask for the run PREFETCH_ROWS ahead while this one is processed. */
+#define PREFETCH_ROWS 4
+
+static inline void prefetch_run(const void *start, ltx_idx bytes)
+{
+    for (ltx_idx b = 0; b < bytes; b += 64)
+        __builtin_prefetch((const char *)start + b, 0, 3);
+}
+
 static void scale_round_widen(const uint16_t *restrict src, float s, float *restrict dst,
                               ltx_idx n)
 {
@@ -162,6 +172,16 @@ static void widen_bf16(const uint16_t *restrict src, float *restrict dst, ltx_id
         d[i] = (uint32_t)src[i] << 16;
 }
 
+static void widen_bf16_rows(const uint16_t *src, ltx_idx lds, float *dst, ltx_idx ldd,
+                            ltx_idx rows, ltx_idx cols)
+{
+    for (ltx_idx r = 0; r < rows; r++) {
+        if (r + PREFETCH_ROWS < rows)
+            prefetch_run(src + (r + PREFETCH_ROWS) * lds, cols * 2);
+        widen_bf16(src + r * lds, dst + r * ldd, cols);
+    }
+}
+
 static inline void store_fused_row(const float *restrict acc, const uint16_t *w, uint16_t *out,
                                    ltx_idx n)
 {
@@ -173,21 +193,126 @@ static inline void store_fused_row(const float *restrict acc, const uint16_t *w,
     }
 }
 
-/* Rows of a weight tile come from memory one short run at a time, too short for the hardware
- * prefetcher to get ahead: ask for the run PREFETCH_ROWS ahead while this one is stored. */
-#define PREFETCH_ROWS 4
-
 static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16_t *out,
                         ltx_idx ldo, ltx_idx rows, ltx_idx cols)
 {
     for (ltx_idx r = 0; r < rows; r++) {
-        if (r + PREFETCH_ROWS < rows) {
-            const char *next = (const char *)(w + (r + PREFETCH_ROWS) * ldw);
-            for (ltx_idx b = 0; b < cols * 2; b += 64)
-                __builtin_prefetch(next + b, 0, 3);
-        }
+        if (r + PREFETCH_ROWS < rows)
+            prefetch_run(w + (r + PREFETCH_ROWS) * ldw, cols * 2);
         store_fused_row(acc + r * cols, w + r * ldw, out + r * ldo, cols);
     }
+}
+
+/* ---- A Linear's product for a few rows of x, straight from bf16 weight rows ----
+ *
+ * acc[o * mt + m] += sum_{k < kt} x[m, k] * f32(w[o, k])   for m < mt, o < n.
+ *
+ * For each (m, o), VW lane sums run over k = j, j + VW, j + 2 VW, ... (lane j), each in k order
+ * from +0.0; the lanes are combined by a fixed halving tree, the k tail (kt % VW terms) is added
+ * after them in k order, and the result is added to acc. Fixed by the code, so deterministic.
+ * Register tile: 2 weight rows x MM rows of x; MM is a compile-time constant per call site. */
+/* Weight elements ahead of the one being read that are asked for (2 KiB): far enough to cover
+ * memory latency at ~10 GB/s, near enough to stay inside the row's current run. */
+#define STREAM_AHEAD 1024
+
+typedef uint16_t vu16 __attribute__((vector_size(VW * 2), aligned(2), may_alias));
+typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
+
+static inline vf widen_vec(const uint16_t *p)
+{
+    const vu32 wide = __builtin_convertvector(*(const vu16 *)p, vu32) << 16;
+    return (vf)wide;
+}
+
+static inline float lane_tree(vf v)
+{
+    float t[VW];
+    memcpy(t, &v, sizeof t);
+    for (int h = VW / 2; h >= 1; h /= 2)
+        for (int i = 0; i < h; i++)
+            t[i] = t[i] + t[i + h];
+    return t[0];
+}
+
+static inline __attribute__((always_inline)) void
+stream_rows(const int MM, const int R, ltx_idx kt, const float *x, ltx_idx ldx,
+            const uint16_t *w, ltx_idx ldw, float *acc, ltx_idx mt)
+{
+    vf s[2][8];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MM; m++)
+            s[r][m] = (vf){0};
+    const ltx_idx kv = kt - kt % VW;
+    for (ltx_idx k = 0; k < kv; k += VW) {
+        vf wv[2];
+        for (int r = 0; r < R; r++) {
+            __builtin_prefetch(w + r * ldw + k + STREAM_AHEAD, 0, 0);
+            wv[r] = widen_vec(w + r * ldw + k);
+        }
+        for (int m = 0; m < MM; m++) {
+            const vf xv = LOADV(x + m * ldx + k);
+            for (int r = 0; r < R; r++)
+                s[r][m] = s[r][m] + xv * wv[r];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MM; m++) {
+            float sum = lane_tree(s[r][m]);
+            for (ltx_idx k = kv; k < kt; k++)
+                sum = sum + x[m * ldx + k] * bits_f32((uint32_t)w[r * ldw + k] << 16);
+            acc[r * mt + m] = acc[r * mt + m] + sum;
+        }
+}
+
+#define STREAM_CASE(MM)                                                                       \
+    case MM:                                                                                  \
+        for (; o + 2 <= n; o += 2) {                                                          \
+            if (o + 4 <= n) { /* the start of the next two rows; the loop prefetches on */    \
+                prefetch_run(w + (o + 2) * ldw, (kt < STREAM_AHEAD ? kt : STREAM_AHEAD) * 2); \
+                prefetch_run(w + (o + 3) * ldw, (kt < STREAM_AHEAD ? kt : STREAM_AHEAD) * 2); \
+            }                                                                                 \
+            stream_rows(MM, 2, kt, x, ldx, w + o * ldw, ldw, acc + o * mt + m0, mt);         \
+        }                                                                                     \
+        for (; o < n; o++)                                                                    \
+            stream_rows(MM, 1, kt, x, ldx, w + o * ldw, ldw, acc + o * mt + m0, mt);         \
+        break;
+
+static void stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
+                       const uint16_t *w, ltx_idx ldw, float *acc)
+{
+    /* Rows of x eight at a time; the weight rows of this call stay in cache between them. */
+    for (ltx_idx m0 = 0; m0 < mt; m0 += 8, x += 8 * ldx) {
+        const ltx_idx mm = (mt - m0 < 8) ? mt - m0 : 8;
+        ltx_idx o = 0;
+        switch (mm) {
+            STREAM_CASE(1)
+            STREAM_CASE(2)
+            STREAM_CASE(3)
+            STREAM_CASE(4)
+            STREAM_CASE(5)
+            STREAM_CASE(6)
+            STREAM_CASE(7)
+            STREAM_CASE(8)
+        }
+    }
+}
+
+static void widen_bf16_f64(const uint16_t *restrict src, double *restrict dst, ltx_idx n)
+{
+    for (ltx_idx i = 0; i < n; i++)
+        dst[i] = (double)bits_f32((uint32_t)src[i] << 16);
+}
+
+static void f32_to_f64(const float *restrict src, double *restrict dst, ltx_idx n)
+{
+    for (ltx_idx i = 0; i < n; i++)
+        dst[i] = (double)src[i];
+}
+
+static void f64_to_f32(const double *restrict src, float *restrict dst, ltx_idx n)
+{
+    for (ltx_idx i = 0; i < n; i++)
+        dst[i] = (float)src[i];
 }
 
 static void accumulate_rounded(const float *restrict acc, float *restrict total, ltx_idx n)
@@ -226,4 +351,6 @@ static ltx_idx scan_bf16(const uint16_t *src, ltx_idx n, uint16_t *max_mag, uint
 const ltx_kernels TABLE = {
     TABLE_NAME,         seq_gemm,           widen_bf16,           scale_round_widen,
     store_fused,        accumulate_rounded, first_nonfinite_bf16, scan_bf16,
+    widen_bf16_f64,     f32_to_f64,         f64_to_f32,           widen_bf16_rows,
+    stream_wxt,
 };

@@ -37,6 +37,21 @@ typedef struct {
      * finite, when inf/NaN are present: an upper bound on the finite ones) and of the smallest
      * non-zero finite element (0 when none), and the index of the first inf/NaN or -1 */
     ltx_idx (*scan_bf16)(const uint16_t *src, ltx_idx n, uint16_t *max_mag, uint16_t *min_mag);
+    /* dst[i] = f64(f32(src[i])), exact */
+    void (*widen_bf16_f64)(const uint16_t *src, double *dst, ltx_idx n);
+    /* dst[i] = f64(src[i]), exact */
+    void (*f32_to_f64)(const float *src, double *dst, ltx_idx n);
+    /* dst[i] = f32(src[i]), nearest-even */
+    void (*f64_to_f32)(const double *src, float *dst, ltx_idx n);
+    /* dst[r, i] = f32(src[r, i]) over a rows x cols block (row strides lds, ldd), prefetching
+     * the source rows ahead */
+    void (*widen_bf16_rows)(const uint16_t *src, ltx_idx lds, float *dst, ltx_idx ldd,
+                            ltx_idx rows, ltx_idx cols);
+    /* acc[o * mt + m] += sum_k x[m, k] * f32(w[o, k]) (k < kt, m < mt, o < n) straight from
+     * bf16 weight rows, in a fixed order (lane sums, a halving tree, then the tail); for a
+     * Linear with few rows of x, where a BLAS would spend more on packing than on arithmetic */
+    void (*stream_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
+                       const uint16_t *w, ltx_idx ldw, float *acc);
 } ltx_kernels;
 
 /* The fastest table this CPU runs (may contract into FMA). */
