@@ -4,6 +4,7 @@ Public API::
 
     fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None)
     fuse_loras(weight, [(lora_a, lora_b, strength), ...], *, threads=None, out=None)
+    linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, progress=None)
 
 ``ltx2blas.reference`` holds the arithmetic contract as plain numpy loops.
 """
@@ -21,6 +22,7 @@ from .errors import (
     ShapeError,
 )
 from .fuse import fuse_lora, fuse_loras
+from .linear_layer import linear
 
 try:
     __version__ = _version("ltx2blas")
@@ -30,6 +32,7 @@ except PackageNotFoundError:  # running from a build tree
 __all__ = [
     "fuse_lora",
     "fuse_loras",
+    "linear",
     "reference",
     "errors",
     "Ltx2BlasError",

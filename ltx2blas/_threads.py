@@ -86,6 +86,17 @@ def _blas_controller():
     return _controller
 
 
+def _free_openblas_control():
+    """threadpoolctl >= 3.8 lets only one Python thread at a time change a pthreads OpenBLAS's
+    thread count (the first to try) and silently ignores the others; the thread that pins BLAS
+    for ltx2blas and the one that restores it can differ, so release that claim around both."""
+    from threadpoolctl import OpenBLASController
+
+    clear = getattr(OpenBLASController, "clear_controlling_thread", None)
+    if clear is not None:
+        clear(force=True)
+
+
 @contextmanager
 def blas_single_threaded():
     """Limit every BLAS library in the process to one thread for the duration (reference
@@ -93,6 +104,7 @@ def blas_single_threaded():
     global _active, _limiter
     with _lock:
         if _active == 0:
+            _free_openblas_control()
             _limiter = _blas_controller().limit(limits=1, user_api="blas")
         _active += 1
     try:
@@ -101,5 +113,7 @@ def blas_single_threaded():
         with _lock:
             _active -= 1
             if _active == 0:
+                _free_openblas_control()
                 _limiter.restore_original_limits()
                 _limiter = None
+                _free_openblas_control()

@@ -11,7 +11,6 @@ from . import _fuse, _gemm
 from ._dtypes import bf16_bits, like
 from ._threads import blas_single_threaded, resolve_threads
 from .errors import (
-    DTypeError,
     LayoutError,
     NonFiniteInputError,
     NonFiniteResultError,
@@ -243,7 +242,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule):
 
     with blas_single_threaded():
         if use_blas and allow_fma:
-            for i, (a, b, s) in enumerate(prepared):
+            for i, (a, _, _) in enumerate(prepared):
                 rank = a.shape[0]
                 for em, m in ((0, mb), (1, edge_m)):
                     for en, n in ((0, nb), (1, edge_n)):

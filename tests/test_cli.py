@@ -1,6 +1,5 @@
 """The command line: ``ltx2blas info`` and ``ltx2blas demo`` (run as a user would)."""
 import json
-import os
 import subprocess
 import sys
 

@@ -52,3 +52,39 @@ def test_in_place_fuse_allocates_panels_only(threads):
     # The panel buffers, plus 4 MiB for what a call allocates besides (Python objects, the
     # per-tile flags, allocator rounding). A full-size temporary would add >= 64 MiB.
     assert m["growth"] <= m["buffers"] + 4 * 2**20, m
+
+
+LINEAR_SCRIPT = r"""
+import json, numpy as np
+import ltx2blas
+from ltx2blas.linear_layer import buffer_bytes
+
+def status(field):
+    for line in open('/proc/self/status'):
+        if line.startswith(field + ':'):
+            return int(line.split()[1]) * 1024
+
+rows, cols, feats, threads = {rows}, {cols}, {feats}, {threads}
+rng = np.random.default_rng(0)
+w = rng.integers(0x3800, 0x3C00, size=(feats, cols), dtype=np.uint16)
+x = rng.standard_normal((rows, cols), dtype=np.float32)
+y = np.empty((rows, feats), np.float32)
+ltx2blas.linear(x[:, :4096].copy(), w[:8, :4096].copy(), threads=threads)  # warm up
+with open('/proc/self/clear_refs', 'w') as f:
+    f.write('5')
+before = status('VmRSS')
+ltx2blas.linear(x, w, threads=threads, out=y)
+print(json.dumps({{"growth": status('VmHWM') - before, "weight": w.nbytes,
+                  "buffers": buffer_bytes(rows, cols, w.dtype, threads=threads)}}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("rows", [4, 64])  # the streaming route and the sgemm route
+def test_linear_never_widens_the_whole_weight(rows):
+    cols, feats = 49 * 3840, 192  # a 69 MiB bf16 weight; an f32 copy would be 138 MiB
+    code = LINEAR_SCRIPT.format(rows=rows, cols=cols, feats=feats, threads=2)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
+                         timeout=300, check=True)
+    m = json.loads(out.stdout)
+    assert m["growth"] <= m["buffers"] + 4 * 2**20, m

@@ -32,6 +32,27 @@ def test_blas_is_single_threaded_during_a_call():
         assert set(blas_threads()) == {1}
 
 
+def test_blas_is_pinned_and_restored_from_any_python_thread(rng):
+    """A call from a worker thread, after one from the main thread, must still pin BLAS to one
+    thread (threadpoolctl >= 3.8 ignores limits set from a second Python thread unless the
+    first releases its claim) and restore it afterwards."""
+    x = rng.standard_normal((40, 500), dtype=np.float32)
+    w = rng.standard_normal((100, 500), dtype=np.float32)
+    before = blas_threads()
+    seen = {}
+
+    def call(name):
+        ltx2blas.linear(x, w, threads=1, progress=lambda f: seen.setdefault(name, blas_threads()))
+
+    call("main")
+    worker = threading.Thread(target=call, args=("worker",))
+    worker.start()
+    worker.join()
+    call("main again")
+    assert set(seen["main"]) == set(seen["worker"]) == set(seen["main again"]) == {1}
+    assert blas_threads() == before
+
+
 def test_under_caller_limits(rng):
     weight = random_bf16(rng, (70, 90), 0.02)
     lora_a, lora_b = random_bf16(rng, (450, 90), 0.01), random_bf16(rng, (70, 450), 0.01)

@@ -208,12 +208,15 @@ static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16
  * acc[o * mt + m] += sum_{k < kt} x[m, k] * f32(w[o, k])   for m < mt, o < n.
  *
  * For each (m, o), VW lane sums run over k = j, j + VW, j + 2 VW, ... (lane j), each in k order
- * from +0.0; the lanes are combined by a fixed halving tree, the k tail (kt % VW terms) is added
- * after them in k order, and the result is added to acc. Fixed by the code, so deterministic.
+ * from +0.0 within blocks of STREAM_BLOCK elements; the blocks' lane sums are added up in order,
+ * the lanes combined by a fixed halving tree, the k tail (kt % VW terms) added after them in k
+ * order, and the result added to acc. Fixed by the code, so deterministic; the blocks keep each
+ * lane's run of sequential additions short (STREAM_BLOCK / VW), as a BLAS's blocking does.
  * Register tile: 2 weight rows x MM rows of x; MM is a compile-time constant per call site. */
 /* Weight elements ahead of the one being read that are asked for (2 KiB): far enough to cover
  * memory latency at ~10 GB/s, near enough to stay inside the row's current run. */
 #define STREAM_AHEAD 1024
+#define STREAM_BLOCK 4096
 
 typedef uint16_t vu16 __attribute__((vector_size(VW * 2), aligned(2), may_alias));
 typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
@@ -238,26 +241,35 @@ static inline __attribute__((always_inline)) void
 stream_rows(const int MM, const int R, ltx_idx kt, const float *x, ltx_idx ldx,
             const uint16_t *w, ltx_idx ldw, float *acc, ltx_idx mt)
 {
-    vf s[2][8];
+    vf s[2][8], total[2][8];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MM; m++)
-            s[r][m] = (vf){0};
+            total[r][m] = (vf){0};
     const ltx_idx kv = kt - kt % VW;
-    for (ltx_idx k = 0; k < kv; k += VW) {
-        vf wv[2];
-        for (int r = 0; r < R; r++) {
-            __builtin_prefetch(w + r * ldw + k + STREAM_AHEAD, 0, 0);
-            wv[r] = widen_vec(w + r * ldw + k);
+    for (ltx_idx k0 = 0; k0 < kv; k0 += STREAM_BLOCK) {
+        const ltx_idx k1 = (kv - k0 < STREAM_BLOCK) ? kv : k0 + STREAM_BLOCK;
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < MM; m++)
+                s[r][m] = (vf){0};
+        for (ltx_idx k = k0; k < k1; k += VW) {
+            vf wv[2];
+            for (int r = 0; r < R; r++) {
+                __builtin_prefetch(w + r * ldw + k + STREAM_AHEAD, 0, 0);
+                wv[r] = widen_vec(w + r * ldw + k);
+            }
+            for (int m = 0; m < MM; m++) {
+                const vf xv = LOADV(x + m * ldx + k);
+                for (int r = 0; r < R; r++)
+                    s[r][m] = s[r][m] + xv * wv[r];
+            }
         }
-        for (int m = 0; m < MM; m++) {
-            const vf xv = LOADV(x + m * ldx + k);
-            for (int r = 0; r < R; r++)
-                s[r][m] = s[r][m] + xv * wv[r];
-        }
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < MM; m++)
+                total[r][m] = total[r][m] + s[r][m];
     }
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MM; m++) {
-            float sum = lane_tree(s[r][m]);
+            float sum = lane_tree(total[r][m]);
             for (ltx_idx k = kv; k < kt; k++)
                 sum = sum + x[m * ldx + k] * bits_f32((uint32_t)w[r * ldw + k] << 16);
             acc[r * mt + m] = acc[r * mt + m] + sum;

@@ -1,0 +1,249 @@
+"""The text tower's Linear, ``y = x @ W^T + bias`` (torch.nn.functional.linear), through sgemm
+on bf16 weight panels: validation, dispatch, threads and progress around the task driver.
+
+Accumulation.  The default, ``accumulate="f32"``, accumulates in f32, as
+``torch.nn.functional.linear`` does on f32 inputs -- the oracle LTX-2's code names for this
+step -- so results are comparable with upstream's to within f32 reduction-order noise.
+``accumulate="f64"`` widens both operands to f64 and uses dgemm: about 1e-16 relative error
+instead of about 1e-7, i.e. the exact sum correctly rounded to f32 in practice, at roughly
+half the speed and twice the panel memory.  Either way the result is an f32 array, and it is
+byte-identical for any thread count and from run to run: the library, not the BLAS, fixes how
+the in-dimension is split.
+"""
+import math
+
+import numpy as np
+
+from . import _linear
+from ._dtypes import is_ml_bfloat16
+from ._threads import blas_single_threaded, resolve_threads
+from .errors import DTypeError, LayoutError, ShapeError
+
+__all__ = ["linear", "plan", "error_bound", "gamma", "buffer_bytes"]
+
+#: Up to this many rows of x (with a bf16 weight and f32 accumulation) the product streams the
+#: bf16 weight rows through the seam's own kernel: with so few rows per weight element, a BLAS
+#: spends more time packing each weight panel than multiplying it.
+STREAM_ROWS = 16
+
+#: (rows of x per task, output features per task, in-features per chunk) for each route.  The
+#: results depend on these -- they fix the order of the additions -- never on the thread count.
+#: sgemm: a widened weight panel of 256 x 1024 f32 (1 MiB) is packed by the BLAS once per call
+#: and multiplied by up to 256 rows.  stream: whole weight rows in one chunk (188,160 at the
+#: real width), 8 rows per task, read once from memory in long runs -- a chunk of 1024 read in
+#: 2 KiB runs ran at half the bandwidth.  f64: half the sgemm panel, as it is twice as wide.
+BLOCKS = {"sgemm": (256, 256, 1024), "stream": (STREAM_ROWS, 8, 1 << 18), "f64": (256, 128, 512)}
+
+_INT_MAX = 2**31 - 1
+
+
+def _kind(array, name):
+    """'bf16' or 'f32', or DTypeError naming the argument."""
+    if not isinstance(array, np.ndarray):
+        raise DTypeError(f"{name} must be a numpy array, got {type(array).__name__}")
+    dt = array.dtype
+    if dt == np.dtype(np.float32):
+        return "f32"
+    if dt == np.dtype(np.uint16) or is_ml_bfloat16(dt):
+        return "bf16"
+    raise DTypeError(
+        f"{name} must be float32 or bfloat16 (ml_dtypes.bfloat16, or uint16 bit patterns), in "
+        f"native byte order; got {dt.str} ({dt})")
+
+
+def _contiguous(array, name):
+    if not array.flags.c_contiguous:
+        raise LayoutError(
+            f"{name} must be C-contiguous (row-major, unit stride); pass "
+            f"np.ascontiguousarray({name}) to copy it")
+
+
+def _bits(array):
+    return array.view(np.uint16) if array.dtype.itemsize == 2 else array
+
+
+def plan(rows, weight_dtype, accumulate="f32", blocks=None):
+    """The route ("sgemm", "stream" or "f64") and (rows, features, chunk) blocks a call with
+    ``rows`` rows of x and this weight dtype takes."""
+    bf16_weight = np.dtype(weight_dtype).itemsize == 2
+    if accumulate == "f64":
+        route = "f64"
+    elif bf16_weight and rows <= STREAM_ROWS:
+        route = "stream"
+    else:
+        route = "sgemm"
+    return route, tuple(blocks) if blocks is not None else BLOCKS[route]
+
+
+def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32", threads=1,
+                 blocks=None):
+    """Bytes of panel buffers a linear() call allocates besides its output, never a full-size
+    copy of the weight.  Per thread: the widened weight panel [features x chunk] (sgemm route
+    with a bf16 weight, or f64), the widened x panel [rows x chunk] (bf16 x or f64) and the
+    accumulator [features x rows]; on the streaming route a bf16 x is widened once, shared."""
+    route, (mb, ob, kb) = plan(rows, weight_dtype, accumulate, blocks)
+    elem = 8 if route == "f64" else 4
+    bf16_w = np.dtype(weight_dtype).itemsize == 2
+    bf16_x = np.dtype(x_dtype).itemsize == 2
+
+    def up(n):
+        return (n + 63) // 64 * 64
+
+    w_panel = up(ob * kb * elem) if (route == "f64" or (bf16_w and route == "sgemm")) else 0
+    x_panel = up(mb * kb * elem) if (route == "f64" or (bf16_x and route == "sgemm")) else 0
+    shared = 4 * rows * cols if (route == "stream" and bf16_x) else 0
+    return threads * (w_panel + x_panel + up(mb * ob * elem)) + shared
+
+
+def gamma(rows, cols, weight_dtype, accumulate="f32", blocks=None):
+    """gamma_d of :func:`error_bound` for a call with this many rows and in-features."""
+    route, (_, _, kb) = plan(rows, weight_dtype, accumulate, blocks)
+    kt = min(kb, cols)
+    n_chunks = max(1, math.ceil(cols / kb))
+    if route == "stream":
+        d = 1 + 4096 // 4 + math.ceil(kt / 4096) + 4 + 15 + n_chunks + 1
+    else:
+        d = 1 + (kt - 1) + n_chunks + 1
+    u = 2.0**-53 if route == "f64" else 2.0**-24
+    return d * u / (1 - d * u)
+
+
+def error_bound(x, weight, bias=None, accumulate="f32", blocks=None):
+    """Elementwise bound on |y - exact| before y's final rounding to f32, derived, not fitted.
+
+    Every product x*w and every addition rounds once, with relative error at most u (2^-24 in
+    f32, 2^-53 in f64).  If a term of y passes through at most d roundings, then
+    |y - exact| <= gamma_d * (sum_i |x_i w_i| + |bias|), gamma_d = d u / (1 - d u) (Higham,
+    Accuracy and Stability of Numerical Algorithms, 2nd ed., §3.1, for any summation order).
+    Counting d (kb = the chunk, n = the number of chunks):
+      sgemm/f64 route: 1 product + kb - 1 additions inside a chunk's sum (any order the BLAS
+        takes) + n additions of chunks into the running sum + 1 for the bias;
+      streaming route: 1 product + 1024 additions in a lane's block (4096 elements, 4 lanes at
+        the narrowest) + ceil(kb / 4096) block sums + 4 tree levels + 15 tail additions + n + 1.
+    The final rounding to f32 adds half an ulp of y on top."""
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    k = weight.shape[1]
+    g = gamma(rows, k, weight.dtype, accumulate, blocks)
+    magnitude = np.abs(_as_f64(x).reshape(-1, k)) @ np.abs(_as_f64(weight)).T
+    if bias is not None:
+        magnitude = magnitude + np.abs(_as_f64(bias))
+    return g * magnitude.reshape(x.shape[:-1] + (weight.shape[0],))
+
+
+def _as_f64(array):
+    if array.dtype.itemsize == 2:
+        return (array.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return array.astype(np.float64)
+
+
+def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, progress=None,
+           blocks=None):
+    """``torch.nn.functional.linear``: ``y = x @ weight^T + bias``, as f32.
+
+    Parameters
+    ----------
+    x : float32 or bf16 array [..., in]
+        bf16 as ``ml_dtypes.bfloat16`` or uint16 bit patterns. Leading dimensions are flattened.
+        C-contiguous.
+    weight : float32 or bf16 array [out, in]
+        Read a panel at a time; a bf16 weight is widened a block at a time, never whole.
+    bias : float32 or bf16 array [out], optional
+    accumulate : "f32" (default) or "f64"
+        See the module docstring: f32 mirrors F.linear on f32; f64 is the exact sum rounded
+        to f32, at about half the speed.
+    threads : int or None
+        None uses every CPU the process may use; the result does not depend on it.
+    out : float32 array [..., out], optional
+    progress : callable, optional
+        Called from the calling thread with the fraction done (0 < f <= 1, increasing, the last
+        call 1.0). An exception it raises stops the call.
+    blocks : (rows, features, chunk), optional
+        Task and chunk sizes (default: ``BLOCKS`` of the route :func:`plan` picks). Changing
+        them changes the order of the additions, and so the last bits of an f32 result.
+
+    Returns
+    -------
+    float32 array [..., out]
+    """
+    x_kind = _kind(x, "x")
+    _kind(weight, "weight")
+    if accumulate not in ("f32", "f64"):
+        raise ValueError(f"accumulate must be 'f32' or 'f64', got {accumulate!r}")
+    if x.ndim < 1:
+        raise ShapeError("x must have at least one dimension [..., in], got a 0-d array")
+    if weight.ndim != 2:
+        raise ShapeError(f"weight must be 2-D [out, in], got shape {weight.shape}")
+    feats, cols = weight.shape
+    if x.shape[-1] != cols:
+        raise ShapeError(f"x has {x.shape[-1]} features, weight expects {cols} (x {x.shape}, "
+                         f"weight {weight.shape})")
+    _contiguous(x, "x")
+    _contiguous(weight, "weight")
+    lead = x.shape[:-1]
+    rows = int(np.prod(lead, dtype=np.int64))
+    out_shape = lead + (feats,)
+
+    bias32 = None
+    if bias is not None:
+        b_kind = _kind(bias, "bias")
+        if bias.shape != (feats,):
+            raise ShapeError(f"bias must have shape ({feats},), got {bias.shape}")
+        bias32 = (np.ascontiguousarray(bias).view(np.uint16).astype(np.uint32) << 16).view(
+            np.float32) if b_kind == "bf16" else np.ascontiguousarray(bias)
+
+    if out is None:
+        y = np.empty(out_shape, dtype=np.float32)
+    else:
+        if not isinstance(out, np.ndarray) or out.dtype != np.dtype(np.float32):
+            raise DTypeError(f"out must be a float32 numpy array, got "
+                             f"{getattr(out, 'dtype', type(out).__name__)}")
+        if out.shape != out_shape:
+            raise ShapeError(f"out has shape {out.shape}, expected {out_shape}")
+        _contiguous(out, "out")
+        if not out.flags.writeable:
+            raise LayoutError("out is read-only")
+        for name, other in (("x", x), ("weight", weight), ("bias", bias)):
+            if other is not None and np.shares_memory(out, other):
+                raise LayoutError(f"out overlaps {name}")
+        y = out
+
+    route, blocks = plan(rows, weight.dtype, accumulate, blocks)
+    if len(blocks) != 3:
+        raise ValueError(f"blocks must be three ints (rows, features, chunk), got {blocks!r}")
+    mb, ob, kb = (int(v) for v in blocks)
+    if not all(1 <= v <= 1 << 20 for v in (mb, ob, kb)):
+        raise ValueError(f"blocks must be three ints in [1, 2^20], got {blocks!r}")
+    # sgemm takes 32-bit sizes: rows and chunks are cut to fit, and the leading dimensions
+    # (the row lengths of x, weight and y) must fit too.
+    if cols > _INT_MAX or feats > _INT_MAX:
+        raise ShapeError(f"in ({cols}) and out ({feats}) features must be below 2^31 for a "
+                         "32-bit-integer BLAS")
+    threads = resolve_threads(threads)
+
+    if rows == 0 or feats == 0:
+        if progress is not None:
+            progress(1.0)
+        return y
+    y2 = y.reshape(rows, feats)
+    if cols == 0:
+        y2[...] = 0.0 if bias32 is None else bias32
+        if progress is not None:
+            progress(1.0)
+        return y
+
+    bias64 = bias32.astype(np.float64) if (bias32 is not None and accumulate == "f64") else None
+    x2 = _bits(x).reshape(rows, cols)
+    if route == "stream" and x_kind == "bf16":
+        # At most STREAM_ROWS rows: widen them once here rather than per thread and chunk.
+        x2 = (x2.astype(np.uint32) << 16).view(np.float32)
+    tasks_plan = _linear.LinearPlan(x2, _bits(weight), bias32, bias64, y2, mb, ob, kb, threads,
+                                    route == "f64", route == "stream")
+    tasks = tasks_plan.tasks
+    wave = max(2 * threads, -(-tasks // 64))
+    with blas_single_threaded():
+        for first in range(0, tasks, wave):
+            stop = min(tasks, first + wave)
+            tasks_plan.run(first, stop)
+            if progress is not None:
+                progress(stop / tasks)
+    return y

@@ -1,0 +1,186 @@
+"""ltx2blas.linear: F.linear semantics, a derived error bound against an exact reference, the
+same bytes for any thread count and run, progress, and the f64 mode's one-ulp promise at the
+real width."""
+import math
+import threading
+
+import numpy as np
+import pytest
+
+import ltx2blas
+from ltx2blas import reference
+from ltx2blas.linear_layer import BLOCKS, error_bound, plan
+
+from helpers import random_bf16
+
+REAL_WIDTH = 49 * 3840  # 188,160: the caption projection's in_features
+
+
+def as_f64(a):
+    return reference.bf16_widen(a).astype(np.float64) if a.dtype == np.uint16 else a.astype(np.float64)
+
+
+def exact(x, w, bias=None):
+    """The exact sum of the f64 products (each exact: 24 x 8 or 24 x 24 significant bits fit in
+    53), correctly rounded by math.fsum -- then the one rounding to f32 is the only error."""
+    x64 = as_f64(x).reshape(-1, w.shape[1])
+    w64 = as_f64(w)
+    out = np.empty((x64.shape[0], w64.shape[0]))
+    for m in range(x64.shape[0]):
+        for o in range(w64.shape[0]):
+            terms = list(x64[m] * w64[o])
+            if bias is not None:
+                terms.append(float(as_f64(bias)[o]))
+            out[m, o] = math.fsum(terms)
+    return out.reshape(x.shape[:-1] + (w.shape[0],))
+
+
+def f32_ulp(values):
+    v = np.abs(np.asarray(values, np.float32))
+    return np.spacing(np.maximum(v, np.float32(np.finfo(np.float32).tiny)))
+
+
+def case(rng, rows, cols, feats, x_bf16=False, w_bf16=True, bias="f32"):
+    x = rng.standard_normal((rows, cols), dtype=np.float32)
+    if x_bf16:
+        x = reference.bf16_round(x)
+    w = rng.standard_normal((feats, cols), dtype=np.float32) * np.float32(0.02)
+    if w_bf16:
+        w = reference.bf16_round(w)
+    b = None
+    if bias == "f32":
+        b = rng.standard_normal(feats, dtype=np.float32)
+    elif bias == "bf16":
+        b = random_bf16(rng, (feats,))
+    return x, w, b
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40])
+@pytest.mark.parametrize("x_bf16, w_bf16, bias", [(False, True, "f32"), (True, True, "bf16"),
+                                                   (False, False, None), (True, False, "f32")])
+def test_within_the_derived_bound(rng, rows, x_bf16, w_bf16, bias):
+    x, w, b = case(rng, rows, 3001, 37, x_bf16, w_bf16, bias)
+    y = ltx2blas.linear(x, w, b)
+    assert y.dtype == np.float32 and y.shape == (rows, 37)
+    err = np.abs(y.astype(np.float64) - exact(x, w, b))
+    bound = error_bound(x, w, b)
+    assert np.all(err <= bound + f32_ulp(y) / 2)  # + the final rounding to f32
+
+
+def test_bound_is_not_vacuous(rng):
+    """The bound must be far below the values themselves, and the errors must actually reach a
+    fair part of f32 precision (or the test would prove nothing)."""
+    x, w, b = case(rng, 12, 5000, 20)
+    y = ltx2blas.linear(x, w, b)
+    ref = exact(x, w, b)
+    assert np.median(error_bound(x, w, b) / np.abs(ref)) < 0.02
+    assert np.max(np.abs(y - ref)) > 0
+
+
+@pytest.mark.parametrize("rows", [2, 40])
+def test_f64_mode_is_within_one_ulp_at_the_real_width(rng, rows):
+    x, w, b = case(rng, rows, REAL_WIDTH, 6)
+    y = ltx2blas.linear(x, w, b, accumulate="f64")
+    ref = exact(x, w, b)
+    assert np.all(np.abs(y - ref) <= f32_ulp(ref))
+
+
+def test_f32_mode_at_the_real_width(rng):
+    x, w, b = case(rng, 3, REAL_WIDTH, 8)
+    for rows in (3, 20):  # the streaming route and the sgemm route
+        xr = np.ascontiguousarray(np.resize(x, (rows, REAL_WIDTH)))
+        y = ltx2blas.linear(xr, w, b)
+        assert np.all(np.abs(y - exact(xr, w, b)) <= error_bound(xr, w, b) + f32_ulp(y) / 2)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 300])
+@pytest.mark.parametrize("accumulate", ["f32", "f64"])
+def test_same_bytes_for_every_thread_count_and_run(rng, rows, accumulate):
+    x, w, b = case(rng, rows, 2100, 150)
+    first = ltx2blas.linear(x, w, b, accumulate=accumulate, threads=1)
+    for threads in (1, 2, 3):
+        again = ltx2blas.linear(x, w, b, accumulate=accumulate, threads=threads)
+        assert again.tobytes() == first.tobytes()
+
+
+def test_streaming_kernel_in_every_table(kernel_table, rng):
+    x, w, b = case(rng, 11, 1000, 33)
+    assert plan(11, w.dtype)[0] == "stream"
+    y = ltx2blas.linear(x, w, b, threads=2)
+    assert np.all(np.abs(y - exact(x, w, b)) <= error_bound(x, w, b) + f32_ulp(y) / 2)
+    assert ltx2blas.linear(x, w, b, threads=1).tobytes() == y.tobytes()
+
+
+def test_leading_dimensions_and_1d(rng):
+    x, w, b = case(rng, 6, 200, 9)
+    y = ltx2blas.linear(x, w, b)
+    assert np.array_equal(ltx2blas.linear(x.reshape(2, 3, 200), w, b), y.reshape(2, 3, 9))
+    assert np.array_equal(ltx2blas.linear(x[2], w, b), y[2])  # 1-D x: one row
+    assert ltx2blas.linear(x.reshape(1, 2, 3, 200), w, b).shape == (1, 2, 3, 9)
+
+
+def test_ml_dtypes_inputs(rng):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x, w, b = case(rng, 4, 300, 7, x_bf16=True, bias="bf16")
+    y = ltx2blas.linear(x, w, b)
+    same = ltx2blas.linear(x.view(ml_dtypes.bfloat16), w.view(ml_dtypes.bfloat16),
+                           b.view(ml_dtypes.bfloat16))
+    assert same.tobytes() == y.tobytes()
+
+
+def test_matches_torch_within_the_bound(rng):
+    torch = pytest.importorskip("torch")
+    x, w, b = case(rng, 24, 4096, 64, w_bf16=False)
+    y = ltx2blas.linear(x, w, b)
+    ty = torch.nn.functional.linear(torch.from_numpy(x), torch.from_numpy(w),
+                                    torch.from_numpy(b)).numpy()
+    # Both are within their own bound of the exact result, so within the sum of the two.
+    assert np.all(np.abs(y - ty) <= 2 * error_bound(x, w, b) + f32_ulp(y))
+
+
+def test_progress_is_reported_and_increasing(rng):
+    x, w, b = case(rng, 300, 3000, 700)
+    seen = []
+    y = ltx2blas.linear(x, w, b, threads=2, progress=seen.append)
+    assert len(seen) >= 2 and seen[-1] == 1.0
+    assert all(0 < a < b for a, b in zip(seen, seen[1:]))
+    assert y.tobytes() == ltx2blas.linear(x, w, b, threads=2).tobytes()
+
+
+def test_progress_exception_stops_the_call(rng):
+    x, w, b = case(rng, 300, 3000, 700)
+
+    def stop(fraction):
+        if fraction > 0.2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ltx2blas.linear(x, w, b, progress=stop)
+
+
+def test_eight_python_threads_at_once(rng):
+    x, w, b = case(rng, 40, 2000, 100)
+    expected = ltx2blas.linear(x, w, b)
+    results, errors = [None] * 8, []
+
+    def work(i):
+        try:
+            results[i] = ltx2blas.linear(x, w, b, threads=2)
+        except Exception as exc:  # pragma: no cover
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert not errors
+    assert all(r.tobytes() == expected.tobytes() for r in results)
+
+
+def test_blocks_are_fixed_by_shape_not_threads():
+    for rows in (1, 16, 17, 1024):
+        route, blocks = plan(rows, np.uint16)
+        assert blocks == BLOCKS[route]
+    assert plan(4, np.float32)[0] == "sgemm"  # an f32 weight has nothing to stream
+    assert plan(4, np.uint16, "f64")[0] == "f64"
