@@ -56,11 +56,17 @@ def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def random_bf16(rng, shape, scale):
-    """Gaussian bf16 bits (scale = standard deviation), rounded by the reference rule."""
+def random_bf16(rng, shape, scale, chunk=1 << 24):
+    """Gaussian bf16 bits (scale = standard deviation), rounded by the reference rule a chunk at
+    a time (its temporaries are 8 bytes an element: a whole 770M-element weight would need 6 GB)."""
     from ltx2blas.reference import bf16_round
 
-    return bf16_round(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+    out = np.empty(shape, dtype=np.uint16)
+    flat = out.reshape(-1)
+    for start in range(0, flat.size, chunk):
+        n = min(chunk, flat.size - start)
+        flat[start:start + n] = bf16_round(rng.standard_normal(n, dtype=np.float32) * np.float32(scale))
+    return out
 
 
 def widen(bits):
