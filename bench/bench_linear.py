@@ -141,7 +141,7 @@ def run(threads_list, outs, rows_list, repeats):
                       f"{row['gflops']:6.1f} GFLOP/s  {row['of_roofline']:.2f} of roofline "
                       f"({row['bound']}: sgemm {peak:.0f} GFLOP/s, read {bw:.1f} GB/s){torch_text}"
                       f"  checked={row['checked']}", flush=True)
-        del weight, w32, x_all  # before the next (larger) weight is made
+        weight = w32 = x_all = None  # freed before the next (larger) weight is made
     return results
 
 

@@ -5,6 +5,8 @@ Public API::
     fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None)
     fuse_loras(weight, [(lora_a, lora_b, strength), ...], *, threads=None, out=None)
     linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, progress=None)
+    fuse_checkpoint(model, [(path, strength), ...], output, *, threads=None, progress=None)
+    fuse_state_dict(state_dict, [(path, strength), ...], *, threads=None)
 
 ``ltx2blas.reference`` holds the arithmetic contract as plain numpy loops.
 """
@@ -12,7 +14,11 @@ from importlib.metadata import PackageNotFoundError, version as _version
 
 from . import errors, reference
 from .errors import (
+    AlreadyFusedError,
     DTypeError,
+    FormatError,
+    KeyMatchError,
+    Ltx2IOError,
     LayoutError,
     Ltx2BlasError,
     NonFiniteInputError,
@@ -22,6 +28,7 @@ from .errors import (
     ShapeError,
 )
 from .fuse import fuse_lora, fuse_loras
+from .files.checkpoint import FuseReport, fuse_checkpoint, fuse_state_dict
 from .linear_layer import linear
 
 try:
@@ -33,6 +40,9 @@ __all__ = [
     "fuse_lora",
     "fuse_loras",
     "linear",
+    "fuse_checkpoint",
+    "fuse_state_dict",
+    "FuseReport",
     "reference",
     "errors",
     "Ltx2BlasError",
@@ -43,5 +53,9 @@ __all__ = [
     "NonFiniteInputError",
     "NonFiniteWeightError",
     "NonFiniteResultError",
+    "FormatError",
+    "Ltx2IOError",
+    "KeyMatchError",
+    "AlreadyFusedError",
     "__version__",
 ]

@@ -8,7 +8,7 @@ rounds and widens each adapter's bf16(B * s) rows once per strip it visits, not 
 (that pass costs about four times more per element than widening A, which is redone per tile).
 """
 from cython.parallel cimport parallel, prange
-from libc.stdint cimport int64_t, uint16_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
@@ -47,14 +47,17 @@ cdef struct Adapters:
 
 
 cdef struct Job:
-    const uint16_t *w
-    uint16_t *out
+    const uint8_t *w          # the weight's bytes: bf16 (2 per element) or fp8 (1)
+    uint8_t *out
     Py_ssize_t rows, cols
     int mb, nb
     Py_ssize_t tiles_n
     bint sum_rule             # several-adapter rule: total = bf16(0 + d1 + d2 ...)
     bint dry_run              # compute and check, write nothing
     bint check                # record the first non-finite output per tile
+    int fmt                   # 0: bf16, 1: F8_E4M3, 2: F8_E5M2
+    bint stochastic           # fp8 only: stochastic rounding with random bits from key
+    uint64_t key
     const ltx_kernels *kern
 
 
@@ -64,7 +67,7 @@ cdef struct Slot:
     float *panels             # every adapter's [rank, nt] = f32(A[:, tile columns])
     float *acc                # [mt, nt] product
     float *total              # [mt, nt] several-adapter sum
-    uint16_t *scratch         # [mt, nt] dry-run output
+    uint8_t *scratch          # [mt, nt] dry-run output
     Py_ssize_t strip          # row strip the bs rows hold, -1 for none
 
 
@@ -82,7 +85,9 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
     cdef float *bs
     cdef float *panel
     cdef const float *result = slot.acc
-    cdef uint16_t *dst
+    cdef Py_ssize_t esize = 1 if job.fmt else 2
+    cdef Py_ssize_t origin = o0 * job.cols + i0   # the tile's first element in the weight
+    cdef uint8_t *dst
     cdef Py_ssize_t ldo
 
     if slot.strip != ti:
@@ -107,26 +112,37 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
     if job.dry_run:
         dst, ldo = slot.scratch, nt
     else:
-        dst, ldo = job.out + o0 * job.cols + i0, job.cols
-    kern.store_fused(result, job.w + o0 * job.cols + i0, job.cols, dst, ldo, mt, nt)
-    if job.check:
-        for r in range(mt):
-            q = kern.first_nonfinite_bf16(dst + r * ldo, nt)
-            if q >= 0:
-                bad[t] = (o0 + r) * job.cols + i0 + q
-                break
+        dst, ldo = job.out + origin * esize, job.cols
+    if job.fmt == 0:
+        kern.store_fused(result, <const uint16_t *>(job.w + origin * esize), job.cols,
+                         <uint16_t *>dst, ldo, mt, nt)
+        if job.check:
+            for r in range(mt):
+                q = kern.first_nonfinite_bf16(<uint16_t *>dst + r * ldo, nt)
+                if q >= 0:
+                    bad[t] = origin + r * job.cols + q
+                    break
+    else:
+        q = kern.store_fused_fp8(result, job.w + origin, job.cols, dst, ldo, mt, nt,
+                                 job.fmt == 2, job.stochastic, job.key, origin, job.cols)
+        if job.check and q >= 0:
+            bad[t] = origin + q
 
 
-def fuse_tiles(const uint16_t[:, ::1] weight, uint16_t[:, ::1] out, list lora_a, list lora_b,
-               float[::1] scales, int[:, ::1] depths, int mb, int nb, int threads,
-               bint allow_fma, bint sum_rule, bint check, bint dry_run):
-    """Fuse adapters into ``weight``, writing ``out`` (which may be ``weight``).
+def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list lora_a,
+               list lora_b, float[::1] scales, int[:, ::1] depths, int mb, int nb, int threads,
+               bint allow_fma, bint sum_rule, bint check, bint dry_run, bint stochastic=False,
+               uint64_t key=0):
+    """Fuse adapters into ``weight``, writing ``out`` (which may be ``weight``); both passed as
+    their bytes, [rows, cols * element size], ``fmt`` 0 for bf16, 1 for F8_E4M3, 2 for F8_E5M2.
 
     ``depths[a]`` holds the verified sgemm depth of adapter a for the tile shapes
     (full, full), (full, edge), (edge, full), (edge, edge) in (rows, cols).
     Validation happens in :mod:`ltx2blas.fuse`; this trusts shapes, dtypes and contiguity.
-    Returns the flat index of the first non-finite output (or -1) when ``check`` is set."""
-    cdef Py_ssize_t rows = weight.shape[0], cols = weight.shape[1]
+    Returns the flat index of the first non-finite (bf16) or overflowing (fp8) output, or -1,
+    when ``check`` is set."""
+    cdef Py_ssize_t esize = 1 if fmt else 2
+    cdef Py_ssize_t rows = weight.shape[0], cols = weight.shape[1] // esize
     cdef Py_ssize_t tiles_m = (rows + mb - 1) // mb, tiles_n = (cols + nb - 1) // nb
     cdef Py_ssize_t tiles = tiles_m * tiles_n, t
     cdef int count = len(lora_a), a
@@ -177,6 +193,7 @@ def fuse_tiles(const uint16_t[:, ::1] weight, uint16_t[:, ::1] out, list lora_a,
         job.mb, job.nb = mb, nb
         job.tiles_n = tiles_n
         job.sum_rule, job.dry_run, job.check = sum_rule, dry_run, check
+        job.fmt, job.stochastic, job.key = fmt, stochastic, key
         job.kern = kernels(allow_fma)
 
         # Per-thread buffers, allocated here so that a failure happens before any tile is
@@ -196,7 +213,7 @@ def fuse_tiles(const uint16_t[:, ::1] weight, uint16_t[:, ::1] out, list lora_a,
             slots[s].panels = <float *>(base + bs_len)
             slots[s].acc = <float *>(base + bs_len + panels_len)
             slots[s].total = <float *>(base + bs_len + panels_len + tile_len)
-            slots[s].scratch = <uint16_t *>(base + bs_len + panels_len + tile_len * (1 + sum_rule))
+            slots[s].scratch = <uint8_t *>(base + bs_len + panels_len + tile_len * (1 + sum_rule))
             slots[s].strip = -1
 
         with nogil, parallel(num_threads=threads):

@@ -1,5 +1,5 @@
 # The seam: every GEMM that ltx2blas runs goes through the functions declared here.
-from libc.stdint cimport uint16_t
+from libc.stdint cimport uint8_t, uint16_t, uint64_t
 
 cdef extern from "kernels.h" nogil:
     ctypedef Py_ssize_t ltx_idx
@@ -22,6 +22,10 @@ cdef extern from "kernels.h" nogil:
                                 ltx_idx rows, ltx_idx cols) noexcept nogil
         void (*stream_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
                            const uint16_t *w, ltx_idx ldw, float *acc) noexcept nogil
+        ltx_idx (*store_fused_fp8)(const float *acc, const uint8_t *w, ltx_idx ldw,
+                                   uint8_t *out, ltx_idx ldo, ltx_idx rows, ltx_idx cols,
+                                   int e5m2, int stochastic, uint64_t key, ltx_idx index0,
+                                   ltx_idx stride) noexcept nogil
 
 cdef const ltx_kernels *kernels(bint allow_fma) noexcept nogil
 

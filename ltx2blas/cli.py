@@ -1,9 +1,15 @@
-"""The ``ltx2blas`` command."""
+"""The ``ltx2blas`` command.
+
+Exit codes: 0 success; 1 a check failed (``demo``); 2 bad arguments or inputs that do not fit
+(shapes, dtypes, keys, an already fused checkpoint); 3 a malformed file; 4 an I/O failure;
+5 non-finite values; 130 interrupted.
+"""
 import argparse
 import json
+import os
 import sys
 
-from .errors import Ltx2BlasError
+from .errors import FormatError, Ltx2BlasError, NumericsError
 
 
 def _cmd_info(args):
@@ -17,7 +23,71 @@ def _cmd_info(args):
 def _cmd_demo(args):
     from .demo import run_demo
 
-    return run_demo(threads=args.threads, rank=args.rank, shape=(args.rows, args.cols))
+    return run_demo(threads=args.threads, rank=args.rank, shape=(args.rows, args.cols),
+                    checkpoint=not args.no_files)
+
+
+def _lora_arg(text):
+    """PATH or PATH:STRENGTH (the strength after the last colon, when it is a number)."""
+    path, sep, tail = text.rpartition(":")
+    if sep and path:
+        try:
+            return path, float(tail)
+        except ValueError:
+            pass
+    return text, 1.0
+
+
+class _ProgressPrinter:
+    """A progress bar on a terminal (tensors, GFLOP, rate, ETA); a log line every 10 % or
+    30 s otherwise."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.last_fraction = -1.0
+        self.last_time = 0.0
+
+    def __call__(self, p):
+        rate = p.gflop_done / p.elapsed if p.elapsed > 0 else 0.0
+        fraction = p.fraction
+        eta = (p.elapsed / fraction - p.elapsed) if fraction > 0 else float("nan")
+        text = (f"{p.tensors_done}/{p.tensors_total} tensors  {p.gflop_done:,.0f}/"
+                f"{p.gflop_total:,.0f} GFLOP  {rate:,.1f} GFLOP/s  ETA {_duration(eta)}")
+        if self.tty:
+            width = 28
+            done = int(width * fraction)
+            print(f"\r[{'#' * done}{'.' * (width - done)}] {fraction:5.1%} {text}", end="",
+                  file=self.stream, flush=True)
+            if p.tensors_done == p.tensors_total:
+                print(file=self.stream)
+        elif (fraction - self.last_fraction >= 0.1 or p.elapsed - self.last_time >= 30
+              or p.tensors_done == p.tensors_total):
+            print(f"ltx2blas: {fraction:.0%} {text}", file=self.stream, flush=True)
+            self.last_fraction, self.last_time = fraction, p.elapsed
+
+
+def _duration(seconds):
+    if seconds != seconds or seconds == float("inf"):
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def _cmd_fuse(args):
+    from .files.checkpoint import fuse_checkpoint
+
+    loras = [_lora_arg(item) for item in args.lora]
+    report = fuse_checkpoint(
+        args.model, loras, args.output, threads=args.threads,
+        progress=None if (args.dry_run or args.quiet) else _ProgressPrinter(),
+        check_finite=args.check_finite, force=args.force, fp8_rounding=args.fp8_rounding,
+        seed=args.seed, dry_run=args.dry_run)
+    print(report.summary())
+    if args.dry_run and args.verbose:
+        for name, adapters in report.fused:
+            print(f"  {name}  <- adapters {adapters}")
+    return 0
 
 
 def _positive_int(text):
@@ -38,6 +108,29 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_info)
 
+    p = sub.add_parser("fuse", help="fuse adapter files into a safetensors checkpoint",
+                       description="Fuse LoRA adapters into a checkpoint, tensor by tensor, "
+                                   "writing a new checkpoint.")
+    p.add_argument("model", help="model .safetensors file or sharded .safetensors.index.json")
+    p.add_argument("--lora", action="append", required=True, metavar="PATH[:STRENGTH]",
+                   help="adapter file and strength (default 1.0); repeat for several")
+    p.add_argument("-o", "--output", required=True, help="output .safetensors file")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="threads (default: every CPU this process may use)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate and match, report what would be fused, write nothing")
+    p.add_argument("--check-finite", action="store_true",
+                   help="refuse inf/NaN in adapters or weights, and results that overflow")
+    p.add_argument("--force", action="store_true",
+                   help="fuse even into a checkpoint whose metadata says it already holds a fused adapter")
+    p.add_argument("--fp8-rounding", choices=("nearest", "stochastic"), default="nearest",
+                   help="rounding into fp8 weights (default nearest-even, upstream's CPU rule)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of --fp8-rounding stochastic (bits differ per tensor name)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.add_argument("-v", "--verbose", action="store_true", help="with --dry-run, list every match")
+    p.set_defaults(func=_cmd_fuse)
+
     p = sub.add_parser("demo", help="fuse an LTX-2-shaped adapter in memory, check it, time it")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="threads (default: every CPU this process may use)")
@@ -45,17 +138,33 @@ def build_parser():
     p.add_argument("--rows", type=_positive_int, default=4096, help="weight rows (default 4096)")
     p.add_argument("--cols", type=_positive_int, default=4096,
                    help="weight columns (default 4096)")
+    p.add_argument("--no-files", action="store_true",
+                   help="skip the part that writes and fuses a small checkpoint in a temp folder")
     p.set_defaults(func=_cmd_demo)
     return parser
+
+
+def exit_code(exc):
+    """The exit code for an error (see the module docstring)."""
+    if isinstance(exc, NumericsError):
+        return 5
+    if isinstance(exc, FormatError):
+        return 3
+    if isinstance(exc, OSError):
+        return 4
+    return 2
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (Ltx2BlasError, OSError) as exc:
-        print(f"ltx2blas: error: {exc}", file=sys.stderr)
-        return 2
+    except (Ltx2BlasError, OSError, ValueError, TypeError) as exc:
+        if not isinstance(exc, (Ltx2BlasError, OSError)) and os.environ.get("LTX2BLAS_DEBUG"):
+            raise
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"ltx2blas: error: {message}", file=sys.stderr)
+        return exit_code(exc)
     except KeyboardInterrupt:
         print("ltx2blas: interrupted", file=sys.stderr)
         return 130

@@ -22,6 +22,24 @@ class LayoutError(Ltx2BlasError, ValueError):
     """An array whose memory layout the operation cannot use (strides, read-only, overlap)."""
 
 
+class FormatError(Ltx2BlasError, ValueError):
+    """A file that is not a valid safetensors file (or index): the message names the file and
+    the field at fault."""
+
+
+class Ltx2IOError(Ltx2BlasError, OSError):
+    """Reading or writing a file failed (missing, not a regular file, truncated, disk full)."""
+
+
+class KeyMatchError(Ltx2BlasError, ValueError):
+    """Adapter keys that cannot be used: a lora_A without its lora_B, an alpha without a pair,
+    an adapter file that matches no weight at all."""
+
+
+class AlreadyFusedError(Ltx2BlasError, ValueError):
+    """The checkpoint's metadata says an adapter is already fused into it."""
+
+
 class NumericsError(Ltx2BlasError, ValueError):
     """Non-finite values where finite ones are required."""
 

@@ -8,9 +8,11 @@ import numbers
 import numpy as np
 
 from . import _fuse, _gemm
-from ._dtypes import bf16_bits, like
+from ._dtypes import bf16_bits
 from ._threads import blas_single_threaded, resolve_threads
+from .reference import stochastic_key
 from .errors import (
+    DTypeError,
     LayoutError,
     NonFiniteInputError,
     NonFiniteResultError,
@@ -29,7 +31,8 @@ _BF16_FINITE_LIMIT = 3.0e38  # below bf16's largest finite value (3.39e38), with
 
 
 def fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None,
-              check_finite=False, tile=None):
+              check_finite=False, tile=None, weight_format=None, fp8_rounding="nearest",
+              seed=0, name=""):
     """Fold one LoRA adapter into a bf16 weight: ``W' = bf16(W + bf16(bf16(B * s) @ A))``.
 
     Parameters
@@ -51,17 +54,28 @@ def fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None,
         in the weight, or produced by overflow -- before anything is written to ``out``.
     tile : (int, int), optional
         Output tile size; the result does not depend on it.
+    weight_format : "bf16", "F8_E4M3" or "F8_E5M2", optional
+        Taken from the dtype when it says (uint16 and ml_dtypes.bfloat16 are bf16,
+        ml_dtypes.float8_e4m3fn and float8_e5m2 the fp8 formats); required for uint8 fp8 codes.
+        An fp8 weight is fused by spec §2: ``W' = fp8(bf16(delta + bf16(W)))``.
+    fp8_rounding : "nearest" or "stochastic"
+        Into fp8: nearest-even (upstream's CPU rule), or deterministic stochastic rounding with
+        random bits from ``seed`` and ``name`` (the tensor's name), the same for any tiling and
+        thread count (see :func:`ltx2blas.reference.fp8_round_stochastic`).
 
     Returns
     -------
-    The fused weight, the same bf16 kind as ``weight`` (or ``out`` when given).
-    Byte-identical to :func:`ltx2blas.reference.fuse_lora` on the same inputs.
+    The fused weight, the same kind as ``weight`` (or ``out`` when given).
+    Byte-identical to :func:`ltx2blas.reference.fuse_lora` (bf16) or
+    :func:`ltx2blas.reference.fuse_loras_fp8` (fp8) on the same inputs.
     """
     return _fuse_into(weight, [(lora_a, lora_b, strength)], threads, out, check_finite, tile,
-                      sum_rule=False)
+                      sum_rule=False, weight_format=weight_format, fp8_rounding=fp8_rounding,
+                      seed=seed, name=name)
 
 
-def fuse_loras(weight, adapters, *, threads=None, out=None, check_finite=False, tile=None):
+def fuse_loras(weight, adapters, *, threads=None, out=None, check_finite=False, tile=None,
+               weight_format=None, fp8_rounding="nearest", seed=0, name=""):
     """Fold several adapters into one weight by the spec's rule:
     ``total = bf16(0.0 + delta_1 + delta_2 + ...)`` (f32, in the order given), then
     ``W' = bf16(W + total)``.
@@ -77,7 +91,9 @@ def fuse_loras(weight, adapters, *, threads=None, out=None, check_finite=False, 
     for i, item in enumerate(adapters):
         if len(item) != 3:
             raise TypeError(f"adapters[{i}] must be (lora_a, lora_b, strength), got {len(item)} items")
-    return _fuse_into(weight, adapters, threads, out, check_finite, tile, sum_rule=True)
+    return _fuse_into(weight, adapters, threads, out, check_finite, tile, sum_rule=True,
+                      weight_format=weight_format, fp8_rounding=fp8_rounding, seed=seed,
+                      name=name)
 
 
 def buffer_bytes(ranks, threads=1, tile=None, several=None):
@@ -132,8 +148,58 @@ def _where(index, shape):
     return tuple(int(v) for v in np.unravel_index(index, shape))
 
 
-def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule):
-    w = bf16_bits(weight, "weight")
+_FORMAT_CODES = {"bf16": 0, "F8_E4M3": 1, "F8_E5M2": 2}
+_ML_FP8 = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+#: Largest finite value of each storage format: past it a result has overflowed.
+_FORMAT_LIMIT = {"bf16": _BF16_FINITE_LIMIT, "F8_E4M3": 448.0, "F8_E5M2": 57344.0}
+
+
+def _weight_bits(weight, weight_format, name="weight"):
+    """(format, bits view: uint16 for bf16, uint8 for fp8) or DTypeError."""
+    if not isinstance(weight, np.ndarray):
+        raise DTypeError(f"{name} must be a numpy array, got {type(weight).__name__}")
+    dt = weight.dtype
+    inferred = _ML_FP8.get(dt.name) if dt.kind == "V" and dt.itemsize == 1 else None
+    if weight_format is None:
+        if inferred:
+            weight_format = inferred
+        elif dt == np.dtype(np.uint8):
+            raise DTypeError(f"{name} holds uint8 codes: pass weight_format='F8_E4M3' or "
+                             "'F8_E5M2' to say which fp8 format they are")
+        else:
+            return "bf16", bf16_bits(weight, name)
+    if weight_format not in _FORMAT_CODES:
+        raise ValueError(f"weight_format must be one of {sorted(_FORMAT_CODES)}, got {weight_format!r}")
+    if weight_format == "bf16":
+        return "bf16", bf16_bits(weight, name)
+    if not (dt == np.dtype(np.uint8) or inferred == weight_format):
+        raise DTypeError(f"{name} must hold {weight_format} codes (uint8, or the ml_dtypes fp8 "
+                         f"dtype of that format), got {dt}")
+    return weight_format, weight.view(np.uint8)
+
+
+def _first_nonfinite(bits, fmt):
+    if fmt == "bf16":
+        mag = _Magnitudes(bits)
+        return mag.first_nonfinite, mag.max
+    from .reference import fp8_widen
+
+    values = fp8_widen(np.arange(256, dtype=np.uint8), fmt)
+    present = np.zeros(256, bool)
+    present[np.unique(bits)] = True
+    bad = ~np.isfinite(values) & present
+    first = int(np.argmax(np.isin(bits.reshape(-1), np.flatnonzero(bad)))) if bad.any() else -1
+    largest = float(np.nanmax(np.abs(values[present & np.isfinite(values)]), initial=0.0))
+    return first, largest
+
+
+def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule,
+               weight_format=None, fp8_rounding="nearest", seed=0, name=""):
+    fmt, w = _weight_bits(weight, weight_format)
+    if fp8_rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"fp8_rounding must be 'nearest' or 'stochastic', got {fp8_rounding!r}")
+    if fp8_rounding == "stochastic" and fmt == "bf16":
+        raise ValueError("fp8_rounding='stochastic' applies to fp8 weights; this one is bf16")
     if w.ndim != 2:
         raise ShapeError(f"weight must be 2-D [out, in], got shape {w.shape}")
     _check_layout(w, "weight")
@@ -174,7 +240,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule):
         result = np.empty_like(w)
         given_out = False
     else:
-        result = bf16_bits(out, "out")
+        result = _weight_bits(out, fmt, "out")[1]
         given_out = True
         if result.shape != w.shape:
             raise ShapeError(f"out has shape {result.shape}, expected {w.shape}")
@@ -189,11 +255,11 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule):
                 raise LayoutError(f"out overlaps adapter {i}")
 
     if check_finite:
-        wmag = _Magnitudes(w)
-        if wmag.first_nonfinite >= 0:
-            at = _where(wmag.first_nonfinite, w.shape)
+        first_bad, w_largest = _first_nonfinite(w, fmt)
+        if first_bad >= 0:
+            at = _where(first_bad, w.shape)
             raise NonFiniteWeightError(
-                f"weight is already non-finite at {at} (value {_bf16_value(w[at])!r}) "
+                f"weight ({fmt}) is already non-finite at {at} (code {int(w[at]):#x}) "
                 "before fusing")
 
     allow_fma = True
@@ -232,13 +298,13 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule):
     if not prepared:
         if result is not w:
             np.copyto(result, w)
-        return result if given_out else like(result, weight)
+        return result if given_out else _like(result, weight)
 
     depths = np.zeros((len(prepared), 4), dtype=np.intc)
     edge_m, edge_n = rows - (rows - 1) // mb * mb, cols - (cols - 1) // nb * nb
     dry_run = False
     if check_finite and given_out:
-        dry_run = not (overflow_bound + wmag.max < _BF16_FINITE_LIMIT)
+        dry_run = not (overflow_bound + w_largest < _FORMAT_LIMIT[fmt])
 
     with blas_single_threaded():
         if use_blas and allow_fma:
@@ -254,18 +320,29 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule):
         lora_a = [a for a, _, _ in prepared]
         lora_b = [b for _, b, _ in prepared]
         scales = np.array([s for _, _, s in prepared], dtype=np.float32)
+        code = _FORMAT_CODES[fmt]
+        stochastic = fp8_rounding == "stochastic"
+        key = stochastic_key(int(seed), str(name)) if stochastic else 0
+        w_bytes, out_bytes = w.view(np.uint8), result.view(np.uint8)
         if dry_run:
-            bad = _fuse.fuse_tiles(w, result, lora_a, lora_b, scales, depths, mb, nb,
-                                   run_threads, allow_fma, sum_rule, True, True)
-            _raise_nonfinite_result(bad, w.shape)
-        bad = _fuse.fuse_tiles(w, result, lora_a, lora_b, scales, depths, mb, nb, run_threads,
-                               allow_fma, sum_rule, check_finite, False)
+            bad = _fuse.fuse_tiles(w_bytes, out_bytes, code, lora_a, lora_b, scales, depths,
+                                   mb, nb, run_threads, allow_fma, sum_rule, True, True,
+                                   stochastic, key)
+            _raise_nonfinite_result(bad, w.shape, fmt)
+        bad = _fuse.fuse_tiles(w_bytes, out_bytes, code, lora_a, lora_b, scales, depths, mb,
+                               nb, run_threads, allow_fma, sum_rule, check_finite, False,
+                               stochastic, key)
     if check_finite:
-        _raise_nonfinite_result(bad, w.shape)
-    return result if given_out else like(result, weight)
+        _raise_nonfinite_result(bad, w.shape, fmt)
+    return result if given_out else _like(result, weight)
 
 
-def _raise_nonfinite_result(bad, shape):
+def _like(bits, template):
+    """Return the result as the kind the weight came in (bf16 kind, or fp8 dtype)."""
+    return bits.view(template.dtype) if template.dtype.itemsize == bits.dtype.itemsize else bits
+
+
+def _raise_nonfinite_result(bad, shape, fmt="bf16"):
     if bad >= 0:
-        raise NonFiniteResultError(
-            f"the fused weight overflows bf16 at {_where(bad, shape)}")
+        what = "saturates fp8 e4m3 at 448" if fmt == "F8_E4M3" else f"overflows {fmt}"
+        raise NonFiniteResultError(f"the fused weight {what} at {_where(bad, shape)}")

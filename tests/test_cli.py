@@ -1,5 +1,6 @@
 """The command line: ``ltx2blas info`` and ``ltx2blas demo`` (run as a user would)."""
 import json
+import os
 import subprocess
 import sys
 
@@ -32,8 +33,11 @@ def test_info_json():
 def test_demo_checks_and_times():
     out = run("demo", "--rows", "256", "--cols", "512", "--rank", "64", "--threads", "2")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "byte-identical" in out.stdout
+    assert out.stdout.count("byte-identical") == 2  # in memory, and through files
     assert "of the sgemm rate" in out.stdout
+    assert "fused 4 modules" in out.stdout
+    folder = [w for w in out.stdout.split() if "ltx2blas-demo-" in w][0]
+    assert not os.path.exists(folder)  # cleaned up
 
 
 def test_user_error_exits_2_without_a_traceback():

@@ -327,6 +327,105 @@ static void f64_to_f32(const double *restrict src, float *restrict dst, ltx_idx 
         dst[i] = (float)src[i];
 }
 
+/* ---- fp8 weights (spec §2) ----
+ * W' = fp8(bf16(f32(bf16(acc)) + f32(W))), W an F8_E4M3 (float8_e4m3fn) or F8_E5M2 code, widened
+ * exactly.  Into fp8: nearest-even, as torch casts (upstream's engine): past the largest finite
+ * value e4m3fn saturates to +-448 (inf too) and e5m2 goes to +-inf; NaN becomes 0x7F with its
+ * sign.  Stochastic: the bits below the fp8 precision are compared with random bits from a
+ * counter-based generator (splitmix64 of key + the element's index in the whole tensor), so a
+ * value rounds up with probability equal to its distance from the lower neighbour, the same
+ * way for any tiling and thread count; a finite value is never rounded up past the largest
+ * finite fp8 value. */
+static inline uint64_t splitmix64(uint64_t x)
+{
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+static float fp8_table[2][256];
+static int fp8_table_ready;
+
+static void fp8_tables(void)
+{
+    /* fp8 code -> f32 value; built once (the race on first use writes identical values) */
+    if (fp8_table_ready)
+        return;
+    for (int f = 0; f < 2; f++) {
+        const int mant = f ? 2 : 3, bias = f ? 15 : 7, emax = f ? 31 : 15;
+        for (int code = 0; code < 256; code++) {
+            const int e = (code >> mant) & emax, m = code & ((1 << mant) - 1);
+            float v;
+            if (!f && (code & 0x7F) == 0x7F)
+                v = __builtin_nanf("");
+            else if (f && e == 31)
+                v = m ? __builtin_nanf("") : __builtin_inff();
+            else if (e == 0)
+                v = (float)m * __builtin_ldexpf(1.0f, 1 - bias - mant);
+            else
+                v = (1.0f + (float)m / (float)(1 << mant)) * __builtin_ldexpf(1.0f, e - bias);
+            fp8_table[f][code] = (code & 0x80) ? -v : v;
+        }
+    }
+    fp8_table_ready = 1;
+}
+
+/* bf16 bits -> fp8 code. e5m2 selects the format; rnd (32 random bits) is used when
+ * stochastic. *over is set when a finite value lands past the largest finite fp8 value. */
+static inline uint32_t fp8_from_bf16(uint32_t h, int e5m2, int stochastic, uint32_t rnd, int *over)
+{
+    const uint32_t sign = (h >> 8) & 0x80u;
+    const uint32_t E = (h >> 7) & 0xFFu, M = h & 0x7Fu;
+    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    const uint32_t largest = e5m2 ? 0x7Bu : 0x7Eu;
+    if (E == 0xFFu)
+        return M ? (0x7Fu | sign) : ((e5m2 ? 0x7Cu : 0x7Eu) | sign);
+    if (E == 0 && M == 0)
+        return sign;
+    const uint32_t S = E ? (0x80u | M) : M;              /* significand, 7 fraction bits */
+    const int f = (int)(E ? E : 1) - 127 + bias;         /* fp8 exponent field if normal */
+    int shift = 7 - mant + (f < 1 ? 1 - f : 0);
+    if (shift > 31)
+        shift = 31;
+    uint32_t R;
+    if (stochastic)
+        R = (uint32_t)(((uint64_t)S + (rnd & ((1u << shift) - 1u))) >> shift);
+    else
+        R = (S + (1u << (shift - 1)) - 1u + ((S >> shift) & 1u)) >> shift;
+    uint32_t code = f < 1 ? R : (uint32_t)((f - 1) << mant) + R;
+    if (code > largest) {
+        *over = 1;
+        code = (e5m2 && !stochastic) ? 0x7Cu : largest;
+    }
+    return code | sign;
+}
+
+static ltx_idx store_fused_fp8(const float *acc, const uint8_t *w, ltx_idx ldw, uint8_t *out,
+                               ltx_idx ldo, ltx_idx rows, ltx_idx cols, int e5m2,
+                               int stochastic, uint64_t key, ltx_idx index0, ltx_idx stride)
+{
+    ltx_idx first_over = -1;
+    fp8_tables();
+    const float *table = fp8_table[e5m2 ? 1 : 0];
+    for (ltx_idx r = 0; r < rows; r++) {
+        if (r + PREFETCH_ROWS < rows)
+            prefetch_run(w + (r + PREFETCH_ROWS) * ldw, cols);
+        for (ltx_idx i = 0; i < cols; i++) {
+            const float delta = bits_f32(bf16_high(acc[r * cols + i]));
+            const float sum = table[w[r * ldw + i]] + delta;
+            const uint32_t rnd =
+                stochastic ? (uint32_t)splitmix64(key + (uint64_t)(index0 + r * stride + i)) : 0;
+            int over = 0;
+            out[r * ldo + i] = (uint8_t)fp8_from_bf16(bf16_high(sum) >> 16, e5m2, stochastic,
+                                                      rnd, &over);
+            if (over && first_over < 0)
+                first_over = r * stride + i;
+        }
+    }
+    return first_over;
+}
+
 static void accumulate_rounded(const float *restrict acc, float *restrict total, ltx_idx n)
 {
     for (ltx_idx i = 0; i < n; i++)
@@ -364,5 +463,5 @@ const ltx_kernels TABLE = {
     TABLE_NAME,         seq_gemm,           widen_bf16,           scale_round_widen,
     store_fused,        accumulate_rounded, first_nonfinite_bf16, scan_bf16,
     widen_bf16_f64,     f32_to_f64,         f64_to_f32,           widen_bf16_rows,
-    stream_wxt,
+    stream_wxt,         store_fused_fp8,
 };

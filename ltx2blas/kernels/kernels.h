@@ -52,6 +52,13 @@ typedef struct {
      * Linear with few rows of x, where a BLAS would spend more on packing than on arithmetic */
     void (*stream_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
                        const uint16_t *w, ltx_idx ldw, float *acc);
+    /* out[r, i] = fp8(bf16(f32(w[r, i]) + f32(bf16(acc[r, i])))) over a rows x cols tile of an
+     * fp8 weight (e5m2: F8_E5M2, else F8_E4M3); nearest-even, or stochastic with random bits
+     * from splitmix64(key + index0 + r * stride + i).  Returns the offset (r * stride + i) of
+     * the first value that overflowed the fp8 range, or -1. */
+    ltx_idx (*store_fused_fp8)(const float *acc, const uint8_t *w, ltx_idx ldw, uint8_t *out,
+                               ltx_idx ldo, ltx_idx rows, ltx_idx cols, int e5m2, int stochastic,
+                               uint64_t key, ltx_idx index0, ltx_idx stride);
 } ltx_kernels;
 
 /* The fastest table this CPU runs (may contract into FMA). */

@@ -1,0 +1,616 @@
+"""Fusing adapter files into checkpoints, tensor by tensor.
+
+A checkpoint is never loaded whole: each weight an adapter touches is read into a buffer,
+fused in place by :func:`ltx2blas.fuse_loras`, written, and the buffer reused; every other
+tensor is copied byte for byte, file to file.  Peak memory is about the largest fused tensor
+plus its adapter factors, whatever the checkpoint's size.
+"""
+import hashlib
+import json
+import os
+import resource
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import (
+    AlreadyFusedError,
+    DTypeError,
+    FormatError,
+    Ltx2IOError,
+    ShapeError,
+)
+from ..fuse import fuse_loras
+from . import keys as keymatch
+from .safetensors import SafetensorsFile, SafetensorsWriter, open_regular, pread_exact
+
+_package = "ltx2blas"
+FUSED_KEY = "ltx2blas.fused"
+FUSABLE = ("BF16", "F8_E4M3", "F8_E5M2")
+_FORMAT = {"BF16": "bf16", "F8_E4M3": "F8_E4M3", "F8_E5M2": "F8_E5M2"}
+
+
+@dataclass
+class AdapterReport:
+    path: str
+    strength: float
+    sha256: str = ""
+    pairs_used: int = 0
+    keys_used: int = 0
+    unused_keys: list = field(default_factory=list)        # not LoRA factors
+    unmatched_modules: list = field(default_factory=list)  # pairs that match no weight
+    alpha_scaled: int = 0                                  # pairs whose strength alpha/rank scaled
+    rounded_to_bf16: list = field(default_factory=list)    # factors stored as F32/F16
+
+
+@dataclass
+class FuseReport:
+    output: str
+    dry_run: bool
+    modules_fused: int = 0
+    tensors_copied: int = 0
+    tensors_total: int = 0
+    gflop: float = 0.0
+    seconds: float = 0.0
+    peak_rss_mib: float = 0.0
+    adapters: list = field(default_factory=list)
+    fused: list = field(default_factory=list)  # (model key, [adapter indices]) in file order
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def gflops(self):
+        return self.gflop / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self):
+        lines = [("would fuse" if self.dry_run else "fused") +
+                 f" {self.modules_fused} modules, copied {self.tensors_copied} other tensors"
+                 f" ({self.tensors_total} in all); {self.gflop:.1f} GFLOP"]
+        if not self.dry_run:
+            lines.append(f"{self.seconds:.1f} s, {self.gflops:.1f} GFLOP/s, peak memory "
+                         f"{self.peak_rss_mib:.0f} MiB -> {self.output}")
+        for i, a in enumerate(self.adapters):
+            text = (f"adapter {i}: {a.path} x {a.strength:g}: {a.pairs_used} pairs "
+                    f"({a.keys_used} keys) used")
+            if a.alpha_scaled:
+                text += f", {a.alpha_scaled} scaled by alpha/rank"
+            if a.unmatched_modules:
+                text += (f"; {len(a.unmatched_modules)} pairs match no weight (e.g. "
+                         f"{a.unmatched_modules[0]})")
+            if a.unused_keys:
+                text += f"; {len(a.unused_keys)} keys unused (e.g. {a.unused_keys[0]})"
+            if a.rounded_to_bf16:
+                text += f"; {len(a.rounded_to_bf16)} factors rounded from F32/F16 to bf16"
+            lines.append(text)
+        return "\n".join(lines)
+
+
+@dataclass
+class Progress:
+    """What a progress callback is told after each tensor."""
+    tensors_done: int
+    tensors_total: int
+    gflop_done: float
+    gflop_total: float
+    elapsed: float
+    name: str
+
+    @property
+    def fraction(self):
+        # weighted by arithmetic where there is some, by tensor count otherwise
+        if self.gflop_total > 0:
+            return self.gflop_done / self.gflop_total
+        return self.tensors_done / max(1, self.tensors_total)
+
+
+class Checkpoint:
+    """One safetensors file, or the shards of a ``*.safetensors.index.json``, as a single map
+    of tensor name -> (file, TensorInfo), in file order."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self.files = []
+        self.entries = {}
+        try:
+            if self.path.endswith(".json"):
+                self._open_index()
+            else:
+                f = SafetensorsFile(self.path)
+                self.files.append(f)
+                self.metadata = dict(f.metadata)
+                for name, info in f.tensors.items():
+                    self.entries[name] = (f, info)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_index(self):
+        fd = open_regular(self.path, "checkpoint index")
+        try:
+            size = os.fstat(fd).st_size
+            if size > 100_000_000:
+                raise FormatError(f"{self.path}: index of {size} bytes is implausibly large")
+            raw = pread_exact(fd, size, 0, self.path)
+        finally:
+            os.close(fd)
+        try:
+            index = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{self.path}: not a JSON index ({exc})") from exc
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise FormatError(f"{self.path}: 'weight_map' must map tensor names to shard files")
+        meta = index.get("metadata", {})
+        self.metadata = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+        folder = os.path.dirname(os.path.abspath(self.path))
+        shards = {}
+        for shard in dict.fromkeys(weight_map.values()):
+            if os.path.basename(shard) != shard:
+                raise FormatError(f"{self.path}: shard name {shard!r} is not a plain file name")
+            shard_path = os.path.join(folder, shard)
+            if not os.path.exists(shard_path):
+                raise Ltx2IOError(2, f"{self.path}: shard {shard} is missing ({shard_path})")
+            shards[shard] = SafetensorsFile(shard_path)
+            self.files.append(shards[shard])
+        for shard, f in shards.items():
+            for name, info in f.tensors.items():
+                if name in self.entries:
+                    raise FormatError(f"{self.path}: tensor {name!r} is in two shards "
+                                      f"({os.path.basename(self.entries[name][0].path)} and {shard})")
+                if weight_map.get(name) != shard:
+                    raise FormatError(f"{self.path}: tensor {name!r} is in shard {shard} but the "
+                                      f"index puts it in {weight_map.get(name)!r}")
+                self.entries[name] = (f, info)
+        missing = [n for n in weight_map if n not in self.entries]
+        if missing:
+            raise FormatError(f"{self.path}: {len(missing)} tensors in the index are in no shard "
+                              f"(e.g. {missing[0]!r})")
+
+    def paths(self):
+        return [self.path] + [f.path for f in self.files]
+
+    def close(self):
+        for f in self.files:
+            f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _hash_all(sources, out):
+    for i, source in enumerate(sources):
+        try:
+            out[i] = _sha256(source.file.fileno())
+        except BaseException as exc:  # reported by the caller
+            out[i] = exc
+
+
+def _fused_metadata(base, reports, dtypes, plan, fp8_rounding, seed):
+    metadata = dict(base)
+    metadata[FUSED_KEY] = json.dumps(
+        [{"file": os.path.basename(r.path), "sha256": r.sha256, "strength": r.strength,
+          "pairs": r.pairs_used, "alpha_scaled": r.alpha_scaled} for r in reports])
+    metadata["ltx2blas.version"] = _version()
+    metadata["ltx2blas.rule"] = ("W' = round(W + bf16(delta_1 + ... + delta_n)), delta = "
+                                 "bf16(bf16(B*s) @ A), f32 textbook order")
+    if any(dtypes[n] != "BF16" for n in plan):
+        metadata["ltx2blas.fp8_rounding"] = fp8_rounding + (
+            f" (seed {seed})" if fp8_rounding == "stochastic" else "")
+    return metadata
+
+
+class _Prefetcher:
+    """Reads the fused weights, in order, one ahead of the caller, into two reused buffers: the
+    next weight is read from the file while the current one is fused."""
+
+    def __init__(self, ckpt, names):
+        self.ckpt, self.names = ckpt, names
+        largest = max((ckpt.entries[n][1].nbytes for n in names), default=0)
+        self.buffers = [np.empty(largest, np.uint8), np.empty(largest, np.uint8)]
+        self.ready = {}
+        self.error = None
+        self.cv = threading.Condition()
+        self.free = [0, 1]
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, name="ltx2blas-reader", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        for name in self.names:
+            with self.cv:
+                while not self.free and not self.stop:
+                    self.cv.wait()
+                if self.stop:
+                    return
+                index = self.free.pop(0)
+            f, info = self.ckpt.entries[name]
+            array = self.buffers[index][:info.nbytes].view(
+                np.uint16 if info.dtype == "BF16" else np.uint8).reshape(info.shape)
+            try:
+                f.read(name, array)
+            except BaseException as exc:
+                with self.cv:
+                    self.error = exc
+                    self.cv.notify_all()
+                return
+            with self.cv:
+                self.ready[name] = (index, array)
+                self.cv.notify_all()
+
+    def take(self, name):
+        with self.cv:
+            while name not in self.ready and self.error is None:
+                self.cv.wait()
+            if name not in self.ready:
+                raise self.error
+            return self.ready.pop(name)[1]
+
+    def release(self, array):
+        with self.cv:
+            for i, buf in enumerate(self.buffers):
+                if np.shares_memory(buf, array):
+                    self.free.append(i)
+            self.cv.notify_all()
+
+    def close(self):
+        with self.cv:
+            self.stop = True
+            self.cv.notify_all()
+        self.thread.join()
+
+
+def _sha256(fd):
+    h = hashlib.sha256()
+    offset = 0
+    while True:
+        chunk = os.pread(fd, 1 << 24, offset)
+        if not chunk:
+            return h.hexdigest()
+        h.update(chunk)
+        offset += len(chunk)
+
+
+def _parse_loras(loras):
+    out = []
+    for item in loras:
+        try:
+            source, strength = item
+        except (TypeError, ValueError):
+            raise TypeError("loras must be a list of (path, strength) pairs") from None
+        out.append((source, float(strength)))
+    return out
+
+
+class _Source:
+    """An adapter: a safetensors file, or a mapping of name -> array (fuse_state_dict)."""
+
+    def __init__(self, source):
+        if isinstance(source, (str, os.PathLike)):
+            self.file = SafetensorsFile(source)
+            self.name = self.file.path
+            self.keys = list(self.file.tensors)
+        else:
+            self.file = None
+            self.mapping = source
+            self.name = "<state dict>"
+            self.keys = list(source)
+
+    def shape(self, key):
+        return self.file.tensors[key].shape if self.file else tuple(_as_numpy(self.mapping[key]).shape)
+
+    def dtype(self, key):
+        if self.file:
+            return self.file.tensors[key].dtype
+        return _dtype_name(_as_numpy(self.mapping[key]))
+
+    def array(self, key):
+        return self.file.read(key) if self.file else _as_numpy(self.mapping[key])
+
+    def close(self):
+        if self.file:
+            self.file.close()
+
+
+def _as_numpy(tensor):
+    """A numpy view of a numpy array or (zero-copy) of a CPU torch tensor."""
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    if type(tensor).__module__.split(".")[0] == "torch":
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            raise DTypeError(f"torch tensor on {t.device}: move it to the CPU first")
+        name = str(t.dtype).replace("torch.", "")
+        import torch  # present, since a torch tensor is
+
+        if name == "bfloat16":
+            return t.view(torch.int16).numpy().view(np.uint16)
+        if name in ("float8_e4m3fn", "float8_e5m2"):
+            return _FP8View(t.view(torch.uint8).numpy(), name)
+        return t.numpy()
+    return np.asarray(tensor)
+
+
+class _FP8View(np.ndarray):
+    """uint8 codes of a torch fp8 tensor, carrying which format they are."""
+
+    def __new__(cls, array, torch_name):
+        view = array.view(cls)
+        view.fp8 = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}[torch_name]
+        return view
+
+    def __array_finalize__(self, obj):
+        self.fp8 = getattr(obj, "fp8", None)
+
+
+def _dtype_name(array):
+    if isinstance(array, _FP8View):
+        return array.fp8
+    dt = array.dtype
+    if dt == np.uint16 or dt.name == "bfloat16":
+        return "BF16"
+    if dt.name == "float8_e4m3fn":
+        return "F8_E4M3"
+    if dt.name == "float8_e5m2":
+        return "F8_E5M2"
+    return {"float32": "F32", "float16": "F16", "uint8": "U8"}.get(dt.name, dt.name.upper())
+
+
+def _alpha_value(source, key):
+    value = np.asarray(source.array(key))
+    if value.size != 1:
+        raise ShapeError(f"{source.name}: alpha {key!r} has {value.size} elements, not one")
+    dtype = source.dtype(key)
+    if dtype == "BF16":
+        return float((value.astype(np.uint32) << 16).view(np.float32).reshape(-1)[0])
+    if dtype not in ("F32", "F16", "F64"):
+        raise DTypeError(f"{source.name}: alpha {key!r} is {dtype}, expected a float")
+    return float(value.reshape(-1)[0])
+
+
+def _factor_bf16(source, key, report):
+    """An adapter factor as bf16 bits; F32/F16 factors are rounded to bf16 (spec §1 multiplies
+    bf16 factors) and recorded in the report."""
+    from ..reference import bf16_round
+
+    dtype = source.dtype(key)
+    array = source.array(key)
+    if dtype == "BF16":
+        return np.ascontiguousarray(array.view(np.uint16) if array.dtype != np.uint16 else array)
+    if dtype in ("F32", "F16"):
+        report.rounded_to_bf16.append(key)
+        with np.errstate(over="ignore", invalid="ignore"):
+            return bf16_round(np.asarray(array, dtype=np.float32))
+    raise DTypeError(f"{source.name}: adapter factor {key!r} is {dtype}; expected BF16 (or F32/F16)")
+
+
+def _plan(model_shapes, model_dtypes, sources, strengths):
+    """{model key: [(source index, Pair, scale)]} and the adapter reports."""
+    plan, reports = {}, []
+    for index, (source, strength) in enumerate(zip(sources, strengths)):
+        report = AdapterReport(path=source.name, strength=strength)
+        matched = keymatch.match(source.keys, model_shapes, adapter_name=source.name)
+        report.unused_keys = matched.unused
+        report.unmatched_modules = [p.module for p in matched.unmatched]
+        for pair in matched.pairs:
+            out_f, in_f = _weight_shape(model_shapes[pair.target], pair.target)
+            a_shape, b_shape = source.shape(pair.a), source.shape(pair.b)
+            if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != in_f or \
+                    b_shape[0] != out_f or a_shape[0] != b_shape[1]:
+                raise ShapeError(f"{source.name}: {pair.module}: lora_A {a_shape} and lora_B "
+                                 f"{b_shape} do not fit weight {pair.target} [{out_f}, {in_f}]")
+            if model_dtypes[pair.target] not in FUSABLE:
+                raise DTypeError(f"weight {pair.target} is {model_dtypes[pair.target]}; ltx2blas "
+                                 f"fuses into {', '.join(FUSABLE)} weights")
+            scale = strength
+            if pair.alpha is not None and a_shape[0] > 0:
+                scale = strength * _alpha_value(source, pair.alpha) / a_shape[0]
+                report.alpha_scaled += 1
+            plan.setdefault(pair.target, []).append((index, pair, scale))
+            report.pairs_used += 1
+            report.keys_used += 2 + (pair.alpha is not None)
+        reports.append(report)
+    return plan, reports
+
+
+def _weight_shape(shape, key):
+    if len(shape) != 2:
+        raise ShapeError(f"weight {key} has shape {list(shape)}; LoRA fuses into 2-D weights")
+    return shape
+
+
+def _fuse_one(weight, adapters, sources, reports, dtype, name, threads, check_finite,
+              fp8_rounding, seed):
+    """Fuse the planned adapters into ``weight`` (bits, in place)."""
+    pairs = []
+    for index, pair, scale in adapters:
+        a = _factor_bf16(sources[index], pair.a, reports[index])
+        b = _factor_bf16(sources[index], pair.b, reports[index])
+        pairs.append((a, b, scale))
+    fuse_loras(weight, pairs, threads=threads, out=weight, check_finite=check_finite,
+               weight_format=_FORMAT[dtype],
+               fp8_rounding=fp8_rounding if dtype != "BF16" else "nearest", seed=seed, name=name)
+
+
+def _gflop(shape, adapters, sources):
+    out_f, in_f = shape
+    return sum(2.0 * out_f * in_f * sources[i].shape(p.a)[0] for i, p, _ in adapters) / 1e9
+
+
+def _peak_rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _check_output_is_not_an_input(output, inputs):
+    out_real = os.path.realpath(output)
+    for path in inputs:
+        if os.path.realpath(path) == out_real or (
+                os.path.exists(output) and os.path.exists(path) and os.path.samefile(output, path)):
+            raise Ltx2IOError(22, f"output {output} is an input file ({path}); write elsewhere")
+
+
+def fuse_checkpoint(model, loras, output, *, threads=None, progress=None, check_finite=False,
+                    force=False, fp8_rounding="nearest", seed=0, dry_run=False):
+    """Fuse adapter files into a safetensors checkpoint, writing a new one.
+
+    Parameters
+    ----------
+    model : path
+        A ``.safetensors`` file or a sharded ``*.safetensors.index.json`` (the output is one
+        file either way).
+    loras : list of (path, strength)
+    output : path
+        Written through a temporary file in its folder, fsynced and renamed into place; never an
+        input path.  On any error nothing is left behind and an existing output is untouched.
+    threads, check_finite : as for :func:`ltx2blas.fuse_lora`
+    progress : callable, optional
+        Called with a :class:`Progress` after each tensor.
+    force : bool
+        Fuse even if the checkpoint's metadata says an adapter is already fused into it.
+    fp8_rounding, seed : "nearest" (default) or "stochastic" rounding into fp8 weights,
+        the stochastic bits seeded per tensor name.
+    dry_run : bool
+        Validate and match everything, write nothing.
+
+    Returns
+    -------
+    FuseReport
+    """
+    loras = _parse_loras(loras)
+    if not loras:
+        raise ValueError("no adapters given")
+    t0 = time.perf_counter()
+    ckpt = Checkpoint(model)
+    sources = []
+    try:
+        for path, _ in loras:
+            sources.append(_Source(path))
+        if FUSED_KEY in ckpt.metadata and not force:
+            raise AlreadyFusedError(f"{model}: its metadata says adapters are already fused into "
+                                    f"it ({ckpt.metadata[FUSED_KEY][:200]}); pass force=True "
+                                    "(--force) to fuse again")
+        shapes = {n: info.shape for n, (_, info) in ckpt.entries.items()}
+        dtypes = {n: info.dtype for n, (_, info) in ckpt.entries.items()}
+        plan, reports = _plan(shapes, dtypes, sources, [s for _, s in loras])
+        report = FuseReport(output=os.fspath(output), dry_run=dry_run, adapters=reports,
+                            tensors_total=len(ckpt.entries))
+        order = list(ckpt.entries)
+        report.fused = [(n, [i for i, _, _ in plan[n]]) for n in order if n in plan]
+        report.modules_fused = len(report.fused)
+        report.tensors_copied = report.tensors_total - report.modules_fused
+        report.gflop = sum(_gflop(shapes[n], plan[n], sources) for n in plan)
+        _check_output_is_not_an_input(os.fspath(output), ckpt.paths() + [s.name for s in sources])
+        if dry_run:
+            report.seconds = time.perf_counter() - t0
+            return report
+
+        # The adapters' sha256 go into the header, which is written first: hash in the
+        # background, write a same-length placeholder, patch it in before commit.
+        hashes = [None] * len(sources)
+        hasher = threading.Thread(target=_hash_all, args=(sources, hashes), daemon=True)
+        hasher.start()
+        for r in reports:
+            r.sha256 = "0" * 64
+        metadata = _fused_metadata(ckpt.metadata, reports, dtypes, plan, fp8_rounding, seed)
+
+        entries = [(n, ckpt.entries[n][1].dtype, ckpt.entries[n][1].shape,
+                    ckpt.entries[n][1].nbytes) for n in order]
+        fused_order = [n for n in order if n in plan]
+        reader = _Prefetcher(ckpt, fused_order)
+        done_gflop = 0.0
+        try:
+            with SafetensorsWriter(output, entries, metadata) as writer:
+                for count, name in enumerate(order, 1):
+                    f, info = ckpt.entries[name]
+                    if name in plan:
+                        weight = reader.take(name)
+                        _fuse_one(weight, plan[name], sources, reports, info.dtype, name, threads,
+                                  check_finite, fp8_rounding, seed)
+                        writer.write(name, weight)
+                        reader.release(weight)
+                        done_gflop += _gflop(info.shape, plan[name], sources)
+                    else:
+                        writer.copy(name, f.fileno(), info.begin, info.nbytes, f.path)
+                    if progress is not None:
+                        progress(Progress(count, len(order), done_gflop, report.gflop,
+                                          time.perf_counter() - t0, name))
+                hasher.join()
+                for r, h in zip(reports, hashes):
+                    if isinstance(h, BaseException):
+                        raise Ltx2IOError(5, f"hashing {r.path} failed: {h}") from h
+                    r.sha256 = h
+                metadata = _fused_metadata(ckpt.metadata, reports, dtypes, plan, fp8_rounding, seed)
+                writer.set_metadata(metadata)
+                writer.commit()
+        finally:
+            reader.close()
+        report.metadata = metadata
+        report.seconds = time.perf_counter() - t0
+        report.peak_rss_mib = _peak_rss_mib()
+        return report
+    finally:
+        for s in sources:
+            s.close()
+        ckpt.close()
+
+
+def fuse_state_dict(state_dict, loras, *, threads=None, progress=None, check_finite=False,
+                    fp8_rounding="nearest", seed=0, weight_format=None):
+    """Fuse adapters into tensors a loader already holds, in place.
+
+    ``state_dict`` maps names to numpy arrays (bf16 as uint16 or ml_dtypes.bfloat16; fp8 as
+    ml_dtypes float8 arrays, or uint8 codes with ``weight_format``) or CPU torch tensors
+    (bfloat16, float8_e4m3fn, float8_e5m2; viewed without a copy, torch itself is not needed to
+    use the rest of ltx2blas).  ``loras``: (path or mapping of adapter tensors, strength) pairs.
+    Names and rules as for :func:`fuse_checkpoint`.  Returns a FuseReport."""
+    loras = _parse_loras(loras)
+    t0 = time.perf_counter()
+    views = {}
+    for name, tensor in state_dict.items():
+        views[name] = _as_numpy(tensor)
+    sources = [_Source(src) for src, _ in loras]
+    try:
+        shapes = {n: tuple(v.shape) for n, v in views.items()}
+        dtypes = {}
+        for n, v in views.items():
+            dtypes[n] = weight_format if (weight_format and v.dtype == np.uint8
+                                          and not isinstance(v, _FP8View)) else _dtype_name(v)
+        plan, reports = _plan(shapes, dtypes, sources, [s for _, s in loras])
+        report = FuseReport(output="<in place>", dry_run=False, adapters=reports,
+                            tensors_total=len(views))
+        report.fused = [(n, [i for i, _, _ in plan[n]]) for n in views if n in plan]
+        report.modules_fused = len(report.fused)
+        report.tensors_copied = 0
+        report.gflop = sum(_gflop(shapes[n], plan[n], sources) for n in plan)
+        done_gflop = 0.0
+        for count, (name, _) in enumerate(report.fused, 1):
+            weight = views[name]
+            if isinstance(weight, _FP8View):
+                weight = weight.view(np.ndarray)
+            if not weight.flags.c_contiguous or not weight.flags.writeable:
+                raise DTypeError(f"weight {name} must be contiguous and writeable to fuse in place")
+            _fuse_one(weight, plan[name], sources, reports, dtypes[name], name, threads,
+                      check_finite, fp8_rounding, seed)
+            done_gflop += _gflop(shapes[name], plan[name], sources)
+            if progress is not None:
+                progress(Progress(count, report.modules_fused, done_gflop, report.gflop,
+                                  time.perf_counter() - t0, name))
+        report.seconds = time.perf_counter() - t0
+        report.peak_rss_mib = _peak_rss_mib()
+        return report
+    finally:
+        for s in sources:
+            s.close()
+
+
+def _version():
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(_package)
+    except PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,289 @@
+"""Fusing adapter files into checkpoints: byte-exact against the tensor-level fuse, untouched
+tensors copied byte for byte, metadata kept and extended, key matching, refusals, safe writing,
+sharded inputs, fp8, and loaders' in-memory state dicts."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+import ltx2blas
+from ltx2blas import errors, reference
+from ltx2blas.files import checkpoint
+from ltx2blas.files.safetensors import SafetensorsFile
+
+import ckpt_helpers as ck
+
+pytest.importorskip("safetensors")
+pytest.importorskip("ml_dtypes")
+
+M = "model.diffusion_model."
+
+
+@pytest.fixture
+def files(tmp_path, rng):
+    model = ck.model(rng)
+    a1 = ck.adapter(rng, ["transformer_blocks.0.attn1.to_q", "transformer_blocks.0.ff.net.0.proj"], rank=8)
+    a2 = ck.adapter(rng, ["transformer_blocks.0.attn1.to_q", "transformer_blocks.1.attn1.to_q"],
+                    rank=5, prefix="", style="kohya", alpha=10.0)
+    paths = {
+        "model": ck.write(tmp_path / "model.safetensors", model, {"format": "pt", "note": "x"}),
+        "a1": ck.write(tmp_path / "a1.safetensors", a1),
+        "a2": ck.write(tmp_path / "a2.safetensors", a2),
+        "out": tmp_path / "out.safetensors",
+    }
+    return paths, model, a1, a2
+
+
+def read_all(path):
+    with SafetensorsFile(path) as f:
+        return {n: (f.tensors[n].dtype, f.read(n)) for n in f.tensors}, f.metadata, list(f.tensors)
+
+
+def test_fused_tensors_equal_the_tensor_level_fuse(files):
+    paths, model, a1, a2 = files
+    report = ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 0.8), (paths["a2"], -1.5)],
+                                      paths["out"], threads=2)
+    out, meta, order = read_all(paths["out"])
+    assert order == list(read_all(paths["model"])[2])  # same tensors, same order
+    q = "transformer_blocks.0.attn1.to_q"
+    # to_q of block 0: both adapters, in order; a2 is kohya with alpha 10, rank 5 -> x 2
+    expected = ltx2blas.fuse_loras(model[M + q + ".weight"][1], [
+        (a1["diffusion_model." + q + ".lora_A.weight"][1], a1["diffusion_model." + q + ".lora_B.weight"][1], 0.8),
+        (a2[q + ".lora_down.weight"][1], a2[q + ".lora_up.weight"][1], -1.5 * 10 / 5)])
+    assert np.array_equal(out[M + q + ".weight"][1], expected)
+    assert np.array_equal(expected, reference.fuse_loras(model[M + q + ".weight"][1], [
+        (a1["diffusion_model." + q + ".lora_A.weight"][1], a1["diffusion_model." + q + ".lora_B.weight"][1], 0.8),
+        (a2[q + ".lora_down.weight"][1], a2[q + ".lora_up.weight"][1], -3.0)]))
+    ff = "transformer_blocks.0.ff.net.0.proj"
+    assert np.array_equal(out[M + ff + ".weight"][1], reference.fuse_loras(model[M + ff + ".weight"][1], [
+        (a1["diffusion_model." + ff + ".lora_A.weight"][1], a1["diffusion_model." + ff + ".lora_B.weight"][1], 0.8)]))
+    # everything else byte for byte
+    fused = {M + q + ".weight", M + ff + ".weight", M + "transformer_blocks.1.attn1.to_q.weight"}
+    for name, (dtype, value) in model.items():
+        if name not in fused:
+            assert np.array_equal(out[name][1].view(np.uint8), value.view(np.uint8)), name
+            assert out[name][0] == dtype
+    assert report.modules_fused == 3 and report.tensors_copied == len(model) - 3
+    assert report.adapters[1].alpha_scaled == 2
+    # metadata: kept, and extended with what was fused
+    assert meta["format"] == "pt" and meta["note"] == "x"
+    fused_meta = json.loads(meta[checkpoint.FUSED_KEY])
+    assert [f["file"] for f in fused_meta] == ["a1.safetensors", "a2.safetensors"]
+    assert fused_meta[0]["strength"] == 0.8
+    import hashlib
+
+    for entry, key in zip(fused_meta, ("a1", "a2")):
+        assert entry["sha256"] == hashlib.sha256(paths[key].read_bytes()).hexdigest()
+    assert meta["ltx2blas.version"]
+
+
+def test_thread_count_does_not_change_the_file(files, tmp_path):
+    paths = files[0]
+    ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 1.0)], tmp_path / "t1.safetensors", threads=1)
+    ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 1.0)], tmp_path / "t3.safetensors", threads=3)
+    assert (tmp_path / "t1.safetensors").read_bytes() == (tmp_path / "t3.safetensors").read_bytes()
+
+
+def test_reference_package_reads_the_output(files):
+    paths = files[0]
+    ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 1.0)], paths["out"])
+    from safetensors import safe_open
+
+    with safe_open(str(paths["out"]), "numpy") as f:
+        assert set(f.keys()) == set(files[1])
+        assert "ltx2blas.fused" in f.metadata()
+
+
+def test_dry_run_writes_nothing(files):
+    paths = files[0]
+    report = ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 1.0), (paths["a2"], 1.0)],
+                                      paths["out"], dry_run=True)
+    assert report.dry_run and report.modules_fused == 3 and report.gflop > 0
+    assert not paths["out"].exists()
+    assert "would fuse 3 modules" in report.summary()
+
+
+def test_second_fuse_is_refused_unless_forced(files, tmp_path):
+    paths = files[0]
+    ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 1.0)], paths["out"])
+    again = tmp_path / "again.safetensors"
+    with pytest.raises(errors.AlreadyFusedError, match="already fused"):
+        ltx2blas.fuse_checkpoint(paths["out"], [(paths["a1"], 1.0)], again)
+    assert not again.exists()
+    ltx2blas.fuse_checkpoint(paths["out"], [(paths["a1"], 1.0)], again, force=True)
+    assert again.exists()
+
+
+def test_output_equal_to_an_input_is_refused(files):
+    paths = files[0]
+    before = paths["model"].read_bytes()
+    for target in (paths["model"], paths["a1"]):
+        with pytest.raises(errors.Ltx2IOError, match="is an input"):
+            ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 1.0)], target)
+    link = paths["model"].parent / "link.safetensors"
+    os.symlink(paths["model"], link)
+    with pytest.raises(errors.Ltx2IOError, match="is an input"):
+        ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 1.0)], link)
+    assert paths["model"].read_bytes() == before
+
+
+def test_adapter_that_matches_nothing_is_an_error(files, tmp_path, rng):
+    paths = files[0]
+    stray = ck.write(tmp_path / "stray.safetensors", {
+        "diffusion_model.nothing.lora_A.weight": ("BF16", np.zeros((2, 48), np.uint16)),
+        "diffusion_model.nothing.lora_B.weight": ("BF16", np.zeros((64, 2), np.uint16))})
+    with pytest.raises(errors.KeyMatchError, match="matches no weight"):
+        ltx2blas.fuse_checkpoint(paths["model"], [(stray, 1.0)], paths["out"])
+    assert not paths["out"].exists()
+
+
+def test_a_without_b_and_lonely_alpha_are_errors(files, tmp_path):
+    paths = files[0]
+    half = ck.write(tmp_path / "half.safetensors", {
+        "diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight": ("BF16", np.zeros((2, 48), np.uint16))})
+    with pytest.raises(errors.KeyMatchError, match="no lora_B"):
+        ltx2blas.fuse_checkpoint(paths["model"], [(half, 1.0)], paths["out"])
+    lonely = ck.write(tmp_path / "lonely.safetensors", {
+        "transformer_blocks.0.attn1.to_q.alpha": ("F32", np.array(4.0, np.float32))})
+    with pytest.raises(errors.KeyMatchError, match="alpha"):
+        ltx2blas.fuse_checkpoint(paths["model"], [(lonely, 1.0)], paths["out"])
+
+
+def test_unused_keys_and_unmatched_pairs_are_reported(files, tmp_path, rng):
+    paths, model, a1, _ = files
+    extra = dict(a1)
+    extra["diffusion_model.elsewhere.lora_A.weight"] = ("BF16", np.zeros((2, 8), np.uint16))
+    extra["diffusion_model.elsewhere.lora_B.weight"] = ("BF16", np.zeros((8, 2), np.uint16))
+    extra["text_encoder.layer.diff"] = ("F32", np.zeros(3, np.float32))
+    path = ck.write(tmp_path / "extra.safetensors", extra)
+    report = ltx2blas.fuse_checkpoint(paths["model"], [(path, 1.0)], paths["out"])
+    a = report.adapters[0]
+    assert a.unused_keys == ["text_encoder.layer.diff"]
+    assert a.unmatched_modules == ["diffusion_model.elsewhere"]
+    assert "1 pairs match no weight" in report.summary() and "1 keys unused" in report.summary()
+
+
+def test_kohya_flattened_names(files, tmp_path, rng):
+    paths, model, _, _ = files
+    flat = ck.adapter(rng, ["transformer_blocks.1.attn1.to_q"], rank=4, prefix="lora_unet_",
+                      style="kohya_flat")
+    path = ck.write(tmp_path / "flat.safetensors", flat)
+    report = ltx2blas.fuse_checkpoint(paths["model"], [(path, 0.5)], paths["out"])
+    assert [n for n, _ in report.fused] == [M + "transformer_blocks.1.attn1.to_q.weight"]
+
+
+def test_shape_mismatch_names_the_module(files, tmp_path):
+    paths = files[0]
+    bad = ck.write(tmp_path / "bad.safetensors", {
+        "diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight": ("BF16", np.zeros((2, 47), np.uint16)),
+        "diffusion_model.transformer_blocks.0.attn1.to_q.lora_B.weight": ("BF16", np.zeros((64, 2), np.uint16))})
+    with pytest.raises(errors.ShapeError, match="to_q"):
+        ltx2blas.fuse_checkpoint(paths["model"], [(bad, 1.0)], paths["out"])
+
+
+def test_f32_adapter_factors_are_rounded_and_reported(files, tmp_path, rng):
+    paths, model, a1, _ = files
+    as_f32 = {k: ("F32", reference.bf16_widen(v)) for k, (_, v) in a1.items()}
+    path = ck.write(tmp_path / "f32.safetensors", as_f32)
+    report = ltx2blas.fuse_checkpoint(paths["model"], [(path, 1.0)], paths["out"])
+    assert len(report.adapters[0].rounded_to_bf16) == 4
+    ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 1.0)], paths["out"].with_name("b.safetensors"))
+    assert paths["out"].read_bytes()[-4096:] == paths["out"].with_name("b.safetensors").read_bytes()[-4096:]
+
+
+def test_failure_mid_write_leaves_nothing(files, monkeypatch):
+    paths = files[0]
+    paths["out"].write_bytes(b"previous output")
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    real = checkpoint._fuse_one
+    monkeypatch.setattr(checkpoint, "_fuse_one", failing)
+    with pytest.raises(KeyboardInterrupt):
+        ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 1.0)], paths["out"])
+    assert paths["out"].read_bytes() == b"previous output"
+    assert sorted(os.listdir(paths["out"].parent)) == ["a1.safetensors", "a2.safetensors",
+                                                        "model.safetensors", "out.safetensors"]
+
+
+def test_progress_is_reported(files):
+    paths = files[0]
+    seen = []
+    ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 1.0)], paths["out"], progress=seen.append)
+    assert seen[-1].tensors_done == seen[-1].tensors_total == len(files[1])
+    assert seen[-1].gflop_done == pytest.approx(seen[-1].gflop_total)
+    assert [p.tensors_done for p in seen] == list(range(1, len(seen) + 1))
+
+
+def test_sharded_checkpoint(files, tmp_path):
+    paths, model, _, _ = files
+    names = list(model)
+    shard1 = ck.write(tmp_path / "m-00001.safetensors", {n: model[n] for n in names[:5]})
+    shard2 = ck.write(tmp_path / "m-00002.safetensors", {n: model[n] for n in names[5:]})
+    index = tmp_path / "m.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": "1"}, "weight_map": {
+        **{n: shard1.name for n in names[:5]}, **{n: shard2.name for n in names[5:]}}}))
+    ltx2blas.fuse_checkpoint(index, [(paths["a1"], 1.0)], tmp_path / "from_shards.safetensors")
+    ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 1.0)], paths["out"])
+    a, _, _ = read_all(tmp_path / "from_shards.safetensors")
+    b, _, _ = read_all(paths["out"])
+    assert set(a) == set(b) and all(np.array_equal(a[n][1], b[n][1]) for n in a)
+    # a missing shard, and a key in two shards: errors before anything is written
+    os.rename(shard2, tmp_path / "gone")
+    with pytest.raises(errors.Ltx2IOError, match="missing"):
+        ltx2blas.fuse_checkpoint(index, [(paths["a1"], 1.0)], tmp_path / "x.safetensors")
+    os.rename(tmp_path / "gone", shard2)
+    ck.write(shard2, {n: model[n] for n in names[4:]})
+    with pytest.raises(errors.FormatError, match="in two shards"):
+        ltx2blas.fuse_checkpoint(index, [(paths["a1"], 1.0)], tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_fp8_checkpoint(tmp_path, rng, rounding):
+    model = ck.model(rng, fp8="F8_E4M3")
+    ad = ck.adapter(rng, ["transformer_blocks.0.attn1.to_q"], rank=4)
+    mp = ck.write(tmp_path / "fp8.safetensors", model)
+    ap = ck.write(tmp_path / "a.safetensors", ad)
+    out = tmp_path / "out.safetensors"
+    ltx2blas.fuse_checkpoint(mp, [(ap, 1.0)], out, fp8_rounding=rounding, seed=3)
+    got, meta, _ = read_all(out)
+    name = M + "transformer_blocks.0.attn1.to_q.weight"
+    q = "diffusion_model.transformer_blocks.0.attn1.to_q"
+    expected = ltx2blas.fuse_loras(model[name][1], [(ad[q + ".lora_A.weight"][1], ad[q + ".lora_B.weight"][1], 1.0)],
+                                   weight_format="F8_E4M3", fp8_rounding=rounding, seed=3, name=name)
+    assert got[name][0] == "F8_E4M3" and np.array_equal(got[name][1], expected)
+    assert meta["ltx2blas.fp8_rounding"].startswith(rounding)
+
+
+def test_state_dict_numpy_in_place(files, rng):
+    paths, model, a1, _ = files
+    state = {n: v.copy() for n, (_, v) in model.items()}
+    report = ltx2blas.fuse_state_dict(state, [(paths["a1"], 0.8)])
+    ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 0.8)], paths["out"])
+    out, _, _ = read_all(paths["out"])
+    assert report.modules_fused == 2
+    assert all(np.array_equal(state[n].view(np.uint8), out[n][1].view(np.uint8)) for n in state)
+
+
+def test_state_dict_torch_zero_copy(files):
+    torch = pytest.importorskip("torch")
+    paths, model, a1, _ = files
+    state = {}
+    for n, (dtype, v) in model.items():
+        t = torch.from_numpy(v.astype(np.int16) if dtype == "BF16" else v.copy())
+        state[n] = t.view(torch.bfloat16) if dtype == "BF16" else t
+    name = M + "transformer_blocks.0.attn1.to_q.weight"
+    pointer = state[name].data_ptr()
+    adapter_state = {k: torch.from_numpy(v.astype(np.int16)).view(torch.bfloat16) for k, (_, v) in a1.items()}
+    ltx2blas.fuse_state_dict(state, [(adapter_state, 0.8)])
+    assert state[name].data_ptr() == pointer  # in place, no copy
+    ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 0.8)], paths["out"])
+    out, _, _ = read_all(paths["out"])
+    assert np.array_equal(state[name].view(torch.int16).numpy().view(np.uint16), out[name][1])

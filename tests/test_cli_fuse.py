@@ -1,0 +1,76 @@
+"""``ltx2blas fuse``: the whole job as one command, with progress, a summary, one-line errors
+and an exit code per kind of error."""
+import subprocess
+import sys
+
+import pytest
+
+import ckpt_helpers as ck
+
+pytest.importorskip("safetensors")
+pytest.importorskip("ml_dtypes")
+
+
+def run(*args, cwd="/"):
+    return subprocess.run([sys.executable, "-m", "ltx2blas", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+@pytest.fixture
+def paths(tmp_path, rng):
+    model = ck.write(tmp_path / "model.safetensors", ck.model(rng))
+    lora = ck.write(tmp_path / "lora.safetensors",
+                    ck.adapter(rng, ["transformer_blocks.0.attn1.to_q"], rank=4))
+    return model, lora, tmp_path / "out.safetensors"
+
+
+def test_fuse_writes_and_summarises(paths):
+    model, lora, out = paths
+    r = run("fuse", model, "--lora", f"{lora}:0.75", "-o", out, "--threads", "2")
+    assert r.returncode == 0, r.stderr
+    assert out.exists()
+    assert "fused 1 modules" in r.stdout and "GFLOP/s" in r.stdout and "peak memory" in r.stdout
+    assert "x 0.75" in r.stdout
+    # not a terminal: plain log lines, ending at 100 %
+    assert r.stderr.strip().splitlines()[-1].startswith("ltx2blas: 100%")
+
+
+def test_dry_run(paths):
+    model, lora, out = paths
+    r = run("fuse", model, "--lora", lora, "-o", out, "--dry-run", "-v")
+    assert r.returncode == 0 and "would fuse 1 modules" in r.stdout
+    assert "transformer_blocks.0.attn1.to_q.weight" in r.stdout
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case, code, text", [
+    ("missing", 4, "cannot open"),
+    ("malformed", 3, "too short"),
+    ("nomatch", 2, "matches no weight"),
+    ("same", 4, "is an input"),
+])
+def test_errors_are_one_line_with_an_exit_code_per_kind(paths, tmp_path, case, code, text):
+    model, lora, out = paths
+    if case == "missing":
+        args = ("fuse", tmp_path / "absent.safetensors", "--lora", lora, "-o", out)
+    elif case == "malformed":
+        bad = tmp_path / "bad.safetensors"
+        bad.write_bytes(b"\0\0")
+        args = ("fuse", bad, "--lora", lora, "-o", out)
+    elif case == "nomatch":
+        args = ("fuse", lora, "--lora", lora, "-o", out)  # an adapter has no *.weight to fuse
+    else:
+        args = ("fuse", model, "--lora", lora, "-o", model)
+    r = run(*args)
+    assert r.returncode == code, (r.returncode, r.stderr)
+    assert r.stderr.startswith("ltx2blas: error:") and text in r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_lora_argument_parsing():
+    from ltx2blas.cli import _lora_arg
+
+    assert _lora_arg("a.safetensors") == ("a.safetensors", 1.0)
+    assert _lora_arg("a.safetensors:0.5") == ("a.safetensors", 0.5)
+    assert _lora_arg("dir:with:colons/a.safetensors") == ("dir:with:colons/a.safetensors", 1.0)
+    assert _lora_arg("c:/x.safetensors:-1") == ("c:/x.safetensors", -1.0)

@@ -1,0 +1,157 @@
+"""fp8 rounding (spec §2) in the reference: torch's cast (upstream's engine) for every value
+where it is defined, ml_dtypes' where the two agree."""
+import numpy as np
+import pytest
+
+from ltx2blas import reference
+
+FORMATS = ["F8_E4M3", "F8_E5M2"]
+
+
+def every_bf16():
+    return (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_widen_round_trips_every_code(fmt):
+    codes = np.arange(256, dtype=np.uint8)
+    values = reference.fp8_widen(codes, fmt)
+    back = reference.fp8_round(values, fmt)
+    nan = np.isnan(values)
+    assert np.array_equal(back[~nan], codes[~nan])
+    assert np.all((back[nan] & 0x7F) == 0x7F)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_matches_torch_on_every_bf16_value(fmt):
+    torch = pytest.importorskip("torch")
+    dtype = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}[fmt]
+    values = every_bf16()
+    expected = torch.from_numpy(values.copy()).to(dtype).view(torch.uint8).numpy()
+    got = reference.fp8_round(values, fmt)
+    assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("fmt, mldt", [("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")])
+def test_round_matches_ml_dtypes_where_in_range(fmt, mldt):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    values = every_bf16()
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = values.astype(getattr(ml_dtypes, mldt)).view(np.uint8)
+    got = reference.fp8_round(values, fmt)
+    largest = reference.FP8_FORMATS[fmt]["largest"]
+    # ml_dtypes sends e4m3fn overflow to NaN (torch saturates) and codes e5m2 NaN as 0x7E:
+    # compare the finite, in-range values.
+    keep = np.isfinite(values) & (np.abs(reference.fp8_widen(got, fmt)) < largest)
+    assert np.array_equal(got[keep], expected[keep])
+
+
+def test_specific_values():
+    f = np.array([448, 464, 480, 1e9, np.inf, -np.inf, np.nan, 2.0**-9, 2.0**-10, 1.5 * 2.0**-9,
+                  -0.0, 1.0625, 1.1875], np.float32)
+    # 464 ties to even (448); beyond, e4m3fn saturates at 448 (0x7E), inf too; 2^-10 ties to
+    # 0; 1.5 * 2^-9 ties to even (2 * 2^-9); 1 + 1/16 ties down to 1, 1 + 3/16 up to 1 + 1/4.
+    assert reference.fp8_round(f, "F8_E4M3").tolist() == [
+        0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0x7F, 0x01, 0x00, 0x02, 0x80, 0x38, 0x3A]
+    g = np.array([57344, 61440, 1e9, np.inf, np.nan, 2.0**-16, 2.0**-17], np.float32)
+    assert reference.fp8_round(g, "F8_E5M2").tolist() == [0x7B, 0x7C, 0x7C, 0x7C, 0x7F, 0x01, 0x00]
+
+
+# ---- fusing into fp8 weights -----------------------------------------------------------------
+
+import ltx2blas  # noqa: E402
+from ltx2blas import errors  # noqa: E402
+
+from helpers import random_bf16  # noqa: E402
+
+
+def fp8_weight(rng, shape, fmt, scale=0.05):
+    return reference.fp8_round(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale), fmt)
+
+
+def stochastic_expected(weight, adapters, fmt, seed, name):
+    """The reference pieces, composed: total (bf16), bf16(total + bf16(W)), then stochastic."""
+    if len(adapters) == 1:
+        total = reference.lora_delta(*adapters[0])
+    else:
+        acc = np.zeros(weight.shape, np.float32)
+        for a, b, s in adapters:
+            acc = acc + reference.bf16_widen(reference.lora_delta(a, b, s))
+        total = reference.bf16_round(acc)
+    summed = reference.bf16_round(reference.bf16_widen(total) + reference.fp8_widen(weight, fmt))
+    return reference.fp8_round_stochastic(summed, fmt, reference.stochastic_key(seed, name))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("ranks", [[384], [16, 450]])
+def test_fuse_into_fp8_matches_reference(rng, fmt, ranks):
+    weight = fp8_weight(rng, (70, 130), fmt)
+    adapters = [(random_bf16(rng, (r, 130), 0.01), random_bf16(rng, (70, r), 0.01), s)
+                for r, s in zip(ranks, [0.8, -1.5])]
+    expected = reference.fuse_loras_fp8(weight, adapters, fmt)
+    for threads, tile in ((1, None), (3, (16, 32))):
+        if len(adapters) == 1:
+            got = ltx2blas.fuse_lora(weight, *adapters[0], weight_format=fmt, threads=threads, tile=tile)
+        else:
+            got = ltx2blas.fuse_loras(weight, adapters, weight_format=fmt, threads=threads, tile=tile)
+        assert got.dtype == np.uint8
+        assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_stochastic_rounding_matches_reference_for_any_tiling(rng, fmt):
+    weight = fp8_weight(rng, (50, 90), fmt)
+    adapters = [(random_bf16(rng, (8, 90), 0.05), random_bf16(rng, (50, 8), 0.05), 1.0)]
+    expected = stochastic_expected(weight, adapters, fmt, 7, "blocks.0.attn1.to_q.weight")
+    for threads, tile in ((1, None), (2, (7, 16)), (3, (64, 8))):
+        got = ltx2blas.fuse_lora(weight, *adapters[0], weight_format=fmt, threads=threads,
+                                 tile=tile, fp8_rounding="stochastic", seed=7,
+                                 name="blocks.0.attn1.to_q.weight")
+        assert np.array_equal(got, expected)
+    other = ltx2blas.fuse_lora(weight, *adapters[0], weight_format=fmt,
+                               fp8_rounding="stochastic", seed=8, name="blocks.0.attn1.to_q.weight")
+    assert not np.array_equal(other, expected)  # another seed, other bits
+
+
+def test_stochastic_rounding_is_unbiased():
+    """Each value lies between two fp8 neighbours; over many elements, the mean of the rounded
+    values approaches the value itself (nearest rounding would always pick one neighbour)."""
+    fmt = "F8_E4M3"
+    value = np.float32(1.0 + 3 / 64)            # between 1.0 and 1.125: 3/8 of the way up
+    bits = np.full(200_000, reference.bf16_round(value), np.uint16)
+    codes = reference.fp8_round_stochastic(bits, fmt, reference.stochastic_key(1, "t"))
+    mean = reference.fp8_widen(codes, fmt).astype(np.float64).mean()
+    # standard error: 0.125 * sqrt(p (1 - p) / n) = 1.4e-4; allow 5 of them
+    assert abs(mean - float(value)) < 5 * 0.125 * np.sqrt(0.375 * 0.625 / bits.size)
+    assert set(np.unique(reference.fp8_widen(codes, fmt))) == {1.0, 1.125}
+
+
+def test_fp8_dtype_handling(rng):
+    weight = fp8_weight(rng, (10, 20), "F8_E4M3")
+    a, b = random_bf16(rng, (3, 20), 0.01), random_bf16(rng, (10, 3), 0.01)
+    with pytest.raises(errors.DTypeError, match="weight_format"):
+        ltx2blas.fuse_lora(weight, a, b)
+    with pytest.raises(ValueError, match="stochastic"):
+        ltx2blas.fuse_lora(random_bf16(rng, (10, 20)), a, b, fp8_rounding="stochastic")
+    with pytest.raises(ValueError, match="fp8_rounding"):
+        ltx2blas.fuse_lora(weight, a, b, weight_format="F8_E4M3", fp8_rounding="up")
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    got = ltx2blas.fuse_lora(weight.view(ml_dtypes.float8_e4m3fn), a, b)
+    assert got.dtype == ml_dtypes.float8_e4m3fn
+    assert np.array_equal(got.view(np.uint8),
+                          ltx2blas.fuse_lora(weight, a, b, weight_format="F8_E4M3"))
+    with pytest.raises(errors.DTypeError):
+        ltx2blas.fuse_lora(weight.view(ml_dtypes.float8_e4m3fn), a, b, weight_format="F8_E5M2")
+
+
+def test_fp8_saturation_is_caught_with_check_finite(rng):
+    weight = fp8_weight(rng, (10, 20), "F8_E4M3")
+    weight[2, 3] = 0x7E  # 448, the largest: a positive delta saturates it
+    a = np.full((1, 20), 0x3F80, np.uint16)
+    b = np.full((10, 1), 0x4200, np.uint16)  # 32.0
+    before = weight.copy()
+    with pytest.raises(errors.NonFiniteResultError, match=r"saturates fp8 e4m3 at 448 at \(2, 3\)"):
+        ltx2blas.fuse_lora(weight, a, b, weight_format="F8_E4M3", check_finite=True, out=weight)
+    assert np.array_equal(weight, before)
+    got = ltx2blas.fuse_lora(weight, a, b, weight_format="F8_E4M3")
+    assert got[2, 3] == 0x7E  # without the check: saturated, as upstream's cast does
