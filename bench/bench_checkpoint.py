@@ -8,7 +8,8 @@ thread count, and the process's peak resident memory.  Every fused tensor of the
 checked byte for byte against ``ltx2blas.fuse_loras`` on the same inputs, at sampled rows against
 ``ltx2blas.reference``.
 
-    python bench/bench_checkpoint.py [--blocks 2] [--threads N] [--dir DIR] [--keep]
+    python bench/run.py --only checkpoint                     (the suite)
+    python bench/bench_checkpoint.py [--blocks 2] [--threads N] [--dir DIR]
     python bench/bench_checkpoint.py --large-gb 14   # peak memory on a checkpoint > half of RAM
 """
 import argparse
@@ -107,46 +108,45 @@ def verify(model, lora, output, samples=2, rows=4):
     return True
 
 
-def speed(args):
+def run(threads_list, blocks, rank, ceilings, repeats=3, folder=None, log=print):
+    """End-to-end rows, one per thread count, on one generated checkpoint."""
     import ltx2blas
-    from ltx2blas import _gemm
-    from ltx2blas._threads import available_cpus, resolve_threads
-    from threadpoolctl import threadpool_limits
 
-    threads = resolve_threads(args.threads)
-    folder = args.dir or tempfile.mkdtemp(prefix="ltx2blas-bench-")
+    own = folder is None
+    folder = folder or tempfile.mkdtemp(prefix="ltx2blas-bench-")
+    rows = []
     try:
-        model, lora = build(folder, args.blocks, 384, np.random.default_rng(0))
+        model, lora = build(folder, blocks, rank, np.random.default_rng(0), log=log)
         output = os.path.join(folder, "fused.safetensors")
-        ltx2blas.fuse_checkpoint(model, [(lora, 1.0)], output, threads=threads)  # warm caches
-        n = 2048
-        sq = np.random.default_rng(1).standard_normal((n, n), dtype=np.float32)
-        results = []
-        for _ in range(args.repeats):
-            time.sleep(0.2)
-            with threadpool_limits(threads, user_api="blas"):
-                t0 = time.perf_counter()
-                _gemm.sgemm(sq, sq)
-                sgemm_s = time.perf_counter() - t0
-            os.unlink(output)  # timing the fuse, not the removal of the last run's output
-            time.sleep(0.2)
-            report = ltx2blas.fuse_checkpoint(model, [(lora, 1.0)], output, threads=threads)
-            results.append((2.0 * n**3 / sgemm_s / 1e9, report))
-        peak = max(r[0] for r in results)
-        best = max(results, key=lambda r: r[1].gflops)[1]
-        exact = verify(model, lora, output)
-        row = {"workload": "checkpoint", "blocks": args.blocks, "threads": threads,
-               "cpus": available_cpus(), "gflop": best.gflop, "seconds": best.seconds,
-               "gflops": best.gflops, "sgemm_gflops": peak, "of_sgemm": best.gflops / peak,
-               "peak_rss_mib": best.peak_rss_mib, "checkpoint_gib": os.path.getsize(model) / 2**30,
-               "exact": exact}
-        print(f"{args.blocks} blocks, {threads} threads: {best.gflop:.0f} GFLOP in "
-              f"{best.seconds:.2f} s = {best.gflops:.1f} GFLOP/s end to end, "
-              f"{row['of_sgemm']:.2f} of sgemm 2048^3 ({peak:.1f}); peak RSS "
-              f"{best.peak_rss_mib:.0f} MiB; exact={exact}", flush=True)
-        return row
+        exact = None
+        for threads in threads_list:
+            ltx2blas.fuse_checkpoint(model, [(lora, 1.0)], output, threads=threads)  # warm
+            reports = []
+            for _ in range(repeats):
+                os.unlink(output)  # timing the fuse, not the removal of the last run's output
+                time.sleep(0.25)
+                harness.reset_peak_rss()
+                reports.append(ltx2blas.fuse_checkpoint(model, [(lora, 1.0)], output, threads=threads))
+                reports[-1].peak_rss_mib = harness.peak_rss_mib()
+            reports.sort(key=lambda r: r.seconds)
+            best = reports[len(reports) // 2]  # the median run
+            if exact is None:
+                exact = verify(model, lora, output)
+            peak = ceilings[threads]["sgemm_gflops"]
+            row = {"workload": "checkpoint", "blocks": blocks, "rank": rank, "threads": threads,
+                   "gflop": best.gflop, "seconds": best.seconds, "gflops": best.gflops,
+                   "sgemm_gflops": peak, "of_sgemm": best.gflops / peak,
+                   "spread": (reports[-1].seconds - reports[0].seconds) / best.seconds,
+                   "peak_rss_mib": best.peak_rss_mib,
+                   "checkpoint_gib": os.path.getsize(model) / 2**30, "checked": exact}
+            rows.append(row)
+            log(f"checkpoint threads={threads} {blocks} blocks rank {rank}: {best.gflop:.0f} GFLOP "
+                f"in {best.seconds:.2f} s = {best.gflops:.1f} GFLOP/s end to end, "
+                f"{row['of_sgemm']:.2f} of sgemm ({peak:.0f}); peak RSS {best.peak_rss_mib:.0f} MiB;"
+                f" checked={exact}")
+        return rows
     finally:
-        if not args.keep and not args.dir:
+        if own:
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -197,14 +197,21 @@ def main(argv=None):
     parser.add_argument("--large-gb", type=float, default=None,
                         help="instead: peak memory on a checkpoint of this many GiB")
     parser.add_argument("--dir", default=None, help="where to build the files (default: a temp dir)")
-    parser.add_argument("--keep", action="store_true", help="keep the files")
+    parser.add_argument("--keep", action="store_true", help="with --large-gb: keep the files")
     parser.add_argument("--out", default=None, help="write the row as JSON here")
     args = parser.parse_args(argv)
     harness.check_installed_not_checkout()
-    row = large(args) if args.large_gb else speed(args)
+    if args.large_gb:
+        rows = [large(args)]
+    else:
+        from ltx2blas._threads import resolve_threads
+
+        threads = [resolve_threads(args.threads)]
+        rows = run(threads, args.blocks, 384, {t: harness.ceilings(t) for t in threads},
+                   args.repeats, folder=args.dir)
     if args.out:
-        harness.write_json(args.out, {"machine": harness.machine(), "rows": [row]})
-    return 0 if row.get("exact", True) else 1
+        harness.write_json(args.out, {"machine": harness.machine(), "rows": rows})
+    return 0 if all(r.get("checked", True) for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -2,17 +2,17 @@
 
 For each thread count, out_features and row count M (in_features = 188,160, bf16 weight):
   * ``ltx2blas``: ltx2blas.linear (f32 accumulation, the default);
-  * ``torch_f32``: torch.nn.functional.linear on f32, the weight held in f32 (what a torch user
-    holds), when torch is installed;
-interleaved with the ceilings measured at the same thread count:
-  * the sgemm rate (one 2048^3 sgemm through the same BLAS), and
-  * the memory read bandwidth (the bf16 weight's bytes read by ltx2blas's scan kernel, one
-    stripe per thread).
-roofline = max(2 M out in / sgemm rate, weight bytes / read bandwidth).  Every row is checked:
-sampled outputs against the exact sum (math.fsum), within ltx2blas.linear_layer.error_bound.
+  * peers, when torch is installed: ``torch.nn.functional.linear`` on f32 with the weight held in
+    f32 (what a torch user holds), and in bf16 (x rounded to bf16);
+  * the reports' scalar f64 loop, timed on a few output features (the "before" figure);
+and the ceilings measured at the same thread count (harness.ceilings): the sgemm rate and the
+memory read bandwidth.  roofline = max(2 M out in / sgemm rate, weight bytes / read bandwidth).
+Every row is checked: sampled outputs against the exact sum (math.fsum), within the derived
+bound of ltx2blas.linear_layer.
 
-    python bench/bench_linear.py [--quick] [--threads 1,2] [--out rows.json] [--md table.md]
-    python bench/bench_linear.py --accuracy     # the accumulation table of the README
+    python bench/run.py --only linear            (the suite)
+    python bench/bench_linear.py [--quick]       (this workload alone)
+    python bench/bench_linear.py --accuracy      (the accumulation table of the README)
 """
 import argparse
 import math
@@ -25,29 +25,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
+import peers  # noqa: E402
 
 IN_FEATURES = 49 * 3840
 OUTS = [2048, 4096]
 ROWS = [1, 8, 64, 256, 1024]
-
-
-def read_bandwidth(weight, threads, repeats=3):
-    """GB/s reading ``weight`` once, split into ``threads`` stripes read concurrently."""
-    from ltx2blas import _gemm
-
-    flat = weight.reshape(-1)
-    stripes = np.array_split(flat, threads)
-    best = float("inf")
-    for _ in range(repeats):
-        workers = [threading.Thread(target=_gemm.scan_bf16, args=(s,)) for s in stripes]
-        t0 = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        best = min(best, time.perf_counter() - t0)
-        time.sleep(0.1)
-    return flat.nbytes / best / 1e9
 
 
 def exact_sample(x, w, m_idx, o_idx):
@@ -70,78 +52,79 @@ def check_rows(x, w, y, rng, samples=8):
     return bool(np.all(np.abs(got - ref) <= bound + ulp / 2))
 
 
-def ceilings(threads, weight, repeats=5):
-    """(sgemm GFLOP/s, read GB/s) at ``threads``: best of ``repeats``, each after the worker
-    threads of the last parallel call have gone quiet."""
-    from ltx2blas import _gemm
-    from threadpoolctl import threadpool_limits
-
-    n = 2048
-    sq = np.random.default_rng(2).standard_normal((n, n), dtype=np.float32)
+def _best_time(fn, repeats=3):
+    fn()
     best = float("inf")
-    with threadpool_limits(threads, user_api="blas"):
-        _gemm.sgemm(sq[:256], sq)
-        for _ in range(repeats):
-            time.sleep(0.2)
-            t0 = time.perf_counter()
-            _gemm.sgemm(sq, sq)
-            best = min(best, time.perf_counter() - t0)
-    time.sleep(0.2)
-    return 2.0 * n**3 / best / 1e9, read_bandwidth(weight, threads, repeats)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
-def run(threads_list, outs, rows_list, repeats):
+def run(threads_list, outs, rows_list, ceilings, repeats=3, in_features=IN_FEATURES, log=print):
     import ltx2blas
 
-    try:
-        import torch
-    except ImportError:
-        torch = None
+    torch = peers.torch_module()
     rng = np.random.default_rng(0)
     results = []
     for out in outs:
-        weight = harness.random_bf16(rng, (out, IN_FEATURES), 0.02)
-        w32 = torch.from_numpy(harness.widen(weight)) if torch is not None else None
-        x_all = rng.standard_normal((max(rows_list), IN_FEATURES), dtype=np.float32)
+        weight = harness.random_bf16(rng, (out, in_features), 0.02)
+        w32_np = harness.widen(weight)
+        w32 = torch.from_numpy(w32_np) if torch is not None else None
+        w16 = w32.bfloat16() if torch is not None else None
+        x_all = rng.standard_normal((max(rows_list), in_features), dtype=np.float32)
+        scalar = peers.scalar_linear_rate(x_all, w32_np, min(out, 4), _best_time)
         for threads in threads_list:
-            peak, bw = ceilings(threads, weight)
+            peak, bw = ceilings[threads]["sgemm_gflops"], ceilings[threads]["read_gbs"]
             for rows in rows_list:
                 x = x_all[:rows]
                 y = np.empty((rows, out), np.float32)
                 cands = {"ltx2blas": lambda: ltx2blas.linear(x, weight, threads=threads, out=y)}
                 if torch is not None:
                     tx = torch.from_numpy(x)
+                    tx16 = tx.bfloat16()
 
                     def torch_f32():
                         torch.set_num_threads(threads)
                         torch.nn.functional.linear(tx, w32)
 
+                    def torch_bf16():
+                        torch.set_num_threads(threads)
+                        torch.nn.functional.linear(tx16, w16)
+
                     cands["torch_f32"] = torch_f32
+                    cands["torch_bf16"] = torch_bf16
+                harness.reset_peak_rss()
                 t = harness.interleaved(cands, repeats=repeats, warmup=1)
-                flops = 2.0 * rows * out * IN_FEATURES
+                flops = 2.0 * rows * out * in_features
                 compute_s, memory_s = flops / (peak * 1e9), weight.nbytes / (bw * 1e9)
                 roofline_s = max(compute_s, memory_s)
                 ours = t["ltx2blas"]["median"]
                 row = {
-                    "workload": "linear", "rows": rows, "out": out, "in": IN_FEATURES,
+                    "workload": "linear", "rows": rows, "out": out, "in": in_features,
                     "threads": threads, "ms": ours * 1e3, "gflops": flops / ours / 1e9,
                     "sgemm_gflops": peak, "read_gbs": bw, "roofline_ms": roofline_s * 1e3,
-                    "of_roofline": roofline_s / ours,
+                    "of_roofline": roofline_s / ours, "of_sgemm": flops / ours / 1e9 / peak,
                     "bound": "compute" if compute_s > memory_s else "memory",
-                    "spread": t["ltx2blas"]["spread"],
-                    "checked": check_rows(x, weight, y, rng),
+                    "spread": t["ltx2blas"]["spread"], "peak_rss_mib": harness.peak_rss_mib(),
+                    "checked": check_rows(x, weight, y, rng), "peers": {},
                 }
-                if "torch_f32" in t:
-                    row["torch_f32_ms"] = t["torch_f32"]["median"] * 1e3
-                    row["vs_torch_f32"] = t["torch_f32"]["median"] / ours
+                for name in ("torch_f32", "torch_bf16"):
+                    if name in t:
+                        row["peers"][name] = {"ms": t[name]["median"] * 1e3,
+                                              "gflops": flops / t[name]["median"] / 1e9,
+                                              "speedup": t[name]["median"] / ours}
+                if scalar:
+                    row["peers"]["reports_scalar_loop"] = {
+                        "gflops": scalar, "speedup": row["gflops"] / scalar,
+                        "note": f"1 thread, f64, timed on {min(out, 4)} output features"}
                 results.append(row)
-                torch_text = (f"  torch f32 {row['torch_f32_ms']:.0f} ms -> {row['vs_torch_f32']:.2f}x"
-                              if "vs_torch_f32" in row else "")
-                print(f"threads={threads} out={out} M={rows:>4}: {row['ms']:8.1f} ms "
-                      f"{row['gflops']:6.1f} GFLOP/s  {row['of_roofline']:.2f} of roofline "
-                      f"({row['bound']}: sgemm {peak:.0f} GFLOP/s, read {bw:.1f} GB/s){torch_text}"
-                      f"  checked={row['checked']}", flush=True)
-        weight = w32 = x_all = None  # freed before the next (larger) weight is made
+                peer_text = "  ".join(f"{k} x{v['speedup']:.2f}" for k, v in row["peers"].items())
+                log(f"linear threads={threads} out={out} M={rows:>4}: {row['ms']:8.1f} ms "
+                    f"{row['gflops']:6.1f} GFLOP/s  {row['of_roofline']:.2f} of roofline "
+                    f"({row['bound']})  checked={row['checked']}  vs: {peer_text}")
+        weight = w32 = w16 = w32_np = x_all = None  # freed before the next (larger) weight
     return results
 
 
@@ -186,24 +169,12 @@ def accuracy(rows=4, out=2048, samples=48):
     return table
 
 
-def markdown(rows):
-    lines = ["| threads | out | M | ms | GFLOP/s | ÷ roofline | bound | vs torch f32 | checked |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        torch_text = f"{r['vs_torch_f32']:.2f}×" if "vs_torch_f32" in r else "—"
-        lines.append(f"| {r['threads']} | {r['out']} | {r['rows']} | {r['ms']:.0f} | "
-                     f"{r['gflops']:.0f} | {r['of_roofline']:.2f} | {r['bound']} | {torch_text} | "
-                     f"{'yes' if r['checked'] else 'NO'} |")
-    return "\n".join(lines)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="out = 256, M up to 64, 2 repeats")
     parser.add_argument("--threads", default=None, help="comma list, default 1..all CPUs")
     parser.add_argument("--accuracy", action="store_true", help="print the accuracy table only")
-    parser.add_argument("--out", default=None, help="write rows as JSON here")
-    parser.add_argument("--md", default=None, help="write a markdown table here")
+    parser.add_argument("--out", default=None, help="with --accuracy: write the table as JSON here")
     args = parser.parse_args(argv)
     harness.check_installed_not_checkout()
     if args.accuracy:
@@ -215,15 +186,11 @@ def main(argv=None):
 
     threads = ([int(t) for t in args.threads.split(",")] if args.threads
                else list(range(1, available_cpus() + 1)))
+    ceilings = {t: harness.ceilings(t) for t in threads}
     if args.quick:
-        rows = run(threads, [256], [1, 8, 64], repeats=2)
+        rows = run(threads, [256], [1, 8, 64], ceilings, repeats=2)
     else:
-        rows = run(threads, OUTS, ROWS, repeats=3)
-    if args.out:
-        harness.write_json(args.out, {"machine": harness.machine(), "rows": rows})
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(markdown(rows) + "\n")
+        rows = run(threads, OUTS, ROWS, ceilings)
     return 0 if all(r["checked"] for r in rows) else 1
 
 

@@ -13,11 +13,12 @@ import time
 import numpy as np
 
 
-def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.15):
+def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.25):
     """Time every callable in ``candidates`` (name -> fn) ``repeats`` times, round-robin.
 
     ``settle`` seconds pass, untimed, before each timing: BLAS and OpenMP worker threads keep
-    spinning for a while after a parallel call (OpenBLAS ~0.1 s), and would otherwise steal cores
+    spinning for a while after a parallel call (OpenBLAS ~0.1 s; torch carries an OpenMP runtime
+    of its own), and would otherwise steal cores
     from whichever candidate runs next.
 
     Returns name -> {"median": s, "min": s, "max": s, "spread": (max - min) / median}."""
@@ -42,8 +43,17 @@ def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.15):
     return out
 
 
+def reset_peak_rss():
+    """Start a new peak-memory window (Linux: clear_refs 5 resets VmHWM to the current RSS)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def peak_rss_mib():
-    """Peak resident memory of this process so far (VmHWM), MiB."""
+    """Peak resident memory of this process since the last reset_peak_rss() (VmHWM), MiB."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -54,6 +64,50 @@ def peak_rss_mib():
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def ceilings(threads, n=2048, bandwidth_mib=1024, repeats=5):
+    """The machine at ``threads`` threads, measured now: square sgemm and dgemm rates (GFLOP/s,
+    through the BLAS ltx2blas calls) and memory read bandwidth (GB/s, one stripe per thread read
+    by ltx2blas's scan kernel).  Best of ``repeats``, each after the previous parallel call's
+    worker threads have gone quiet."""
+    import threading
+
+    from threadpoolctl import threadpool_limits
+
+    from ltx2blas import _gemm
+
+    rng = np.random.default_rng(2)
+    x32 = rng.standard_normal((n, n), dtype=np.float32)
+    x64 = x32.astype(np.float64)
+    dgemm = __import__("scipy.linalg.blas", fromlist=["dgemm"]).dgemm
+    best = {"sgemm": float("inf"), "dgemm": float("inf"), "read": float("inf")}
+    buffer = np.ones(bandwidth_mib << 19, np.uint16)
+    stripes = np.array_split(buffer, threads)
+    with threadpool_limits(threads, user_api="blas"):
+        _gemm.sgemm(x32[:256], x32)
+        for _ in range(repeats):
+            time.sleep(0.2)
+            t0 = time.perf_counter()
+            _gemm.sgemm(x32, x32)
+            best["sgemm"] = min(best["sgemm"], time.perf_counter() - t0)
+            time.sleep(0.2)
+            t0 = time.perf_counter()
+            dgemm(1.0, x64, x64)
+            best["dgemm"] = min(best["dgemm"], time.perf_counter() - t0)
+    for _ in range(repeats):
+        time.sleep(0.2)
+        workers = [threading.Thread(target=_gemm.scan_bf16, args=(s,)) for s in stripes]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best["read"] = min(best["read"], time.perf_counter() - t0)
+    time.sleep(0.2)
+    return {"threads": threads, "sgemm_gflops": 2.0 * n**3 / best["sgemm"] / 1e9,
+            "dgemm_gflops": 2.0 * n**3 / best["dgemm"] / 1e9,
+            "read_gbs": buffer.nbytes / best["read"] / 1e9}
 
 
 def random_bf16(rng, shape, scale, chunk=1 << 24):

@@ -1,0 +1,31 @@
+"""The benchmark suite must keep working: run ``bench/run.py --quick`` (one thread) and check
+that every workload produced rows, every row was checked against the reference, and the
+report and plots were written.  Its timings are not judged here."""
+import json
+import os
+import subprocess
+import sys
+
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "bench", "run.py")
+
+
+def test_quick_suite_runs_every_part(tmp_path):
+    r = subprocess.run([sys.executable, BENCH, "--quick", "--threads", "1", "--out", str(tmp_path)],
+                       capture_output=True, text=True, cwd="/", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    workloads = {row["workload"] for row in results["rows"]}
+    assert workloads == {"fuse", "linear", "checkpoint"}
+    assert all(row["checked"] for row in results["rows"])
+    assert results["ceilings"][0]["sgemm_gflops"] > 0 and results["ceilings"][0]["read_gbs"] > 0
+    assert {"cpu", "blas", "date", "ltx2blas"} <= set(results["machine"])
+    text = (tmp_path / "results.md").read_text()
+    for section in ("## Ceilings", "## Fuse", "## Linear", "## Checkpoint"):
+        assert section in text
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    for png in ("fuse_threads.png", "linear_threads.png", "checkpoint_threads.png",
+                "linear_roofline.png"):
+        assert (tmp_path / png).stat().st_size > 1000
