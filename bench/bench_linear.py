@@ -18,7 +18,6 @@ import argparse
 import math
 import os
 import sys
-import threading
 import time
 
 import numpy as np

@@ -329,12 +329,15 @@ def scan_bf16(const uint16_t[::1] bits):
     return hi, lo, first
 
 
-def sgemm(const float[:, ::1] x, const float[:, ::1] y):
-    """x @ y by one sgemm call; for tests and benchmarks."""
+def sgemm(const float[:, ::1] x, const float[:, ::1] y, out=None):
+    """x @ y by one sgemm call (into ``out`` when given); for tests and benchmarks."""
     cdef Py_ssize_t m = x.shape[0], k = x.shape[1], n = y.shape[1]
     if y.shape[0] != k:
         raise ValueError("shape mismatch")
-    out = np.zeros((m, n), np.float32)
+    if out is None:
+        out = np.zeros((m, n), np.float32)
+    elif out.shape != (m, n) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError("out must be a C-contiguous float32 array of the product's shape")
     cdef float[:, ::1] c = out
     if m and n and k:
         with nogil:

@@ -82,6 +82,7 @@ OK_ENTRY = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
      "duplicate key"),
     (lambda p: raw_file(p, {"a": dict(OK_ENTRY, dtype="F12")}, b"\0" * 8), "unknown dtype"),
     (lambda p: raw_file(p, {"a": dict(OK_ENTRY, dtype="bf16")}, b"\0" * 8), "unknown dtype"),
+    (lambda p: raw_file(p, {"a": dict(OK_ENTRY, dtype=["F32"])}, b"\0" * 8), "unknown dtype"),
     (lambda p: raw_file(p, {"a": dict(OK_ENTRY, shape=[-1])}, b"\0" * 8), "shape"),
     (lambda p: raw_file(p, {"a": dict(OK_ENTRY, shape=[1.0, 2])}, b"\0" * 8), "shape"),
     (lambda p: raw_file(p, {"a": dict(OK_ENTRY, shape=[True, 2])}, b"\0" * 8), "shape"),

@@ -163,6 +163,8 @@ class SafetensorsFile:
             header = json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
         except json.JSONDecodeError as exc:
             self._fail(f"header is not valid JSON: {exc.msg} at character {exc.pos}")
+        except RecursionError:
+            self._fail("header nests JSON too deeply to be a safetensors header")
         if not isinstance(header, dict):
             self._fail(f"header is a JSON {type(header).__name__}, not an object")
         self.data_start = 8 + n
@@ -200,7 +202,7 @@ class SafetensorsFile:
             self._fail(f"{where}: " + (f"missing field(s) {missing}" if missing else
                                        f"unknown field(s) {extra}"))
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             self._fail(f"{where}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < 2**63 for d in shape):
             self._fail(f"{where}: shape {shape!r} is not a list of non-negative integers")
