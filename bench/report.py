@@ -15,6 +15,7 @@ def annotate(rows):
              lambda r: (r["rows"], r["cols"], r["rank"]))
     _scaling([r for r in rows if r["workload"] == "linear"], lambda r: (r["out"], r["rows"]))
     _scaling([r for r in rows if r["workload"] == "checkpoint"], lambda r: (r["blocks"], r["rank"]))
+    _scaling([r for r in rows if r["workload"] == "features"], lambda r: (r["tokens"], tuple(r["outs"])))
 
 
 def _peers(r):
@@ -73,6 +74,15 @@ def markdown(results):
             lines.append(f"| {r['threads']} | {r['blocks']} blocks, {r['checkpoint_gib']:.2f} GiB | {r['rank']} | "
                          f"{r['gflop']:.0f} | {r['seconds']:.2f} | {r['gflops']:.0f} | {r['of_sgemm']:.2f} | "
                          f"{_eff(r)} | {r['peak_rss_mib']:.0f} | {'yes' if r['checked'] else 'NO'} |")
+    feats = [r for r in rows if r["workload"] == "features"]
+    if feats:
+        lines += ["", "## Text feature extractor (V2: normalise, flatten, video + audio projections)", "",
+                  "| threads | tokens (valid) | outs | s | GFLOP/s | ÷ sgemm | all rows s | saving | scaling | peak RSS MiB | checked |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in feats:
+            lines.append(f"| {r['threads']} | {r['tokens']} ({r['valid']}) | {'+'.join(map(str, r['outs']))} | "
+                         f"{r['seconds']:.2f} | {r['gflops']:.0f} | {r['of_sgemm']:.2f} | {r['all_rows_seconds']:.2f} | "
+                         f"{r['saving']:.0%} | {_eff(r)} | {r['peak_rss_mib']:.0f} | {'yes' if r['checked'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -93,6 +103,7 @@ def plots(results, folder):
         "fuse": lambda r: f"fuse {r['rows']}x{r['cols']} r{r['rank']}",
         "linear": lambda r: f"linear out {r['out']} M {r['rows']}",
         "checkpoint": lambda r: f"checkpoint {r['blocks']} blocks r{r['rank']}",
+        "features": lambda r: f"features T {r['tokens']} outs {'+'.join(map(str, r['outs']))}",
     }
     for workload, label in groups.items():
         mine = [r for r in rows if r["workload"] == workload]

@@ -18,7 +18,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
-WORKLOADS = ("fuse", "linear", "checkpoint")
+WORKLOADS = ("fuse", "linear", "checkpoint", "features")
 
 
 def main(argv=None):
@@ -33,6 +33,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     harness.check_installed_not_checkout()
     import bench_checkpoint
+    import bench_features
     import bench_fuse
     import bench_linear
     import report
@@ -74,6 +75,11 @@ def main(argv=None):
             rows += bench_checkpoint.run(threads, 1, 64, ceilings, repeats=1)
         else:
             rows += bench_checkpoint.run(threads, 2, 384, ceilings, repeats=3)
+    if "features" in only:
+        if args.quick:
+            rows += bench_features.run(threads, 48, 0.3, (256, 128), ceilings, repeats=1)
+        else:
+            rows += bench_features.run(threads, 1024, 0.3, (4096, 2048), ceilings)
     report.annotate(rows)
     results = {"machine": harness.machine(), "quick": args.quick,
                "ceilings": [ceilings[t] for t in threads], "rows": rows,

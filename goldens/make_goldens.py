@@ -67,14 +67,43 @@ def fuse_cases(ref):
     return cases
 
 
+def feature_cases(ref):
+    """Text feature extractor cases (spec §4): hidden states, mask, projections, the bf16
+    features and the exact (f64) projections."""
+    rng = np.random.default_rng(20260202)
+    cases = {}
+    for version, shape, outs in (("v1", (2, 7, 16, 5), (12,)), ("v2", (2, 6, 24, 3), (10, 6))):
+        hidden = ref.bf16_round(rng.standard_normal(shape).astype(np.float32) * np.float32(2.5))
+        mask = np.ones(shape[:2], bool)
+        mask[0, shape[1] - 2:] = False
+        mask[1, 0] = False
+        width = shape[2] * shape[3]
+        case = {"hidden": hidden, "mask": mask, "version": np.array(version)}
+        projections = []
+        for i, out in enumerate(outs):
+            w = ref.bf16_round(rng.standard_normal((out, width)).astype(np.float32) * np.float32(0.05))
+            b = None if version == "v1" else rng.standard_normal(out).astype(np.float32)
+            case[f"weight{i}"] = w
+            if b is not None:
+                case[f"bias{i}"] = b
+            projections.append((w, b))
+            case[f"features{i}"] = ref.text_features_normalized(hidden, mask, version, out)
+        for i, y in enumerate(ref.text_features(hidden, mask, projections, version)):
+            case[f"expected{i}"] = y
+        cases[f"features_{version}"] = case
+    return cases
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="compare with the files, write nothing")
     args = parser.parse_args(argv)
     ref = load_reference()
     bad = 0
-    for name, case in fuse_cases(ref).items():
-        path = os.path.join(HERE, f"fuse_{name}.npz")
+    cases = {f"fuse_{name}": case for name, case in fuse_cases(ref).items()}
+    cases.update(feature_cases(ref))
+    for name, case in cases.items():
+        path = os.path.join(HERE, f"{name}.npz")
         if args.check:
             with np.load(path) as stored:
                 same = set(stored.files) == set(case) and all(

@@ -7,6 +7,7 @@ Public API::
     linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, progress=None)
     fuse_checkpoint(model, [(path, strength), ...], output, *, threads=None, progress=None)
     fuse_state_dict(state_dict, [(path, strength), ...], *, threads=None)
+    text_features(hidden_states, attention_mask, [(weight, bias), ...], *, version="v1")
 
 ``ltx2blas.reference`` holds the arithmetic contract as plain numpy loops.
 """
@@ -28,6 +29,7 @@ from .errors import (
     ShapeError,
 )
 from .fuse import fuse_lora, fuse_loras
+from .features import normalized_features, text_features
 from .files.checkpoint import FuseReport, fuse_checkpoint, fuse_state_dict
 from .linear_layer import linear
 
@@ -40,6 +42,8 @@ __all__ = [
     "fuse_lora",
     "fuse_loras",
     "linear",
+    "text_features",
+    "normalized_features",
     "fuse_checkpoint",
     "fuse_state_dict",
     "FuseReport",

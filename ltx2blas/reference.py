@@ -190,3 +190,101 @@ def fp8_round_stochastic(bf16_bits, fmt, key, index0=0):
     special = np.where(M != 0, 0x7F, 0x7C if fmt == "F8_E5M2" else 0x7E)  # NaN; inf
     code = np.where(E == 0xFF, special, code)
     return (code | sign).astype(np.uint8)
+
+
+# --------------------------------------------------------------------------------------------
+# The text feature extractor (spec §4).  Gemma's hidden states [B, T, D, L] (D = 3840 wide,
+# L = 49 layers; f32 or bf16) are normalised per sample (V1) or per token (V2), flattened so the
+# feature index is d * L + l, cast to bf16, and projected; padded rows are zero.  The statistics
+# are sums in f64 taken in a fixed order (over d for each token, then over tokens in order), so
+# that anyone can reproduce them bit for bit; upstream computes them in the hidden states' own
+# dtype on the GPU.
+# --------------------------------------------------------------------------------------------
+
+def _hidden_f32(hidden):
+    hidden = np.asarray(hidden)
+    return bf16_widen(hidden) if hidden.dtype == np.uint16 else hidden.astype(np.float32)
+
+
+def _row_sums(x_t):
+    """x_t [D, L] f32 -> (sum over d, in order, f64, from 0.0; the same of squares)."""
+    s = np.zeros(x_t.shape[1], np.float64)
+    q = np.zeros(x_t.shape[1], np.float64)
+    for d in range(x_t.shape[0]):
+        v = x_t[d].astype(np.float64)
+        s = s + v
+        q = q + v * v
+    return s, q
+
+
+def text_feature_stats(hidden, mask, version):
+    """V1: (mean32, range32), each [B, L]; V2: inv32 [B, T, L].  See text_features."""
+    x = _hidden_f32(hidden)
+    b_n, t_n, d_n, l_n = x.shape
+    mask = np.asarray(mask).astype(bool)
+    if version == "v1":
+        mean = np.zeros((b_n, l_n), np.float32)
+        rng = np.ones((b_n, l_n), np.float32)
+        for b in range(b_n):
+            valid = np.flatnonzero(mask[b])
+            if valid.size == 0:
+                continue
+            total = np.zeros(l_n, np.float64)
+            for t in valid:                       # tokens in order
+                total = total + _row_sums(x[b, t])[0]
+            mean[b] = (total / (valid.size * d_n + 1e-6)).astype(np.float32)
+            lo = x[b, valid].min(axis=(0, 1))
+            hi = x[b, valid].max(axis=(0, 1))
+            rng[b] = (hi - lo) + np.float32(1e-6)   # f32 subtraction, then f32 addition
+        return mean, rng
+    inv = np.zeros((b_n, t_n, l_n), np.float32)
+    for b in range(b_n):
+        for t in range(t_n):
+            q = _row_sums(x[b, t])[1]
+            inv[b, t] = (1.0 / np.sqrt(q / d_n + 1e-6)).astype(np.float32)
+    return inv
+
+
+def text_features_normalized(hidden, mask, version="v1", out_features=None):
+    """The bf16 features [B, T, D * L] a projection multiplies (padded rows +0.0).
+
+    V1: f = bf16(f32(f32(x - mean) / range) * 8), mean and range per sample and layer over the
+        valid tokens x hidden dim: mean = f32(sum / (n * D + 1e-6)), range = f32(max - min) +
+        f32(1e-6).
+    V2: n = bf16(x * inv), inv = f32(1 / sqrt(sum_d x^2 / D + 1e-6)) per token and layer; then
+        f = bf16(f32(n) * f32(sqrt(out_features / D))) -- one set of features per projection."""
+    x = _hidden_f32(hidden)
+    b_n, t_n, d_n, l_n = x.shape
+    mask = np.asarray(mask).astype(bool)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        if version == "v1":
+            mean, rng = text_feature_stats(hidden, mask, "v1")
+            normed = ((x - mean[:, None, None, :]) / rng[:, None, None, :]) * np.float32(8)
+            feats = bf16_round(normed)
+        else:
+            inv = text_feature_stats(hidden, mask, "v2")
+            n = bf16_round(x * inv[:, :, None, :])
+            c = np.float32(np.sqrt(out_features / d_n))
+            feats = bf16_round(bf16_widen(n) * c)
+    feats = feats.reshape(b_n, t_n, d_n * l_n)
+    feats[~mask] = 0
+    return feats
+
+
+def text_features(hidden, mask, projections, version="v1"):
+    """spec §4: the projected features, one f64 array [B, T, out] per (weight, bias) projection,
+    padded rows zero; the projection is the exact (f64) sum of the bf16 features times the
+    weight (see text_features_normalized for the features)."""
+    outs = []
+    mask = np.asarray(mask).astype(bool)
+    for weight, bias in projections:
+        w = np.asarray(weight)
+        w64 = (bf16_widen(w) if w.dtype == np.uint16 else w.astype(np.float32)).astype(np.float64)
+        feats = text_features_normalized(hidden, mask, version, w.shape[0])
+        y = bf16_widen(feats).astype(np.float64) @ w64.T
+        if bias is not None:
+            b = np.asarray(bias)
+            y = y + (bf16_widen(b) if b.dtype == np.uint16 else b.astype(np.float32)).astype(np.float64)
+        y[~mask] = 0.0
+        outs.append(y)
+    return outs

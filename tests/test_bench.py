@@ -15,17 +15,17 @@ def test_quick_suite_runs_every_part(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     workloads = {row["workload"] for row in results["rows"]}
-    assert workloads == {"fuse", "linear", "checkpoint"}
+    assert workloads == {"fuse", "linear", "checkpoint", "features"}
     assert all(row["checked"] for row in results["rows"])
     assert results["ceilings"][0]["sgemm_gflops"] > 0 and results["ceilings"][0]["read_gbs"] > 0
     assert {"cpu", "blas", "date", "ltx2blas"} <= set(results["machine"])
     text = (tmp_path / "results.md").read_text()
-    for section in ("## Ceilings", "## Fuse", "## Linear", "## Checkpoint"):
+    for section in ("## Ceilings", "## Fuse", "## Linear", "## Checkpoint", "## Text feature"):
         assert section in text
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return
     for png in ("fuse_threads.png", "linear_threads.png", "checkpoint_threads.png",
-                "linear_roofline.png"):
+                "features_threads.png", "linear_roofline.png"):
         assert (tmp_path / png).stat().st_size > 1000

@@ -46,3 +46,33 @@ def test_reference_reproduces_golden(path):
     else:
         again = reference.fuse_loras(case["weight"], adapters)
     assert np.array_equal(again, case["expected"])
+
+
+FEATURE_CASES = sorted(glob.glob(os.path.join(GOLDENS, "features_*.npz")))
+
+
+def test_feature_goldens_exist():
+    assert len(FEATURE_CASES) == 2
+
+
+@pytest.mark.parametrize("path", FEATURE_CASES, ids=os.path.basename)
+def test_text_features_reproduce_golden(path):
+    from ltx2blas.linear_layer import gamma
+
+    with np.load(path) as f:
+        case = {k: f[k] for k in f.files}
+    version = str(case["version"])
+    count = sum(1 for k in case if k.startswith("weight"))
+    projs = [(case[f"weight{i}"], case.get(f"bias{i}")) for i in range(count)]
+    mask = case["mask"]
+    got = ltx2blas.text_features(case["hidden"], mask, projs, version=version)
+    for i, ((w, b), y) in enumerate(zip(projs, got)):
+        feats = ltx2blas.normalized_features(case["hidden"], mask, version=version,
+                                             out_features=w.shape[0])
+        assert np.array_equal(feats, case[f"features{i}"])
+        x = reference.bf16_widen(feats[mask]).astype(np.float64)
+        w64 = reference.bf16_widen(w).astype(np.float64)
+        mag = np.abs(x) @ np.abs(w64).T + (0 if b is None else np.abs(b.astype(np.float64)))
+        bound = gamma(x.shape[0], x.shape[1], w.dtype) * mag + np.spacing(np.abs(y[mask])) / 2
+        assert np.all(np.abs(y[mask] - case[f"expected{i}"][mask]) <= bound)
+        assert np.all(y[~mask] == 0)

@@ -3,7 +3,6 @@ docs/reliability.md to its test): processes killed or interrupted mid-write, a f
 read-only destination, the order of fsync and rename, and the rarer header cases."""
 import json
 import os
-import resource
 import signal
 import struct
 import subprocess

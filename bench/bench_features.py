@@ -1,0 +1,110 @@
+"""The text feature extractor forward, V2 shapes, against the same-run sgemm rate.
+
+Hidden states [1, T, 3840, 49] bf16 with a share of padded tokens, the video (4096) and audio
+(2048) projections with bias: time, GFLOP/s over the valid rows as a fraction of the same-run
+sgemm rate, peak RSS, and the saving from skipping padded rows (the same call with every row
+marked valid, interleaved).  Checked: sampled tokens' features against
+ltx2blas.reference.text_features_normalized (V2 statistics are per token, so a slice of tokens
+suffices), and sampled outputs against the exact sum of those features times the weights,
+within the derived bound.
+
+    python bench/run.py --only features          (the suite)
+    python bench/bench_features.py [--quick]     (this workload alone)
+"""
+import argparse
+import math
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+D, L = 3840, 49
+
+
+def check(h, mask, projections, outputs, rng, tokens=2, samples=6):
+    from ltx2blas import reference
+    from ltx2blas.linear_layer import gamma
+
+    valid = np.flatnonzero(mask[0])
+    pick = np.sort(rng.choice(valid, size=min(tokens, valid.size), replace=False))
+    n = int(mask.sum())
+    for (w, b), y in zip(projections, outputs):
+        feats = reference.text_features_normalized(h[:, pick], np.ones((1, pick.size), bool), "v2",
+                                                   w.shape[0])[0]
+        x = reference.bf16_widen(feats).astype(np.float64)
+        for _ in range(samples):
+            i, o = rng.integers(pick.size), rng.integers(w.shape[0])
+            terms = x[i] * reference.bf16_widen(w[o]).astype(np.float64)
+            exact = math.fsum(list(terms) + [float(b[o])])
+            bound = gamma(n, x.shape[1], w.dtype) * (np.abs(terms).sum() + abs(float(b[o])))
+            got = float(y[0, pick[i], o])
+            if abs(got - exact) > bound + np.spacing(np.float32(abs(got))) / 2:
+                return False
+        if not np.all(y[0, ~mask[0]] == 0):
+            return False
+    return True
+
+
+def run(threads_list, tokens, padding, outs, ceilings, repeats=2, log=print):
+    import ltx2blas
+
+    rng = np.random.default_rng(0)
+    h = harness.random_bf16(rng, (1, tokens, D, L), 1.0)
+    mask = np.ones((1, tokens), bool)
+    mask[0, int(round(tokens * (1 - padding))):] = False
+    full = np.ones_like(mask)
+    projections = [(harness.random_bf16(rng, (o, D * L), 0.02),
+                    rng.standard_normal(o).astype(np.float32)) for o in outs]
+    n = int(mask.sum())
+    flops = 2.0 * n * D * L * sum(outs)
+    rows = []
+    for threads in threads_list:
+        state = {}
+        harness.reset_peak_rss()
+        t = harness.interleaved({
+            "valid": lambda: state.__setitem__("y", ltx2blas.text_features(
+                h, mask, projections, version="v2", threads=threads)),
+            "all_rows": lambda: ltx2blas.text_features(h, full, projections, version="v2",
+                                                       threads=threads),
+        }, repeats=repeats, warmup=0)
+        seconds = t["valid"]["median"]
+        rate = flops / seconds / 1e9
+        peak = ceilings[threads]["sgemm_gflops"]
+        row = {"workload": "features", "version": "v2", "tokens": tokens, "valid": n,
+               "outs": list(outs), "threads": threads, "seconds": seconds, "gflops": rate,
+               "sgemm_gflops": peak, "of_sgemm": rate / peak,
+               "all_rows_seconds": t["all_rows"]["median"],
+               "saving": 1 - seconds / t["all_rows"]["median"],
+               "peak_rss_mib": harness.peak_rss_mib(), "spread": t["valid"]["spread"],
+               "checked": check(h, mask, projections, state["y"], rng)}
+        rows.append(row)
+        log(f"features v2 threads={threads} T={tokens} ({n} valid) outs {list(outs)}: "
+            f"{seconds:.2f} s, {rate:.1f} GFLOP/s, {row['of_sgemm']:.2f} of sgemm ({peak:.0f}); "
+            f"all {tokens} rows {row['all_rows_seconds']:.2f} s -> skipping padding saves "
+            f"{row['saving']:.0%}; peak RSS {row['peak_rss_mib']:.0f} MiB; checked={row['checked']}")
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", default=None)
+    args = parser.parse_args(argv)
+    harness.check_installed_not_checkout()
+    from ltx2blas._threads import available_cpus
+
+    threads = ([int(t) for t in args.threads.split(",")] if args.threads
+               else list(range(1, available_cpus() + 1)))
+    ceilings = {t: harness.ceilings(t) for t in threads}
+    if args.quick:
+        rows = run(threads, 48, 0.3, (256, 128), ceilings, repeats=1)
+    else:
+        rows = run(threads, 1024, 0.3, (4096, 2048), ceilings)
+    return 0 if all(r["checked"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,352 @@
+"""Driver of the text feature extractor: per-row statistics, then normalisation a super-chunk of
+features at a time straight into GEMM panels, shared by every projection.
+
+The panels are laid out exactly as ltx2blas.linear lays out its widened input panels (chunk c of
+kb features, rows packed, row stride = the chunk's width), and every task adds its chunks with
+the same calls in the same order, so a projection's result is byte-identical to
+``linear(features, weight, bias)`` on the same features -- without the features ever existing
+whole.
+"""
+from cython.parallel cimport parallel, prange
+from libc.math cimport NAN, isnan
+from libc.stdint cimport int64_t, uint16_t, uint32_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+
+from ._gemm cimport kernels, ltx_kernels, sgemm_wxt
+
+cdef extern from *:
+    """
+    #include <stdlib.h>
+    static void *ltx_aligned_alloc(size_t bytes) {
+        void *p = NULL;
+        if (bytes == 0) bytes = 64;
+        if (posix_memalign(&p, 64, (bytes + 63) & ~(size_t)63) != 0) return NULL;
+        return p;
+    }
+    #ifdef _OPENMP
+    #include <omp.h>
+    #else
+    static int omp_get_thread_num(void) { return 0; }
+    #endif
+    """
+    void *ltx_aligned_alloc(size_t bytes) nogil
+    int omp_get_thread_num() nogil
+
+
+cdef inline float f32_of_bits(uint32_t u) noexcept nogil:
+    cdef float f
+    memcpy(&f, &u, 4)
+    return f
+
+
+cdef inline float bf16_round(float f) noexcept nogil:
+    """f32(bf16(f)): nearest-even, NaN to the quiet NaN with its sign (as kernels.c does)."""
+    cdef uint32_t u
+    memcpy(&u, &f, 4)
+    if f != f:
+        return f32_of_bits((u & 0x80000000u) | 0x7FC00000u)
+    return f32_of_bits((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u)
+
+
+cdef inline float load(const void *src, bint bf16, Py_ssize_t i) noexcept nogil:
+    if bf16:
+        return f32_of_bits(<uint32_t>(<const uint16_t *>src)[i] << 16)
+    return (<const float *>src)[i]
+
+
+def row_stats(hidden, const int64_t[::1] rows, int layers, double[:, ::1] sums,
+              double[:, ::1] squares, float[:, ::1] lows, float[:, ::1] highs, int threads):
+    """For each listed row of ``hidden`` ([rows, D * L], bf16 bits or f32): per layer, the sum
+    and the sum of squares over d in order from 0.0 (f64), and the min and max (NaN wins)."""
+    cdef bint bf16 = hidden.dtype.itemsize == 2
+    cdef const uint16_t[:, ::1] h16
+    cdef const float[:, ::1] h32
+    cdef const void *base
+    cdef Py_ssize_t width = hidden.shape[1], n = rows.shape[0], r, d, l, depth = width // layers
+    cdef const void *row
+    cdef double v
+    cdef float f
+    if bf16:
+        h16 = hidden
+        base = &h16[0, 0]
+    else:
+        h32 = hidden
+        base = &h32[0, 0]
+    with nogil:
+        for r in prange(n, num_threads=threads, schedule="static"):
+            row = <const char *>base + rows[r] * width * (2 if bf16 else 4)
+            for l in range(layers):
+                sums[r, l] = 0.0
+                squares[r, l] = 0.0
+                lows[r, l] = load(row, bf16, l)
+                highs[r, l] = lows[r, l]
+            for d in range(depth):
+                for l in range(layers):
+                    f = load(row, bf16, d * layers + l)
+                    v = f
+                    sums[r, l] = sums[r, l] + v
+                    squares[r, l] = squares[r, l] + v * v
+                    if isnan(f) or isnan(lows[r, l]):
+                        lows[r, l] = NAN
+                        highs[r, l] = NAN
+                    else:
+                        if f < lows[r, l]:
+                            lows[r, l] = f
+                        if f > highs[r, l]:
+                            highs[r, l] = f
+
+
+cdef struct Proj:
+    const uint16_t *w16       # [out, F] bf16, or
+    const float *w32          # [out, F] f32
+    const float *bias         # [out] f32 or NULL
+    float *acc                # every task's transposed accumulator, task after task
+    float *x                  # this projection's panels of the current super-chunk
+    float scale               # V2: sqrt(out / D) as f32; V1: unused
+    Py_ssize_t out, panels, first_task
+
+
+cdef struct Job:
+    const void *hidden        # [B * T, F]
+    bint bf16
+    Py_ssize_t width          # F = D * L
+    int layers
+    const int64_t *rows       # valid rows (indices into hidden), in order
+    const int64_t *sample     # the sample each valid row belongs to
+    Py_ssize_t n              # number of valid rows
+    bint v2
+    const float *mean         # V1: [B, L]
+    const float *range_       # V1: [B, L]
+    const float *inv          # V2: [n, L]
+    int count                 # projections
+    Proj *proj
+    int mb, ob, kb
+    Py_ssize_t row_blocks
+    bint stream
+    const ltx_kernels *kern
+
+
+cdef void normalize_row(const Job *job, Py_ssize_t r, Py_ssize_t s0, Py_ssize_t s1) noexcept nogil:
+    """Row r's features [s0, s1) into every projection's panels (chunk c at c * n * kb, the
+    row at r * kt within it)."""
+    cdef const void *row = <const char *>job.hidden + job.rows[r] * job.width * (2 if job.bf16 else 4)
+    cdef Py_ssize_t c0 = s0, j, base, c = 0
+    cdef int l, p, kt
+    cdef float v, nb
+    cdef const float *mean = job.mean + job.sample[r] * job.layers if not job.v2 else NULL
+    cdef const float *rng = job.range_ + job.sample[r] * job.layers if not job.v2 else NULL
+    cdef const float *inv = job.inv + r * job.layers if job.v2 else NULL
+    while c0 < s1:
+        kt = <int>min(<Py_ssize_t>job.kb, job.width - c0)
+        base = c * job.n * job.kb + r * kt
+        l = <int>(c0 % job.layers)
+        for j in range(kt):
+            v = load(row, job.bf16, c0 + j)
+            if job.v2:
+                nb = bf16_round(v * inv[l])
+                for p in range(job.count):
+                    job.proj[p].x[base + j] = bf16_round(nb * job.proj[p].scale)
+            else:
+                v = bf16_round(((v - mean[l]) / rng[l]) * <float>8.0)
+                for p in range(job.count):
+                    job.proj[p].x[base + j] = v
+            l += 1
+            if l == job.layers:
+                l = 0
+        c0 += kt
+        c += 1
+
+
+cdef void run_task(const Job *job, Py_ssize_t task, Py_ssize_t s0, Py_ssize_t s1,
+                   float *panel) noexcept nogil:
+    """One task's (rows x features) accumulation over the chunks of super-chunk [s0, s1)."""
+    cdef int p = 0
+    while p + 1 < job.count and task >= job.proj[p + 1].first_task:
+        p += 1
+    cdef Proj *pr = &job.proj[p]
+    cdef Py_ssize_t local = task - pr.first_task
+    cdef Py_ssize_t mi = local // pr.panels, oi = local % pr.panels
+    cdef Py_ssize_t m0 = mi * job.mb, o0 = oi * job.ob
+    cdef int mt = <int>min(<Py_ssize_t>job.mb, job.n - m0)
+    cdef int ot = <int>min(<Py_ssize_t>job.ob, pr.out - o0)
+    cdef float *acc = pr.acc + local * job.mb * job.ob
+    cdef Py_ssize_t c0, c = 0
+    cdef int kt
+    cdef const float *xp
+    cdef const float *wp
+    cdef int ldw
+    c0 = s0
+    while c0 < s1:
+        kt = <int>min(<Py_ssize_t>job.kb, job.width - c0)
+        xp = pr.x + c * job.n * job.kb + m0 * kt
+        if job.stream:
+            job.kern.stream_wxt(mt, ot, kt, xp, kt, pr.w16 + o0 * job.width + c0, job.width, acc)
+        else:
+            if pr.w16 != NULL:
+                job.kern.widen_bf16_rows(pr.w16 + o0 * job.width + c0, job.width, panel, kt, ot, kt)
+                wp, ldw = panel, kt
+            else:
+                wp, ldw = pr.w32 + o0 * job.width + c0, <int>job.width
+            sgemm_wxt(mt, ot, kt, xp, kt, wp, ldw, 1.0, acc, mt)
+        c0 += kt
+        c += 1
+
+
+cdef class FeaturePlan:
+    """One text_features call: run(s0, s1) normalises features [s0, s1) (a whole number of
+    chunks) and adds them into every projection's accumulators; finish(outputs) scatters the
+    results to their tokens."""
+    cdef Job job
+    cdef Proj *proj
+    cdef char *panels
+    cdef size_t panel_len
+    cdef int threads
+    cdef readonly Py_ssize_t tasks
+    cdef object keep
+
+    def __cinit__(self):
+        self.proj = NULL
+        self.panels = NULL
+
+    def __init__(self, hidden, const int64_t[::1] rows, const int64_t[::1] sample, bint v2,
+                 mean, range_, inv, list weights, list biases, list accs, list xs, list scales,
+                 int mb, int ob, int kb, bint stream, int threads, int layers):
+        cdef const uint16_t[:, ::1] h16
+        cdef const float[:, ::1] h32
+        cdef const uint16_t[:, ::1] w16
+        cdef const float[:, ::1] w32
+        cdef const float[::1] b32
+        cdef float[::1] acc
+        cdef float[::1] x
+        cdef const float[:, ::1] st
+        cdef int p, count = len(weights)
+        cdef Py_ssize_t first = 0
+        self.keep = [hidden, rows, sample, mean, range_, inv, weights, biases, accs, xs]
+        self.job.bf16 = hidden.dtype.itemsize == 2
+        if self.job.bf16:
+            h16 = hidden
+            self.job.hidden = &h16[0, 0]
+        else:
+            h32 = hidden
+            self.job.hidden = &h32[0, 0]
+        self.job.width = hidden.shape[1]
+        self.job.layers = layers
+        self.job.rows = &rows[0]
+        self.job.sample = &sample[0]
+        self.job.n = rows.shape[0]
+        self.job.v2 = v2
+        self.job.mean = self.job.range_ = self.job.inv = NULL
+        if v2:
+            st = inv
+            self.job.inv = &st[0, 0]
+        else:
+            st = mean
+            self.job.mean = &st[0, 0]
+            st = range_
+            self.job.range_ = &st[0, 0]
+        self.job.mb, self.job.ob, self.job.kb = mb, ob, kb
+        self.job.row_blocks = (self.job.n + mb - 1) // mb
+        self.job.stream = stream
+        self.job.kern = kernels(True)
+        self.job.count = count
+        self.proj = <Proj *>malloc(count * sizeof(Proj))
+        if self.proj == NULL:
+            raise MemoryError()
+        for p in range(count):
+            w = weights[p]
+            self.proj[p].w16 = NULL
+            self.proj[p].w32 = NULL
+            if w.dtype.itemsize == 2:
+                w16 = w
+                self.proj[p].w16 = &w16[0, 0]
+            else:
+                w32 = w
+                self.proj[p].w32 = &w32[0, 0]
+            self.proj[p].bias = NULL
+            if biases[p] is not None:
+                b32 = biases[p]
+                self.proj[p].bias = &b32[0]
+            acc = accs[p]
+            self.proj[p].acc = &acc[0]
+            x = xs[p]
+            self.proj[p].x = &x[0]
+            self.proj[p].scale = scales[p]
+            self.proj[p].out = w.shape[0]
+            self.proj[p].panels = (w.shape[0] + ob - 1) // ob
+            self.proj[p].first_task = first
+            first += self.job.row_blocks * self.proj[p].panels
+        self.job.proj = self.proj
+        self.tasks = first
+        self.threads = threads
+        self.panel_len = (<size_t>ob * kb * sizeof(float) + 63) & ~(<size_t>63)
+        if not stream:
+            self.panels = <char *>ltx_aligned_alloc(self.panel_len * threads)
+            if self.panels == NULL:
+                raise MemoryError("could not allocate the weight panel buffers")
+        self._start_accumulators()
+
+    cdef void _start_accumulators(self):
+        """Every task's accumulator starts from its bias (or +0.0), as linear() does."""
+        cdef int p
+        cdef Py_ssize_t task, local, mi, oi, m0, o0, r, m
+        cdef int mt, ot
+        cdef Proj *pr
+        for p in range(self.job.count):
+            pr = &self.proj[p]
+            for local in range(self.job.row_blocks * pr.panels):
+                mi, oi = local // pr.panels, local % pr.panels
+                m0, o0 = mi * self.job.mb, oi * self.job.ob
+                mt = <int>min(<Py_ssize_t>self.job.mb, self.job.n - m0)
+                ot = <int>min(<Py_ssize_t>self.job.ob, pr.out - o0)
+                for r in range(ot):
+                    for m in range(mt):
+                        pr.acc[local * self.job.mb * self.job.ob + r * mt + m] = \
+                            pr.bias[o0 + r] if pr.bias != NULL else 0.0
+
+    def __dealloc__(self):
+        free(self.proj)
+        free(self.panels)
+
+    def normalize_only(self, Py_ssize_t s0, Py_ssize_t s1):
+        """Only the normalisation of features [s0, s1) into the panels (for checking)."""
+        cdef Py_ssize_t r
+        cdef int threads = self.threads
+        with nogil:
+            for r in prange(self.job.n, num_threads=threads, schedule="static"):
+                normalize_row(&self.job, r, s0, s1)
+
+    def run(self, Py_ssize_t s0, Py_ssize_t s1):
+        cdef Py_ssize_t r, t
+        cdef int threads = self.threads
+        cdef float *mine
+        with nogil:
+            for r in prange(self.job.n, num_threads=threads, schedule="static"):
+                normalize_row(&self.job, r, s0, s1)
+            with parallel(num_threads=threads):
+                mine = <float *>(self.panels + self.panel_len * omp_get_thread_num()) \
+                    if self.panels != NULL else NULL
+                for t in prange(self.tasks, schedule="dynamic"):
+                    run_task(&self.job, t, s0, s1, mine)
+
+    def finish(self, list outputs):
+        """Scatter each task's transposed accumulator into its rows of the outputs
+        ([B * T, out] f32, zero where no valid row lands)."""
+        cdef float[:, ::1] y
+        cdef int p
+        cdef Py_ssize_t local, mi, oi, m0, o0, r, m
+        cdef int mt, ot
+        cdef Proj *pr
+        for p in range(self.job.count):
+            y = outputs[p]
+            pr = &self.proj[p]
+            with nogil:
+                for local in range(self.job.row_blocks * pr.panels):
+                    mi, oi = local // pr.panels, local % pr.panels
+                    m0, o0 = mi * self.job.mb, oi * self.job.ob
+                    mt = <int>min(<Py_ssize_t>self.job.mb, self.job.n - m0)
+                    ot = <int>min(<Py_ssize_t>self.job.ob, pr.out - o0)
+                    for m in range(mt):
+                        for r in range(ot):
+                            y[self.job.rows[m0 + m], o0 + r] = \
+                                pr.acc[local * self.job.mb * self.job.ob + r * mt + m]

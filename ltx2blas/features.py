@@ -1,0 +1,199 @@
+"""The text feature extractor's forward (spec §4): normalise Gemma's hidden states, flatten them
+to D * L features per token and project them -- without ever materialising the features.
+
+Only valid (unmasked) tokens are computed; padded rows of every output are zero.  The features
+are produced a super-chunk at a time straight into the GEMM's input panels and shared by every
+projection, so a call reads the hidden states twice (statistics, then features) and holds about
+``valid tokens x 4096 x 4`` bytes of features per projection at a time, where the flattened f32
+features of 1024 tokens would take 770 MB.  The arithmetic is :mod:`ltx2blas.reference`'s
+``text_features``; each projection's result is byte-identical to :func:`ltx2blas.linear` on the
+materialised features (same blocks, same order of additions).
+"""
+import math
+
+import numpy as np
+
+from . import _features
+from ._dtypes import is_ml_bfloat16
+from ._threads import blas_single_threaded, resolve_threads
+from .errors import DTypeError, LayoutError, ShapeError
+from .linear_layer import plan
+
+__all__ = ["text_features", "normalized_features"]
+
+_VERSIONS = ("v1", "v2")
+
+
+def _bits_or_f32(array, name):
+    if not isinstance(array, np.ndarray):
+        raise DTypeError(f"{name} must be a numpy array, got {type(array).__name__}")
+    if array.dtype == np.dtype(np.float32) or array.dtype == np.dtype(np.uint16):
+        return array
+    if is_ml_bfloat16(array.dtype):
+        return array.view(np.uint16)
+    raise DTypeError(f"{name} must be float32 or bfloat16 (ml_dtypes.bfloat16, or uint16 bit "
+                     f"patterns) in native byte order, got {array.dtype}")
+
+
+def _validate(hidden_states, attention_mask, version):
+    if version not in _VERSIONS:
+        raise ValueError(f"version must be 'v1' or 'v2', got {version!r}")
+    hidden = _bits_or_f32(hidden_states, "hidden_states")
+    if hidden.ndim != 4:
+        raise ShapeError(f"hidden_states must be [B, T, D, L], got shape {hidden.shape}")
+    if not hidden.flags.c_contiguous:
+        raise LayoutError("hidden_states must be C-contiguous; pass np.ascontiguousarray(...)")
+    if not isinstance(attention_mask, np.ndarray):
+        raise DTypeError(f"attention_mask must be a numpy array, got {type(attention_mask).__name__}")
+    if attention_mask.dtype.kind not in "biu":
+        raise DTypeError(f"attention_mask must be bool or integer, got {attention_mask.dtype}")
+    if attention_mask.shape != hidden.shape[:2]:
+        raise ShapeError(f"attention_mask has shape {attention_mask.shape}, hidden_states "
+                         f"{hidden.shape}: expected [B, T] = {hidden.shape[:2]}")
+    return hidden, attention_mask.astype(bool)
+
+
+def _statistics(flat, rows, sample, batch, layers, depth, version, threads):
+    """V1: (mean32, range32) [B, L]; V2: inv32 [n, L] -- the reference's arithmetic."""
+    n = rows.shape[0]
+    sums = np.empty((n, layers), np.float64)
+    squares = np.empty((n, layers), np.float64)
+    lows = np.empty((n, layers), np.float32)
+    highs = np.empty((n, layers), np.float32)
+    _features.row_stats(flat, rows, layers, sums, squares, lows, highs, threads)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        if version == "v2":
+            return (1.0 / np.sqrt(squares / depth + 1e-6)).astype(np.float32)
+        mean = np.zeros((batch, layers), np.float32)
+        rng = np.ones((batch, layers), np.float32)
+        for b in range(batch):
+            mine = sample == b
+            count = int(mine.sum())
+            if count == 0:
+                continue
+            total = np.cumsum(sums[mine], axis=0)[-1]     # over tokens in order, from the first
+            mean[b] = (total / (count * depth + 1e-6)).astype(np.float32)
+            rng[b] = (highs[mine].max(axis=0) - lows[mine].min(axis=0)) + np.float32(1e-6)
+            nan = np.isnan(lows[mine]).any(axis=0)
+            mean[b][nan] = np.nan
+        return mean, rng
+
+
+def text_features(hidden_states, attention_mask, projections, *, version="v1", threads=None,
+                  progress=None):
+    """The text feature extractor's forward: normalise, flatten, project.
+
+    Parameters
+    ----------
+    hidden_states : bf16 or float32 array [B, T, D, L]
+        Gemma's stacked hidden states (LTX-2: D = 3840, L = 49), C-contiguous.
+    attention_mask : bool or integer array [B, T]
+        Nonzero for valid tokens; padded tokens are skipped and their output rows are zero.
+    projections : list of (weight, bias)
+        weight bf16 or f32 [out, D * L]; bias None, bf16 or f32 [out].  V1: one Linear (LTX-2,
+        3840 out, no bias); V2: the video and audio Linears (LTX-2.3, 4096 and 2048, with bias).
+    version : "v1" or "v2"
+        V1: per-sample, per-layer mean/range normalisation times 8; V2: per-token RMS
+        normalisation, rescaled by sqrt(out / D) for each projection (spec §4).
+    threads, progress : as for :func:`ltx2blas.linear`.
+
+    Returns
+    -------
+    list of float32 arrays [B, T, out], one per projection.
+    """
+    hidden, mask = _validate(hidden_states, attention_mask, version)
+    batch, tokens, depth, layers = hidden.shape
+    width = depth * layers
+    projections = list(projections)
+    if not projections:
+        raise ValueError("projections must hold at least one (weight, bias)")
+    if version == "v1" and len(projections) != 1:
+        raise ValueError(f"version 'v1' has one projection, got {len(projections)}")
+    weights, biases = [], []
+    for i, item in enumerate(projections):
+        try:
+            weight, bias = item
+        except (TypeError, ValueError):
+            raise TypeError(f"projections[{i}] must be (weight, bias)") from None
+        w = _bits_or_f32(weight, f"projections[{i}] weight")
+        if w.ndim != 2 or w.shape[1] != width:
+            raise ShapeError(f"projections[{i}] weight has shape {w.shape}, expected "
+                             f"[out, {width}] (D * L = {depth} * {layers})")
+        if not w.flags.c_contiguous:
+            raise LayoutError(f"projections[{i}] weight must be C-contiguous")
+        if bias is not None:
+            bias = _bits_or_f32(bias, f"projections[{i}] bias")
+            if bias.shape != (w.shape[0],):
+                raise ShapeError(f"projections[{i}] bias has shape {bias.shape}, expected ({w.shape[0]},)")
+            bias = (np.ascontiguousarray(bias).astype(np.uint32) << 16).view(np.float32) \
+                if bias.dtype == np.uint16 else np.ascontiguousarray(bias)
+        weights.append(w)
+        biases.append(bias)
+    if len({w.dtype for w in weights}) != 1:
+        raise DTypeError("the projections' weights must share one dtype (all bf16 or all f32)")
+    threads = resolve_threads(threads)
+
+    flat = hidden.reshape(batch * tokens, width)
+    rows = np.flatnonzero(mask.reshape(-1)).astype(np.int64)
+    sample = (rows // tokens).astype(np.int64)
+    n = rows.shape[0]
+    outputs = [np.zeros((batch * tokens, w.shape[0]), np.float32) for w in weights]
+    if n == 0 or width == 0:
+        if progress is not None:
+            progress(1.0)
+        return [y.reshape(batch, tokens, -1) for y in outputs]
+
+    route, (mb, ob, kb) = plan(n, weights[0].dtype, "f32")
+    with blas_single_threaded():
+        stats = _statistics(flat, rows, sample, batch, layers, depth, version, threads)
+        mean, rng, inv = (None, None, stats) if version == "v2" else (*stats, None)
+        group = max(1, 4096 // kb) * kb if kb < width else width  # features per super-chunk
+        chunks_per_group = -(-min(group, width) // kb)
+        xs = [np.empty(n * kb * chunks_per_group, np.float32) for _ in weights]
+        accs = []
+        row_blocks = -(-n // mb)
+        for w in weights:
+            accs.append(np.empty(row_blocks * -(-w.shape[0] // ob) * mb * ob, np.float32))
+        scales = [float(np.float32(math.sqrt(w.shape[0] / depth))) for w in weights]
+        job = _features.FeaturePlan(flat, rows, sample, version == "v2", mean, rng, inv,
+                                    weights, biases, accs, xs, scales, mb, ob, kb,
+                                    route == "stream", threads, layers)
+        for s0 in range(0, width, group):
+            s1 = min(width, s0 + group)
+            job.run(s0, s1)
+            if progress is not None:
+                progress(s1 / width)
+        job.finish(outputs)
+    return [y.reshape(batch, tokens, -1) for y in outputs]
+
+
+def normalized_features(hidden_states, attention_mask, *, version="v1", out_features=None,
+                        threads=None):
+    """The bf16 features a projection multiplies, materialised [B, T, D * L] (padded rows +0.0):
+    for checking and inspection -- text_features never builds them.  V2 needs the projection's
+    ``out_features`` (its rescaling depends on it)."""
+    hidden, mask = _validate(hidden_states, attention_mask, version)
+    batch, tokens, depth, layers = hidden.shape
+    if version == "v2" and not out_features:
+        raise ValueError("version 'v2' rescales by sqrt(out_features / D): pass out_features")
+    width = depth * layers
+    identity = np.zeros((1, width), np.uint16)  # a weight only to drive the normaliser
+    flat = hidden.reshape(batch * tokens, width)
+    rows = np.flatnonzero(mask.reshape(-1)).astype(np.int64)
+    sample = (rows // tokens).astype(np.int64)
+    n = rows.shape[0]
+    feats = np.zeros((batch * tokens, width), np.uint16)
+    if n == 0 or width == 0:
+        return feats.reshape(batch, tokens, width)
+    threads = resolve_threads(threads)
+    stats = _statistics(flat, rows, sample, batch, layers, depth, version, threads)
+    mean, rng, inv = (None, None, stats) if version == "v2" else (*stats, None)
+    x = np.empty(n * width, np.float32)
+    scale = float(np.float32(math.sqrt(out_features / depth))) if version == "v2" else 1.0
+    # one 1 x 1 task per row: its accumulator is a single float each
+    job = _features.FeaturePlan(flat, rows, sample, version == "v2", mean, rng, inv,
+                                [identity], [None], [np.empty(n, np.float32)], [x], [scale],
+                                1, 1, width, True, threads, layers)
+    job.normalize_only(0, width)
+    feats[rows] = (x.reshape(n, width).view(np.uint32) >> 16).astype(np.uint16)
+    return feats.reshape(batch, tokens, width)

@@ -1,0 +1,168 @@
+"""The text feature extractor: the features are the reference's bit for bit, each projection is
+byte-identical to ltx2blas.linear on the materialised features and within the derived bound of
+the exact projection, padded rows are skipped and zero, nothing depends on the thread count,
+and the features are never materialised."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ltx2blas
+from ltx2blas import errors, reference
+from ltx2blas.linear_layer import gamma
+
+
+def hidden(rng, shape, bf16=True, scale=3.0):
+    x = rng.standard_normal(shape).astype(np.float32) * np.float32(scale)
+    return reference.bf16_round(x) if bf16 else x
+
+
+def projections(rng, version, width, outs=None):
+    outs = outs or ((24,) if version == "v1" else (24, 12))
+    ws = [reference.bf16_round(rng.standard_normal((o, width)).astype(np.float32) * 0.05) for o in outs]
+    bs = [None] * len(ws) if version == "v1" else [rng.standard_normal(o).astype(np.float32) for o in outs]
+    return list(zip(ws, bs))
+
+
+def masks(batch, tokens):
+    right = np.ones((batch, tokens), bool)
+    right[0, tokens * 2 // 3:] = False          # right padding
+    left = np.ones((batch, tokens), bool)
+    left[-1, : tokens // 3] = False             # left padding
+    empty = right.copy()
+    empty[-1] = False                           # a sample with no valid token
+    return {"right": right, "left": left, "none-valid": empty, "all": np.ones((batch, tokens), bool)}
+
+
+def within_bound(got, projections_, feats_by_proj, mask):
+    """|got - exact| <= gamma * sum|f w| (+ |bias|) + half an ulp, on valid rows; 0 elsewhere."""
+    for y, (w, b), f in zip(got, projections_, feats_by_proj):
+        x = reference.bf16_widen(f[mask]).astype(np.float64)
+        w64 = reference.bf16_widen(w).astype(np.float64)
+        exact = x @ w64.T + (0 if b is None else b.astype(np.float64))
+        mag = np.abs(x) @ np.abs(w64).T + (0 if b is None else np.abs(b.astype(np.float64)))
+        g = gamma(x.shape[0], x.shape[1], w.dtype)
+        ulp = np.spacing(np.abs(y[mask])).astype(np.float64)
+        assert np.all(np.abs(y[mask] - exact) <= g * mag + ulp / 2)
+        assert np.all(y[~mask] == 0)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("mask_kind", ["right", "left", "none-valid", "all"])
+@pytest.mark.parametrize("bf16", [True, False])
+def test_features_and_projections(rng, version, mask_kind, bf16):
+    b_n, t_n, d_n, l_n = 3, 11, 16, 7
+    h = hidden(rng, (b_n, t_n, d_n, l_n), bf16)
+    mask = masks(b_n, t_n)[mask_kind]
+    projs = projections(rng, version, d_n * l_n)
+    got = ltx2blas.text_features(h, mask, projs, version=version)
+    feats = []
+    for (w, b), y in zip(projs, got):
+        assert y.shape == (b_n, t_n, w.shape[0]) and y.dtype == np.float32
+        f = ltx2blas.normalized_features(h, mask, version=version, out_features=w.shape[0])
+        assert np.array_equal(f, reference.text_features_normalized(h, mask, version, w.shape[0]))
+        assert np.array_equal(y[mask], ltx2blas.linear(f[mask], w, b))  # same additions, in order
+        feats.append(f)
+    within_bound(got, projs, feats, mask)
+
+
+@pytest.mark.parametrize("tokens", [5, 40])  # the streaming route and the sgemm route
+def test_thread_count_does_not_change_bytes(rng, tokens):
+    h = hidden(rng, (2, tokens, 24, 5))
+    mask = masks(2, tokens)["right"]
+    projs = projections(rng, "v2", 120, (40, 300))
+    first = ltx2blas.text_features(h, mask, projs, version="v2", threads=1)
+    for threads in (2, 3):
+        again = ltx2blas.text_features(h, mask, projs, version="v2", threads=threads)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_real_width(rng, version):
+    """D = 3840, L = 49: 188,160 features per token."""
+    h = hidden(rng, (1, 5, 3840, 49))
+    mask = np.array([[True, True, True, True, False]])
+    projs = projections(rng, version, 188160, (8,) if version == "v1" else (8, 4))
+    got = ltx2blas.text_features(h, mask, projs, version=version)
+    feats = [reference.text_features_normalized(h, mask, version, w.shape[0]) for w, _ in projs]
+    for (w, _), f in zip(projs, feats):
+        assert np.array_equal(ltx2blas.normalized_features(h, mask, version=version, out_features=w.shape[0]), f)
+    within_bound(got, projs, feats, mask)
+
+
+def test_non_finite_hidden_states_propagate_like_the_reference(rng):
+    h = hidden(rng, (2, 6, 8, 3))
+    h[0, 1, 2, 1] = 0x7FC0   # NaN: V1 spreads it over sample 0's layer 1; V2 over token (0, 1)
+    mask = np.ones((2, 6), bool)
+    for version in ("v1", "v2"):
+        f = ltx2blas.normalized_features(h, mask, version=version, out_features=8)
+        fr = reference.text_features_normalized(h, mask, version, 8)
+        nan = np.isnan(reference.bf16_widen(fr))
+        assert nan.any() and np.array_equal(np.isnan(reference.bf16_widen(f)), nan)
+        assert np.array_equal(f[~nan], fr[~nan])
+
+
+def test_progress(rng):
+    h = hidden(rng, (1, 40, 64, 200))   # 12,800 features: four super-chunks
+    seen = []
+    ltx2blas.text_features(h, np.ones((1, 40), bool), projections(rng, "v1", 12800),
+                           progress=seen.append)
+    assert seen[-1] == 1.0 and len(seen) == 4 and seen == sorted(seen)
+
+
+def test_bad_input(rng):
+    h = hidden(rng, (2, 4, 8, 3))
+    mask = np.ones((2, 4), bool)
+    projs = projections(rng, "v1", 24)
+    with pytest.raises(errors.ShapeError, match="B, T, D, L"):
+        ltx2blas.text_features(h[0], mask, projs)
+    with pytest.raises(errors.ShapeError, match="attention_mask"):
+        ltx2blas.text_features(h, mask[:, :3], projs)
+    with pytest.raises(errors.DTypeError, match="attention_mask"):
+        ltx2blas.text_features(h, mask.astype(np.float32), projs)
+    with pytest.raises(errors.DTypeError, match="hidden_states"):
+        ltx2blas.text_features(h.astype(np.float64), mask, projs)
+    with pytest.raises(errors.ShapeError, match="expected \\[out, 24\\]"):
+        ltx2blas.text_features(h, mask, projections(rng, "v1", 25))
+    with pytest.raises(ValueError, match="one projection"):
+        ltx2blas.text_features(h, mask, projections(rng, "v2", 24))
+    with pytest.raises(ValueError, match="version"):
+        ltx2blas.text_features(h, mask, projs, version="v3")
+    with pytest.raises(errors.LayoutError):
+        ltx2blas.text_features(np.asfortranarray(h), mask, projs)
+    with pytest.raises(ValueError, match="out_features"):
+        ltx2blas.normalized_features(h, mask, version="v2")
+
+
+SCRIPT = r"""
+import json, numpy as np, ltx2blas
+def status(field):
+    for line in open('/proc/self/status'):
+        if line.startswith(field + ':'):
+            return int(line.split()[1]) * 1024
+rng = np.random.default_rng(0)
+tokens = 256
+h = rng.integers(0x3800, 0x4000, size=(1, tokens, 3840, 49), dtype=np.uint16)
+mask = np.ones((1, tokens), bool); mask[0, 200:] = False
+ws = [rng.integers(0x2000, 0x2400, size=(o, 188160), dtype=np.uint16) for o in (64, 32)]
+projs = [(w, np.zeros(w.shape[0], np.float32)) for w in ws]
+ltx2blas.text_features(h[:, :20].copy(), mask[:, :20].copy(), projs, version="v2")  # warm up
+with open('/proc/self/clear_refs', 'w') as f:
+    f.write('5')
+before = status('VmRSS')
+ltx2blas.text_features(h, mask, projs, version="v2", threads=2)
+print(json.dumps({"growth": status('VmHWM') - before, "features_f32": 200 * 188160 * 4}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_features_are_never_materialised():
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd="/",
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = json.loads(out.stdout)
+    # Two projections' panels of 4096 features for 200 rows (6.6 MB) and the accumulators;
+    # the flattened f32 features of the 200 valid rows alone would be 150 MB.
+    assert m["growth"] < m["features_f32"] / 8, m
