@@ -13,7 +13,7 @@ from libc.stdint cimport int64_t, uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
-from ._gemm cimport kernels, ltx_kernels, sgemm_wxt
+from ._gemm cimport LTX_STREAM_LANES, kernels, ltx_kernels, sgemm_wxt
 
 cdef extern from *:
     """
@@ -181,7 +181,8 @@ cdef void run_task(const Job *job, Py_ssize_t task, Py_ssize_t s0, Py_ssize_t s1
         kt = <int>min(<Py_ssize_t>job.kb, job.width - c0)
         xp = pr.x + c * job.n * job.kb + m0 * kt
         if job.stream:
-            job.kern.stream_wxt(mt, ot, kt, xp, kt, pr.w16 + o0 * job.width + c0, job.width, acc)
+            job.kern.stream_wxt(mt, ot, kt, xp, kt, pr.w16 + o0 * job.width + c0, job.width, acc,
+                                panel)
         else:
             if pr.w16 != NULL:
                 job.kern.widen_bf16_rows(pr.w16 + o0 * job.width + c0, job.width, panel, kt, ot, kt)
@@ -279,11 +280,12 @@ cdef class FeaturePlan:
         self.job.proj = self.proj
         self.tasks = first
         self.threads = threads
-        self.panel_len = (<size_t>ob * kb * sizeof(float) + 63) & ~(<size_t>63)
-        if not stream:
-            self.panels = <char *>ltx_aligned_alloc(self.panel_len * threads)
-            if self.panels == NULL:
-                raise MemoryError("could not allocate the weight panel buffers")
+        # Per thread: the widened weight panel, or on the streaming route its lane sums.
+        self.panel_len = <size_t>ob * mb * LTX_STREAM_LANES * sizeof(float) if stream else \
+            (<size_t>ob * kb * sizeof(float) + 63) & ~(<size_t>63)
+        self.panels = <char *>ltx_aligned_alloc(self.panel_len * threads)
+        if self.panels == NULL:
+            raise MemoryError("could not allocate the weight panel buffers")
         self._start_accumulators()
 
     cdef void _start_accumulators(self):
@@ -324,8 +326,7 @@ cdef class FeaturePlan:
             for r in prange(self.job.n, num_threads=threads, schedule="static"):
                 normalize_row(&self.job, r, s0, s1)
             with parallel(num_threads=threads):
-                mine = <float *>(self.panels + self.panel_len * omp_get_thread_num()) \
-                    if self.panels != NULL else NULL
+                mine = <float *>(self.panels + self.panel_len * omp_get_thread_num())
                 for t in prange(self.tasks, schedule="dynamic"):
                     run_task(&self.job, t, s0, s1, mine)
 

@@ -3,6 +3,7 @@ from libc.stdint cimport uint8_t, uint16_t, uint64_t
 
 cdef extern from "kernels.h" nogil:
     ctypedef Py_ssize_t ltx_idx
+    int LTX_STREAM_LANES
     ctypedef struct ltx_kernels:
         const char *name
         void (*seq_gemm)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
@@ -21,7 +22,8 @@ cdef extern from "kernels.h" nogil:
         void (*widen_bf16_rows)(const uint16_t *src, ltx_idx lds, float *dst, ltx_idx ldd,
                                 ltx_idx rows, ltx_idx cols) noexcept nogil
         void (*stream_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
-                           const uint16_t *w, ltx_idx ldw, float *acc) noexcept nogil
+                           const uint16_t *w, ltx_idx ldw, float *acc,
+                           float *lanes) noexcept nogil
         ltx_idx (*store_fused_fp8)(const float *acc, const uint8_t *w, ltx_idx ldw,
                                    uint8_t *out, ltx_idx ldo, ltx_idx rows, ltx_idx cols,
                                    int e5m2, int stochastic, uint64_t key, ltx_idx index0,

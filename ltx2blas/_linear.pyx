@@ -12,7 +12,7 @@ from cython.parallel cimport parallel, prange
 from libc.stdint cimport uint16_t
 from libc.stdlib cimport free, malloc
 
-from ._gemm cimport dgemm_wxt, kernels, ltx_kernels, sgemm_wxt
+from ._gemm cimport LTX_STREAM_LANES, dgemm_wxt, kernels, ltx_kernels, sgemm_wxt
 
 cdef extern from *:
     """
@@ -101,7 +101,8 @@ cdef void linear_task(const Job *job, Py_ssize_t task, Slot *slot) noexcept nogi
                 xp32, ldx = <float *>slot.x_panel, kt
             else:
                 xp32, ldx = job.x32 + m0 * job.cols + c0, <int>job.cols
-            kern.stream_wxt(mt, ot, kt, xp32, ldx, job.w16 + o0 * job.cols + c0, job.cols, acc32)
+            kern.stream_wxt(mt, ot, kt, xp32, ldx, job.w16 + o0 * job.cols + c0, job.cols, acc32,
+                            <float *>slot.w_panel)
         else:
             if job.w16 != NULL:
                 kern.widen_bf16_rows(job.w16 + o0 * job.cols + c0, job.cols,
@@ -189,9 +190,14 @@ cdef class LinearPlan:
         self.threads = threads
 
         # Per-thread buffers: a widened weight panel (unless the weight is f32 and the
-        # accumulation f32), a widened input panel (unless likewise), the accumulator.
-        w_len = (<size_t>ob * kb * elem + 63) & ~(<size_t>63) \
-            if (f64 or (self.job.w16 and not self.job.stream)) else 0
+        # accumulation f32; on the streaming route, its lane sums instead), a widened input
+        # panel (unless likewise), the accumulator.
+        if self.job.stream:
+            w_len = <size_t>ob * mb * LTX_STREAM_LANES * sizeof(float)
+        elif f64 or self.job.w16:
+            w_len = (<size_t>ob * kb * elem + 63) & ~(<size_t>63)
+        else:
+            w_len = 0
         x_len = (<size_t>mb * kb * elem + 63) & ~(<size_t>63) if (f64 or self.job.x16) else 0
         acc_len = (<size_t>mb * ob * elem + 63) & ~(<size_t>63)
         slot_len = w_len + x_len + acc_len

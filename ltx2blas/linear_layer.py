@@ -23,18 +23,21 @@ __all__ = ["linear", "plan", "error_bound", "gamma", "buffer_bytes"]
 
 #: Up to this many rows of x (with a bf16 weight and f32 accumulation) the product streams the
 #: bf16 weight rows through the seam's own kernel: with so few rows per weight element, a BLAS
-#: spends more time packing each weight panel than multiplying it.
-STREAM_ROWS = 16
+#: spends more time packing each weight panel than multiplying it (measured: the streaming
+#: route 0.80-0.87 of the roofline at 32 and 64 rows, sgemm's 0.60-0.79; level at 128).
+STREAM_ROWS = 64
 
 #: (rows of x per task, output features per task, in-features per chunk) for each route.  The
 #: results depend on these -- they fix the order of the additions -- never on the thread count.
 #: sgemm: a widened weight panel of 256 x 512 f32 (512 KiB) is packed by the BLAS once per call
 #: and multiplied by up to 512 rows (measured best with 512 x 512 panels, 3 % ahead of these,
 #: which give twice the tasks for machines with many cores).  stream: whole weight rows in one
-#: chunk (188,160 at the real width), 8 rows per task, read once from memory in long runs -- a
-#: chunk of 1024 read in 2 KiB runs ran at half the bandwidth.  f64: panels half the sgemm
-#: route's in features, as f64 is twice as wide.
-BLOCKS = {"sgemm": (512, 256, 512), "stream": (STREAM_ROWS, 8, 1 << 18), "f64": (256, 128, 512)}
+#: chunk (188,160 at the real width); its sums do not depend on the blocks at all, which only
+#: set how many weight rows share each block of x held in cache (64 output features for up to
+#: 16 rows, 128 above: 5-10 % faster than half as many, which still leave 16-32 tasks at the
+#: real shapes).  f64: panels half the sgemm route's in features, as f64 is twice as wide.
+BLOCKS = {"sgemm": (512, 256, 512), "stream": (16, 64, 1 << 18), "f64": (256, 128, 512)}
+STREAM_WIDE_BLOCKS = (STREAM_ROWS, 128, 1 << 18)
 
 _INT_MAX = 2**31 - 1
 
@@ -74,7 +77,11 @@ def plan(rows, weight_dtype, accumulate="f32", blocks=None):
         route = "stream"
     else:
         route = "sgemm"
-    return route, tuple(blocks) if blocks is not None else BLOCKS[route]
+    if blocks is not None:
+        return route, tuple(blocks)
+    if route == "stream" and rows > BLOCKS["stream"][0]:
+        return route, STREAM_WIDE_BLOCKS
+    return route, BLOCKS[route]
 
 
 def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32", threads=1,
@@ -82,7 +89,8 @@ def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32",
     """Bytes of panel buffers a linear() call allocates besides its output, never a full-size
     copy of the weight.  Per thread: the widened weight panel [features x chunk] (sgemm route
     with a bf16 weight, or f64), the widened x panel [rows x chunk] (bf16 x or f64) and the
-    accumulator [features x rows]; on the streaming route a bf16 x is widened once, shared."""
+    accumulator [features x rows]; on the streaming route, instead of the weight panel, lane
+    sums [features x rows x 16], and a bf16 x is widened once, shared."""
     route, (mb, ob, kb) = plan(rows, weight_dtype, accumulate, blocks)
     elem = 8 if route == "f64" else 4
     bf16_w = np.dtype(weight_dtype).itemsize == 2
@@ -91,7 +99,10 @@ def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32",
     def up(n):
         return (n + 63) // 64 * 64
 
-    w_panel = up(ob * kb * elem) if (route == "f64" or (bf16_w and route == "sgemm")) else 0
+    if route == "stream":
+        w_panel = ob * mb * 16 * 4
+    else:
+        w_panel = up(ob * kb * elem) if (route == "f64" or bf16_w) else 0
     x_panel = up(mb * kb * elem) if (route == "f64" or (bf16_x and route == "sgemm")) else 0
     shared = 4 * rows * cols if (route == "stream" and bf16_x) else 0
     return threads * (w_panel + x_panel + up(mb * ob * elem)) + shared
@@ -236,7 +247,8 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
     bias64 = bias32.astype(np.float64) if (bias32 is not None and accumulate == "f64") else None
     x2 = _bits(x).reshape(rows, cols)
     if route == "stream" and x_kind == "bf16":
-        # At most STREAM_ROWS rows: widen them once here rather than per thread and chunk.
+        # At most STREAM_ROWS rows: widen them once here rather than per thread and chunk
+        # (48 MiB at 64 rows of the real width, 1/32 of the bf16 weight).
         x2 = (x2.astype(np.uint32) << 16).view(np.float32)
     tasks_plan = _linear.LinearPlan(x2, _bits(weight), bias32, bias64, y2, mb, ob, kb, threads,
                                     route == "f64", route == "stream")

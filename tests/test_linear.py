@@ -9,7 +9,7 @@ import pytest
 
 import ltx2blas
 from ltx2blas import reference
-from ltx2blas.linear_layer import BLOCKS, error_bound, plan
+from ltx2blas.linear_layer import BLOCKS, STREAM_WIDE_BLOCKS, error_bound, plan
 
 from helpers import random_bf16
 
@@ -55,7 +55,7 @@ def case(rng, rows, cols, feats, x_bf16=False, w_bf16=True, bias="f32"):
     return x, w, b
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 40, 70])
 @pytest.mark.parametrize("x_bf16, w_bf16, bias", [(False, True, "f32"), (True, True, "bf16"),
                                                    (False, False, None), (True, False, "f32")])
 def test_within_the_derived_bound(rng, rows, x_bf16, w_bf16, bias):
@@ -87,7 +87,7 @@ def test_f64_mode_is_within_one_ulp_at_the_real_width(rng, rows):
 
 def test_f32_mode_at_the_real_width(rng):
     x, w, b = case(rng, 3, REAL_WIDTH, 8)
-    for rows in (3, 20):  # the streaming route and the sgemm route
+    for rows in (3, 40, 70):  # the streaming route (both block shapes) and the sgemm route
         xr = np.ascontiguousarray(np.resize(x, (rows, REAL_WIDTH)))
         y = ltx2blas.linear(xr, w, b)
         assert np.all(np.abs(y - exact(xr, w, b)) <= error_bound(xr, w, b) + f32_ulp(y) / 2)
@@ -103,12 +103,18 @@ def test_same_bytes_for_every_thread_count_and_run(rng, rows, accumulate):
         assert again.tobytes() == first.tobytes()
 
 
-def test_streaming_kernel_in_every_table(kernel_table, rng):
-    x, w, b = case(rng, 11, 1000, 33)
-    assert plan(11, w.dtype)[0] == "stream"
+@pytest.mark.parametrize("rows, cols, feats", [(11, 1000, 33), (13, 2 * 4096 + 37, 9), (1, 4099, 2)])
+def test_streaming_kernel_in_every_table(kernel_table, rng, rows, cols, feats):
+    # Row groups of 8 and a tail, an odd count of weight rows, several blocks of 4096 and a k
+    # tail shorter than a vector.
+    x, w, b = case(rng, rows, cols, feats)
+    assert plan(rows, w.dtype)[0] == "stream"
     y = ltx2blas.linear(x, w, b, threads=2)
     assert np.all(np.abs(y - exact(x, w, b)) <= error_bound(x, w, b) + f32_ulp(y) / 2)
     assert ltx2blas.linear(x, w, b, threads=1).tobytes() == y.tobytes()
+    # The task blocks cut the output features differently: each output's sum is the same.
+    other = ltx2blas.linear(x, w, b, blocks=(5, 3, 1 << 18))
+    assert other.tobytes() == y.tobytes()
 
 
 def test_leading_dimensions_and_1d(rng):
@@ -179,8 +185,9 @@ def test_eight_python_threads_at_once(rng):
 
 
 def test_blocks_are_fixed_by_shape_not_threads():
-    for rows in (1, 16, 17, 1024):
-        route, blocks = plan(rows, np.uint16)
-        assert blocks == BLOCKS[route]
+    for rows, route in ((1, "stream"), (16, "stream"), (65, "sgemm"), (1024, "sgemm")):
+        assert plan(rows, np.uint16) == (route, BLOCKS[route])
+    for rows in (17, 64):
+        assert plan(rows, np.uint16) == ("stream", STREAM_WIDE_BLOCKS)
     assert plan(4, np.float32)[0] == "sgemm"  # an f32 weight has nothing to stream
     assert plan(4, np.uint16, "f64")[0] == "f64"

@@ -80,7 +80,7 @@ print(json.dumps({{"growth": status('VmHWM') - before, "weight": w.nbytes,
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-@pytest.mark.parametrize("rows", [4, 64])  # the streaming route and the sgemm route
+@pytest.mark.parametrize("rows", [4, 64, 100])  # streaming route, both block shapes; sgemm
 def test_linear_never_widens_the_whole_weight(rows):
     cols, feats = 49 * 3840, 192  # a 69 MiB bf16 weight; an f32 copy would be 138 MiB
     code = LINEAR_SCRIPT.format(rows=rows, cols=cols, feats=feats, threads=2)

@@ -8,6 +8,10 @@
 
 #include "kernels.h"
 
+#if defined(LTX_VARIANT_AVX512) || defined(LTX_VARIANT_AVX2)
+#include <immintrin.h>
+#endif
+
 #if defined(LTX_VARIANT_AVX512)
 #define VW 16
 #define MR 8
@@ -212,20 +216,43 @@ static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16
  * the lanes combined by a fixed halving tree, the k tail (kt % VW terms) added after them in k
  * order, and the result added to acc. Fixed by the code, so deterministic; the blocks keep each
  * lane's run of sequential additions short (STREAM_BLOCK / VW), as a BLAS's blocking does.
+ *
+ * Blocks are the outer loop: a block of x (mt x STREAM_BLOCK f32, 16 KiB a row) stays in cache
+ * while every weight row's block streams past it once, so x is read from memory once per call
+ * rather than once per weight row -- at few rows of x it would otherwise be read more often
+ * than the weight itself. The blocks' lane sums wait in `lanes` ([n, mt] vectors).
  * Register tile: 2 weight rows x MM rows of x; MM is a compile-time constant per call site. */
 /* Weight elements ahead of the one being read that are asked for (2 KiB): far enough to cover
- * memory latency at ~10 GB/s, near enough to stay inside the row's current run. */
+ * memory latency at ~10 GB/s; past the end of a row's block it continues into the block of
+ * the rows that come next. */
 #define STREAM_AHEAD 1024
 #define STREAM_BLOCK 4096
 
 typedef uint16_t vu16 __attribute__((vector_size(VW * 2), aligned(2), may_alias));
 typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
 
+/* VW bf16 values widened to f32. Spelled with intrinsics on x86: GCC lowers the generic
+ * conversion in 128-bit halves, three extra instructions and a second load per vector. */
 static inline vf widen_vec(const uint16_t *p)
 {
+#if defined(LTX_VARIANT_AVX512)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)),
+                                 16);
+#elif defined(LTX_VARIANT_AVX2)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
     const vu32 wide = __builtin_convertvector(*(const vu16 *)p, vu32) << 16;
     return (vf)wide;
+#endif
 }
+
+/* Keeps a loaded vector in a register: x86 compilers otherwise fold the load into every FMA
+ * that uses it, loading it once per weight row instead of once. */
+#if defined(__x86_64__) || defined(__i386__)
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define IN_REGISTER(v) ((void)0)
+#endif
 
 static inline float lane_tree(vf v)
 {
@@ -237,76 +264,98 @@ static inline float lane_tree(vf v)
     return t[0];
 }
 
+/* The register tile: SR weight rows x SM rows of x, SR * SM accumulators (plus SR + 1 vectors
+ * in flight) within 32 registers, or 16 with AVX2. */
+#define SM 4
+#if defined(LTX_VARIANT_AVX2)
+#define SR 2
+#else
+#define SR 4
+#endif
+
+/* One block (len elements, a multiple of VW) of R weight rows against MM rows of x, its lane
+ * sums added into lanes[r * mt + m]; `next` is where the rows read after these start. */
 static inline __attribute__((always_inline)) void
-stream_rows(const int MM, const int R, ltx_idx kt, const float *x, ltx_idx ldx,
-            const uint16_t *w, ltx_idx ldw, float *acc, ltx_idx mt)
+stream_block(const int MM, const int R, ltx_idx len, const float *x, ltx_idx ldx,
+             const uint16_t *w, ltx_idx ldw, const uint16_t *next, float *lanes, ltx_idx mt)
 {
-    vf s[2][8], total[2][8];
+    vf s[SR][SM];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MM; m++)
-            total[r][m] = (vf){0};
-    const ltx_idx kv = kt - kt % VW;
-    for (ltx_idx k0 = 0; k0 < kv; k0 += STREAM_BLOCK) {
-        const ltx_idx k1 = (kv - k0 < STREAM_BLOCK) ? kv : k0 + STREAM_BLOCK;
-        for (int r = 0; r < R; r++)
-            for (int m = 0; m < MM; m++)
-                s[r][m] = (vf){0};
-        for (ltx_idx k = k0; k < k1; k += VW) {
-            vf wv[2];
-            for (int r = 0; r < R; r++) {
-                __builtin_prefetch(w + r * ldw + k + STREAM_AHEAD, 0, 0);
-                wv[r] = widen_vec(w + r * ldw + k);
-            }
-            for (int m = 0; m < MM; m++) {
-                const vf xv = LOADV(x + m * ldx + k);
-                for (int r = 0; r < R; r++)
-                    s[r][m] = s[r][m] + xv * wv[r];
-            }
+            s[r][m] = (vf){0};
+    for (ltx_idx k = 0; k < len; k += VW) {
+        vf wv[SR];
+        const ltx_idx ahead = k + STREAM_AHEAD;
+        for (int r = 0; r < R; r++) {
+            __builtin_prefetch(ahead < len ? w + r * ldw + ahead : next + r * ldw + (ahead - len),
+                               0, 0);
+            wv[r] = widen_vec(w + r * ldw + k);
         }
-        for (int r = 0; r < R; r++)
-            for (int m = 0; m < MM; m++)
-                total[r][m] = total[r][m] + s[r][m];
+        for (int m = 0; m < MM; m++) {
+            vf xv = LOADV(x + m * ldx + k);
+            IN_REGISTER(xv);
+            for (int r = 0; r < R; r++)
+                s[r][m] = s[r][m] + xv * wv[r];
+        }
     }
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MM; m++) {
-            float sum = lane_tree(total[r][m]);
-            for (ltx_idx k = kv; k < kt; k++)
-                sum = sum + x[m * ldx + k] * bits_f32((uint32_t)w[r * ldw + k] << 16);
-            acc[r * mt + m] = acc[r * mt + m] + sum;
+            float *lane = lanes + (r * mt + m) * VW;
+            STOREV(lane, LOADV(lane) + s[r][m]);
         }
 }
 
 #define STREAM_CASE(MM)                                                                       \
     case MM:                                                                                  \
-        for (; o + 2 <= n; o += 2) {                                                          \
-            if (o + 4 <= n) { /* the start of the next two rows; the loop prefetches on */    \
-                prefetch_run(w + (o + 2) * ldw, (kt < STREAM_AHEAD ? kt : STREAM_AHEAD) * 2); \
-                prefetch_run(w + (o + 3) * ldw, (kt < STREAM_AHEAD ? kt : STREAM_AHEAD) * 2); \
-            }                                                                                 \
-            stream_rows(MM, 2, kt, x, ldx, w + o * ldw, ldw, acc + o * mt + m0, mt);         \
-        }                                                                                     \
-        for (; o < n; o++)                                                                    \
-            stream_rows(MM, 1, kt, x, ldx, w + o * ldw, ldw, acc + o * mt + m0, mt);         \
+        if (R == SR)                                                                          \
+            stream_block(MM, SR, len, xb, ldx, wb, ldw, next, lb, mt);                        \
+        else                                                                                  \
+            stream_block(MM, 1, len, xb, ldx, wb, ldw, next, lb, mt);                         \
         break;
 
 static void stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
-                       const uint16_t *w, ltx_idx ldw, float *acc)
+                       const uint16_t *w, ltx_idx ldw, float *acc, float *lanes)
 {
-    /* Rows of x eight at a time; the weight rows of this call stay in cache between them. */
-    for (ltx_idx m0 = 0; m0 < mt; m0 += 8, x += 8 * ldx) {
-        const ltx_idx mm = (mt - m0 < 8) ? mt - m0 : 8;
-        ltx_idx o = 0;
-        switch (mm) {
-            STREAM_CASE(1)
-            STREAM_CASE(2)
-            STREAM_CASE(3)
-            STREAM_CASE(4)
-            STREAM_CASE(5)
-            STREAM_CASE(6)
-            STREAM_CASE(7)
-            STREAM_CASE(8)
+    const ltx_idx kv = kt - kt % VW;
+    /* x is held in spans of about 256 KiB (mt rows); within one, each weight row is read in one
+     * run of up to 16 blocks, long enough for the hardware prefetcher. With 4 rows of x or
+     * fewer the product is bound by memory, and the span is the whole row. */
+    const ltx_idx span = mt <= 4 ? kv + STREAM_BLOCK : STREAM_BLOCK * (mt < 16 ? 16 / mt : 1);
+    for (ltx_idx i = 0; i < n * mt * VW; i++)
+        lanes[i] = 0.0f;
+    for (ltx_idx s0 = 0; s0 < kv; s0 += span) {
+        const ltx_idx s1 = (kv - s0 < span) ? kv : s0 + span;
+        /* SR weight rows at a time, the last few one by one. */
+        for (ltx_idx o = 0, R; o < n; o += R) {
+            R = (n - o >= SR) ? SR : 1;
+            for (ltx_idx k0 = s0; k0 < s1; k0 += STREAM_BLOCK) {
+                const ltx_idx len = (s1 - k0 < STREAM_BLOCK) ? s1 - k0 : STREAM_BLOCK;
+                const uint16_t *wb = w + o * ldw + k0;
+                const uint16_t *next = (k0 + len < s1) ? wb + len
+                                       : (o + R < n) ? w + (o + R) * ldw + s0
+                                                     : w + (s1 < kv ? s1 : s0);
+                /* Rows of x SM at a time; this block of the weight rows stays in cache. */
+                for (ltx_idx m0 = 0; m0 < mt; m0 += SM) {
+                    const ltx_idx mm = (mt - m0 < SM) ? mt - m0 : SM;
+                    const float *xb = x + m0 * ldx + k0;
+                    float *lb = lanes + (o * mt + m0) * VW;
+                    switch (mm) {
+                        STREAM_CASE(1)
+                        STREAM_CASE(2)
+                        STREAM_CASE(3)
+                        STREAM_CASE(4)
+                    }
+                }
+            }
         }
     }
+    for (ltx_idx o = 0; o < n; o++)
+        for (ltx_idx m = 0; m < mt; m++) {
+            float sum = lane_tree(LOADV(lanes + (o * mt + m) * VW));
+            for (ltx_idx k = kv; k < kt; k++)
+                sum = sum + x[m * ldx + k] * bits_f32((uint32_t)w[o * ldw + k] << 16);
+            acc[o * mt + m] = acc[o * mt + m] + sum;
+        }
 }
 
 static void widen_bf16_f64(const uint16_t *restrict src, double *restrict dst, ltx_idx n)

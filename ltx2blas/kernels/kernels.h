@@ -15,6 +15,9 @@
 
 typedef ptrdiff_t ltx_idx;
 
+/* Floats of stream_wxt scratch per (weight row, row of x): the widest vector of any table. */
+#define LTX_STREAM_LANES 16
+
 typedef struct {
     const char *name;
     /* c[m x n] (ldc) = c + sum_p x[i,p] * y[p,j], p = 0 .. k-1 in order, one element at a time:
@@ -49,9 +52,10 @@ typedef struct {
                             ltx_idx rows, ltx_idx cols);
     /* acc[o * mt + m] += sum_k x[m, k] * f32(w[o, k]) (k < kt, m < mt, o < n) straight from
      * bf16 weight rows, in a fixed order (lane sums, a halving tree, then the tail); for a
-     * Linear with few rows of x, where a BLAS would spend more on packing than on arithmetic */
+     * Linear with few rows of x, where a BLAS would spend more on packing than on arithmetic;
+     * lanes: scratch of n * mt * LTX_STREAM_LANES floats */
     void (*stream_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
-                       const uint16_t *w, ltx_idx ldw, float *acc);
+                       const uint16_t *w, ltx_idx ldw, float *acc, float *lanes);
     /* out[r, i] = fp8(bf16(f32(w[r, i]) + f32(bf16(acc[r, i])))) over a rows x cols tile of an
      * fp8 weight (e5m2: F8_E5M2, else F8_E4M3); nearest-even, or stochastic with random bits
      * from splitmix64(key + index0 + r * stride + i).  Returns the offset (r * stride + i) of
