@@ -144,7 +144,7 @@ def accuracy(rows=4, out=2048, samples=48):
     ways = {
         "ltx2blas f32 (default)": lambda: ltx2blas.linear(x, weight),
         "ltx2blas f32, sgemm route": lambda: ltx2blas.linear(
-            np.ascontiguousarray(np.resize(x, (32, IN_FEATURES))), weight)[:rows],
+            np.ascontiguousarray(np.resize(x, (80, IN_FEATURES))), weight)[:rows],
         "ltx2blas f64": lambda: ltx2blas.linear(x, weight, accumulate="f64"),
         "numpy f64 (x @ W.T, dgemm)": lambda: (x.astype(np.float64) @ harness.widen(weight).astype(np.float64).T).astype(np.float32),
     }

@@ -1,7 +1,7 @@
 """The benchmark suite: ltx2blas against the machine's ceilings and against what a user would
 use instead, at every thread count, in one run.
 
-    python bench/run.py [--quick] [--threads 1,2,...] [--only fuse,linear,checkpoint] [--out DIR]
+    python bench/run.py [--quick] [--threads 1,2,...] [--only fuse,linear,checkpoint,features] [--out DIR]
 
 Run it against the installed package (``pip install ".[bench]"``), from any directory.  Writes
 DIR/results.json (every row, with the machine: CPU, cores, BLAS and its kernels, versions,
