@@ -13,18 +13,27 @@ import time
 import numpy as np
 
 
-def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.25):
+def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.25, min_sample=0.05):
     """Time every callable in ``candidates`` (name -> fn) ``repeats`` times, round-robin.
 
     ``settle`` seconds pass, untimed, before each timing: BLAS and OpenMP worker threads keep
     spinning for a while after a parallel call (OpenBLAS ~0.1 s; torch carries an OpenMP runtime
-    of its own), and would otherwise steal cores
-    from whichever candidate runs next.
+    of its own), and would otherwise steal cores from whichever candidate runs next.
 
-    Returns name -> {"median": s, "min": s, "max": s, "spread": (max - min) / median}."""
+    A candidate whose warm-up call took less than ``min_sample`` seconds is called that many
+    more times back to back within each timing, and the time per call recorded: after the settle
+    pause a parallel call first wakes its idle worker threads, which on a virtual machine costs
+    milliseconds and would swamp a call of a few milliseconds.
+
+    Returns name -> {"median": s, "min": s, "max": s, "spread": (max - min) / median}, times
+    per call."""
+    inner = dict.fromkeys(candidates, 1)
     for _ in range(warmup):
-        for fn in candidates.values():
+        for name, fn in candidates.items():
+            t0 = time.perf_counter()
             fn()
+            once = time.perf_counter() - t0
+            inner[name] = max(1, min(1000, int(min_sample / max(once, 1e-6)) + 1))
     times = {name: [] for name in candidates}
     t_end = time.perf_counter() + min_seconds
     rounds = 0
@@ -32,8 +41,9 @@ def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.25):
         for name, fn in candidates.items():
             time.sleep(settle)
             t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+            for _ in range(inner[name]):
+                fn()
+            times[name].append((time.perf_counter() - t0) / inner[name])
         rounds += 1
     out = {}
     for name, ts in times.items():

@@ -12,7 +12,7 @@ from libc.stdint cimport int64_t, uint8_t, uint16_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
-from ._gemm cimport exact_product, kernels, ltx_kernels
+from ._gemm cimport exact_product, exact_product_fused, kernels, ltx_kernels
 
 import numpy as np
 
@@ -71,6 +71,18 @@ cdef struct Slot:
     Py_ssize_t strip          # row strip the bs rows hold, -1 for none
 
 
+cdef inline void check_bf16_tile(const ltx_kernels *kern, const uint16_t *tile, Py_ssize_t ldo,
+                                 int mt, int nt, Py_ssize_t origin, Py_ssize_t cols,
+                                 int64_t *bad) noexcept nogil:
+    """Records in *bad the flat index of the tile's first inf or NaN, if any."""
+    cdef Py_ssize_t r, q
+    for r in range(mt):
+        q = kern.first_nonfinite_bf16(tile + r * ldo, nt)
+        if q >= 0:
+            bad[0] = origin + r * cols + q
+            return
+
+
 cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot,
                     int64_t *bad) noexcept nogil:
     cdef Py_ssize_t ti = t // job.tiles_n, tj = t % job.tiles_n
@@ -96,6 +108,22 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
                                    slot.bs + ad.bs_offset[a], <Py_ssize_t>mt * ad.rank[a])
         slot.strip = ti
 
+    if job.dry_run:
+        dst, ldo = slot.scratch, nt
+    else:
+        dst, ldo = job.out + origin * esize, job.cols
+
+    if ad.count == 1 and job.fmt == 0 and not job.sum_rule and ad.depth[shape] == 0:
+        # No sgemm for this product: it is computed, rounded and added in one pass.
+        panel = slot.panels
+        kern.widen_bf16_rows(ad.a[0] + i0, job.cols, panel, nt, ad.rank[0], nt)
+        exact_product_fused(kern, mt, nt, ad.rank[0], slot.bs, ad.rank[0], panel,
+                            <const uint16_t *>(job.w + origin * esize), job.cols,
+                            <uint16_t *>dst, ldo)
+        if job.check:
+            check_bf16_tile(kern, <uint16_t *>dst, ldo, mt, nt, origin, job.cols, &bad[t])
+        return
+
     if job.sum_rule:
         memset(slot.total, 0, <size_t>mt * nt * sizeof(float))
     for a in range(ad.count):
@@ -109,19 +137,11 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
     if job.sum_rule:
         result = slot.total
 
-    if job.dry_run:
-        dst, ldo = slot.scratch, nt
-    else:
-        dst, ldo = job.out + origin * esize, job.cols
     if job.fmt == 0:
         kern.store_fused(result, <const uint16_t *>(job.w + origin * esize), job.cols,
                          <uint16_t *>dst, ldo, mt, nt)
         if job.check:
-            for r in range(mt):
-                q = kern.first_nonfinite_bf16(<uint16_t *>dst + r * ldo, nt)
-                if q >= 0:
-                    bad[t] = origin + r * job.cols + q
-                    break
+            check_bf16_tile(kern, <uint16_t *>dst, ldo, mt, nt, origin, job.cols, &bad[t])
     else:
         q = kern.store_fused_fp8(result, job.w + origin, job.cols, dst, ldo, mt, nt,
                                  job.fmt == 2, job.stochastic, job.key, origin, job.cols)

@@ -28,6 +28,9 @@ cdef extern from "kernels.h" nogil:
                                    uint8_t *out, ltx_idx ldo, ltx_idx rows, ltx_idx cols,
                                    int e5m2, int stochastic, uint64_t key, ltx_idx index0,
                                    ltx_idx stride) noexcept nogil
+        void (*seq_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
+                              const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
+                              uint16_t *out, ltx_idx ldo) noexcept nogil
 
 cdef const ltx_kernels *kernels(bint allow_fma) noexcept nogil
 
@@ -42,3 +45,7 @@ cdef void dgemm_wxt(int m, int n, int k, const double *x, int ldx, const double 
 
 cdef void exact_product(const ltx_kernels *kern, int m, int n, int k, const float *x, int ldx,
                         const float *y, float *c, int blas_depth) noexcept nogil
+
+cdef void exact_product_fused(const ltx_kernels *kern, int m, int n, int k, const float *x,
+                              int ldx, const float *y, const uint16_t *w, Py_ssize_t ldw,
+                              uint16_t *out, Py_ssize_t ldo) noexcept nogil

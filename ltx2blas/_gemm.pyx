@@ -125,6 +125,32 @@ cdef void exact_product(const ltx_kernels *kern, int m, int n, int k, const floa
         kern.seq_gemm(m, n, k - d, x + d, ldx, y + <Py_ssize_t>d * n, n, c, n)
 
 
+cdef void exact_product_fused(const ltx_kernels *kern, int m, int n, int k, const float *x,
+                              int ldx, const float *y, const uint16_t *w, Py_ssize_t ldw,
+                              uint16_t *out, Py_ssize_t ldo) noexcept nogil:
+    """out[m, n] = bf16(w + bf16(textbook x @ y)), w and out bf16 with row strides ldw and ldo
+    (out may be w), x and y laid out as for :func:`exact_product`: the fuse of one adapter,
+    product and rounding in one pass, for a product that sgemm is not used for."""
+    if m > 0 and n > 0:
+        kern.seq_fuse_bf16(m, n, k, x, ldx, y, n, w, ldw, out, ldo)
+
+
+# Up to this depth the sequential kernel is used alone, sgemm neither probed nor called: at a
+# few dozen terms a BLAS call's fixed costs (zeroing c, packing both operands) dominate, and
+# the fuse's rounding runs in the kernel's registers instead of over a stored f32 tile.
+# Measured (bench/bench_fuse.py --ranks 32,64,128; OpenBLAS 0.3.30 SkylakeX kernels, Zen 4),
+# the whole fuse this way takes less time than sgemm of the same product alone: 1.2-2.0x at
+# rank 32, 1.1-1.8x at 64, 1.05-1.3x at 128. Larger ranks go to sgemm, the route the design
+# rests on and the one each CPU's BLAS tunes.
+SEQUENTIAL_DEPTH = 128
+
+
+def blas_depth(int m, int n, int k, int ldx=-1):
+    """The depth an exact product of shape (m, n, k) hands to sgemm: 0 up to SEQUENTIAL_DEPTH,
+    else :func:`verified_depth`."""
+    return 0 if k <= SEQUENTIAL_DEPTH else verified_depth(m, n, k, ldx)
+
+
 # --------------------------------------------------------------------------------------------
 # Knowing when sgemm is exact
 # --------------------------------------------------------------------------------------------
@@ -316,6 +342,23 @@ def seq_gemm(const float[:, ::1] x, const float[:, ::1] y, float[:, ::1] c, tabl
         return
     with nogil:
         kern.seq_gemm(m, n, k, &x[0, 0], k, &y[0, 0], n, &c[0, 0], n)
+
+
+def seq_fuse_bf16(const float[:, ::1] x, const float[:, ::1] y, const uint16_t[:, ::1] w,
+                  table=None):
+    """bf16(w + bf16(x @ y)), the product accumulated in order, by the fused kernel of one
+    table; for tests."""
+    cdef Py_ssize_t m = x.shape[0], k = x.shape[1], n = y.shape[1]
+    if y.shape[0] != k or w.shape[0] != m or w.shape[1] != n:
+        raise ValueError("shape mismatch")
+    cdef const ltx_kernels *kern = _table(table)
+    out = np.empty((m, n), np.uint16)
+    cdef uint16_t[:, ::1] o = out
+    if m and n:
+        with nogil:
+            kern.seq_fuse_bf16(m, n, k, &x[0, 0] if k else NULL, k, &y[0, 0] if k else NULL,
+                               n, &w[0, 0], n, &o[0, 0], n)
+    return out
 
 
 def scan_bf16(const uint16_t[::1] bits):

@@ -314,7 +314,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule,
                     for en, n in ((0, nb), (1, edge_n)):
                         if (em == 0 and rows < mb) or (en == 0 and cols < nb):
                             continue  # no tile of this shape
-                        depths[i, 2 * em + en] = _gemm.verified_depth(m, n, rank, rank)
+                        depths[i, 2 * em + en] = _gemm.blas_depth(m, n, rank, rank)
         tiles = -(-rows // mb) * -(-cols // nb)
         run_threads = max(1, min(threads, tiles))
         lora_a = [a for a, _, _ in prepared]

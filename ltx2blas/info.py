@@ -90,6 +90,7 @@ def collect(probe_depths=(32, 384, 450, 512)):
             "tile": [mb, nb],
             "by_rank": {str(k): d for k, d in depths.items()},
         },
+        "sgemm_above_rank": _gemm.SEQUENTIAL_DEPTH,
     }
 
 
@@ -114,4 +115,6 @@ def format_info(info):
         else:
             how = f"sgemm for the first {d} terms, the sequential kernel for the other {int(k) - int(d)}"
         lines.append(f"  rank {k:>5}: {how}")
+    lines.append(f"the fuse calls sgemm only above rank {info['sgemm_above_rank']}; up to it, the "
+                 "sequential kernel fuses each tile in one pass")
     return "\n".join(lines)

@@ -105,3 +105,25 @@ def test_kernel_accumulate_rounded(kernel_table):
     nan = np.isnan(expected)
     assert np.array_equal(np.isnan(total), nan)
     assert np.array_equal(total[~nan].view(np.uint32), expected[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("values", [every_bf16_as_f32(), edge_f32(), random_f32(1 << 16)],
+                         ids=["all-65536-bf16", "edge-cases", "random-f32-bits"])
+def test_fused_kernel_rounding(kernel_table, values):
+    """The fuse kernel that rounds in registers: x = the values, one term (k = 1) against
+    y = 1.0 over 40 columns (whole vectors and a scalar tail for every table's tile width),
+    so each product is its value and each column meets a different weight element."""
+    rng = np.random.default_rng(5)
+    x = np.ascontiguousarray(values[:, None])
+    y = np.ones((1, 40), np.float32)
+    w = rng.integers(0, 65536, size=(values.size, 40), dtype=np.uint16)
+    with np.errstate(invalid="ignore", over="ignore"):
+        acc = np.float32(0.0) + x * y            # the textbook sum starts from +0.0
+        expected = reference.bf16_round(reference.bf16_widen(w) + reference.bf16_widen(
+            reference.bf16_round(acc)))
+    got = _gemm.seq_fuse_bf16(x, y, w, kernel_table)
+    # NaN + NaN keeps one of the two NaNs (IEEE leaves which unspecified): compare NaN-ness
+    # there, bits everywhere else.
+    both_nan = np.isnan(reference.bf16_widen(w)) & np.isnan(acc)
+    assert np.array_equal(got[~both_nan], expected[~both_nan])
+    assert np.all(np.isnan(reference.bf16_widen(got[both_nan])))

@@ -8,7 +8,8 @@ from ltx2blas import _gemm, reference
 
 from helpers import random_bf16
 
-RANKS = [1, 7, 384, 450, 512, 1024, 1500]
+# 128 and 129: the last rank the sequential fused kernel takes alone, the first through sgemm
+RANKS = [1, 7, 32, 128, 129, 384, 450, 512, 1024, 1500]
 SHAPES = [(1, 1), (7, 13), (97, 101), (16, 700), (700, 16), (333, 777)]
 
 
@@ -45,7 +46,7 @@ def test_threads_and_tiles_do_not_change_bytes(rng, threads, tile):
     assert np.array_equal(got, expected)
 
 
-@pytest.mark.parametrize("rank", [5, 384, 600])
+@pytest.mark.parametrize("rank", [5, 128, 384, 600])
 def test_every_kernel_table(kernel_table, rng, rank):
     weight = random_bf16(rng, (45, 300), 0.02)
     lora_a, lora_b = adapter(rng, 45, 300, rank)
@@ -67,6 +68,33 @@ def test_sequential_kernel_alone(kernel_table, rng, shape):
     c = c0.copy()
     _gemm.seq_gemm(x, y, c, kernel_table)
     assert np.array_equal(c.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("shape", [(13, 29), (8, 64), (1, 33), (70, 1), (17, 100)])
+@pytest.mark.parametrize("k", [1, 31, 130])
+def test_fused_kernel_alone(kernel_table, rng, shape, k):
+    """The kernel that fuses small ranks in one pass: bf16(w + bf16(x @ y)), the product
+    accumulated from +0.0 in k order, for tiles with and without row and column remainders."""
+    m, n = shape
+    x = reference.bf16_widen(random_bf16(rng, (m, k)))
+    y = reference.bf16_widen(random_bf16(rng, (k, n)))
+    w = random_bf16(rng, (m, n))
+    acc = np.zeros((m, n), np.float32)
+    for p in range(k):
+        acc = acc + x[:, p:p + 1] * y[p:p + 1, :]
+    expected = reference.bf16_round(reference.bf16_widen(w) + reference.bf16_widen(
+        reference.bf16_round(acc)))
+    assert np.array_equal(_gemm.seq_fuse_bf16(x, y, w, kernel_table), expected)
+
+
+def test_small_ranks_never_call_sgemm():
+    """Up to SEQUENTIAL_DEPTH the product is the sequential kernel's alone: no probe, depth 0;
+    above it, the probed depth."""
+    k = _gemm.SEQUENTIAL_DEPTH
+    assert _gemm.blas_depth(256, 512, k, k) == 0
+    assert (256, 512, k, k) not in _gemm.probe_report()
+    assert _gemm.blas_depth(64, 96, k + 1, k + 1) == _gemm.verified_depth(64, 96, k + 1, k + 1)
+    assert (64, 96, k + 1, k + 1) in _gemm.probe_report()
 
 
 def test_in_place_fuse(rng):

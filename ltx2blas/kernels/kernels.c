@@ -207,26 +207,13 @@ static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16
     }
 }
 
-/* ---- A Linear's product for a few rows of x, straight from bf16 weight rows ----
+/* ---- The fuse of a small-rank adapter, product and rounding in registers ----
  *
- * acc[o * mt + m] += sum_{k < kt} x[m, k] * f32(w[o, k])   for m < mt, o < n.
- *
- * For each (m, o), VW lane sums run over k = j, j + VW, j + 2 VW, ... (lane j), each in k order
- * from +0.0 within blocks of STREAM_BLOCK elements; the blocks' lane sums are added up in order,
- * the lanes combined by a fixed halving tree, the k tail (kt % VW terms) added after them in k
- * order, and the result added to acc. Fixed by the code, so deterministic; the blocks keep each
- * lane's run of sequential additions short (STREAM_BLOCK / VW), as a BLAS's blocking does.
- *
- * Blocks are the outer loop: a block of x (mt x STREAM_BLOCK f32, 16 KiB a row) stays in cache
- * while every weight row's block streams past it once, so x is read from memory once per call
- * rather than once per weight row -- at few rows of x it would otherwise be read more often
- * than the weight itself. The blocks' lane sums wait in `lanes` ([n, mt] vectors).
- * Register tile: 2 weight rows x MM rows of x; MM is a compile-time constant per call site. */
-/* Weight elements ahead of the one being read that are asked for (2 KiB): far enough to cover
- * memory latency at ~10 GB/s; past the end of a row's block it continues into the block of
- * the rows that come next. */
-#define STREAM_AHEAD 1024
-#define STREAM_BLOCK 4096
+ * out[i, j] = bf16(f32(w[i, j]) + f32(bf16(sum_p x[i, p] * y[p, j]))), the sum accumulated from
+ * +0.0 in the order p = 0, 1, 2, ...: the same bits as seq_gemm into a zeroed c followed by
+ * store_fused. At small ranks (tens of terms per element) the rounding is as much work as the
+ * product; done here it costs no pass over an f32 tile, and overlaps the multiply-adds.
+ * Row blocks are the outer loop so that each weight row is read front to back, once. */
 
 typedef uint16_t vu16 __attribute__((vector_size(VW * 2), aligned(2), may_alias));
 typedef uint32_t vu32 __attribute__((vector_size(VW * 4)));
@@ -245,6 +232,111 @@ static inline vf widen_vec(const uint16_t *p)
     return (vf)wide;
 #endif
 }
+
+/* bf16_high of each element. */
+static inline vu32 bf16_high_vec(vf f)
+{
+    const vu32 u = (vu32)f;
+    const vu32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    const vu32 qnan = (u & 0x80000000u) | 0x7FC00000u;
+    const vu32 nan = (vu32)(f != f);
+    return (rounded & ~nan) | (qnan & nan);
+}
+
+/* Stores the low halves of VW 32-bit values (each below 2**16) as VW uint16. */
+static inline void store_low16(uint16_t *p, vu32 h)
+{
+#if defined(LTX_VARIANT_AVX512)
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16((__m512i)h));
+#elif defined(LTX_VARIANT_AVX2)
+    const __m256i v = (__m256i)h;
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(v),
+                                                    _mm256_extracti128_si256(v, 1)));
+#else
+    *(vu16 *)p = __builtin_convertvector(h, vu16);
+#endif
+}
+
+/* R rows (R <= MR) x NR columns. */
+static inline __attribute__((always_inline)) void
+fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, ltx_idx ldy,
+           const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
+{
+    vf acc[MR][NRV];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NRV; v++)
+            acc[r][v] = (vf){0};
+    for (ltx_idx p = 0; p < k; p++) {
+        vf yv[NRV];
+        for (int v = 0; v < NRV; v++)
+            yv[v] = LOADV(y + p * ldy + v * VW);
+        for (int r = 0; r < R; r++) {
+            const float xs = x[r * ldx + p];
+            for (int v = 0; v < NRV; v++)
+                acc[r][v] = acc[r][v] + yv[v] * xs;
+        }
+    }
+    /* out may alias w (in-place fuse): each vector is read before it is written. Unrolled, so
+     * that the accumulators stay in registers. */
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < NRV; v++) {
+            const vf delta = (vf)bf16_high_vec(acc[r][v]);
+            const vf sum = widen_vec(w + r * ldw + v * VW) + delta;
+            store_low16(out + r * ldo + v * VW, bf16_high_vec(sum) >> 16);
+        }
+}
+
+static void seq_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
+                          const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
+                          uint16_t *out, ltx_idx ldo)
+{
+    const ltx_idx n_full = n - n % NR;
+    for (ltx_idx i = 0; i < m; i += MR) {
+        const ltx_idx rows = (m - i < MR) ? m - i : MR;
+        for (ltx_idx r = 0; r < rows && i + MR + r < m; r++)
+            prefetch_run(w + (i + MR + r) * ldw, n * 2);
+        for (ltx_idx j = 0; j < n_full; j += NR) {
+            if (rows == MR) {
+                fuse_block(MR, k, x + i * ldx, ldx, y + j, ldy, w + i * ldw + j, ldw,
+                           out + i * ldo + j, ldo);
+            } else {
+                for (ltx_idx r = 0; r < rows; r++)
+                    fuse_block(1, k, x + (i + r) * ldx, ldx, y + j, ldy,
+                               w + (i + r) * ldw + j, ldw, out + (i + r) * ldo + j, ldo);
+            }
+        }
+        for (ltx_idx r = i; r < i + rows; r++)
+            for (ltx_idx j = n_full; j < n; j++) {
+                float acc = 0.0f;
+                for (ltx_idx p = 0; p < k; p++)
+                    acc = acc + x[r * ldx + p] * y[p * ldy + j];
+                store_fused_row(&acc, w + r * ldw + j, out + r * ldo + j, 1);
+            }
+    }
+}
+
+/* ---- A Linear's product for a few rows of x, straight from bf16 weight rows ----
+ *
+ * acc[o * mt + m] += sum_{k < kt} x[m, k] * f32(w[o, k])   for m < mt, o < n.
+ *
+ * For each (m, o), VW lane sums run over k = j, j + VW, j + 2 VW, ... (lane j), each in k order
+ * from +0.0 within blocks of STREAM_BLOCK elements; the blocks' lane sums are added up in order,
+ * the lanes combined by a fixed halving tree, the k tail (kt % VW terms) added after them in k
+ * order, and the result added to acc. Fixed by the code, so deterministic; the blocks keep each
+ * lane's run of sequential additions short (STREAM_BLOCK / VW), as a BLAS's blocking does.
+ *
+ * Blocks are the outer loop: a block of x (mt x STREAM_BLOCK f32, 16 KiB a row) stays in cache
+ * while every weight row's block streams past it once, so x is read from memory once per call
+ * rather than once per weight row -- at few rows of x it would otherwise be read more often
+ * than the weight itself. The blocks' lane sums wait in `lanes` ([n, mt] vectors).
+ * Register tile: SR weight rows x MM rows of x; MM is a compile-time constant per call site. */
+/* Weight elements ahead of the one being read that are asked for (2 KiB): far enough to cover
+ * memory latency at ~10 GB/s; past the end of a row's block it continues into the block of
+ * the rows that come next. */
+#define STREAM_AHEAD 1024
+#define STREAM_BLOCK 4096
 
 /* Keeps a loaded vector in a register: x86 compilers otherwise fold the load into every FMA
  * that uses it, loading it once per weight row instead of once. */
@@ -512,5 +604,5 @@ const ltx_kernels TABLE = {
     TABLE_NAME,         seq_gemm,           widen_bf16,           scale_round_widen,
     store_fused,        accumulate_rounded, first_nonfinite_bf16, scan_bf16,
     widen_bf16_f64,     f32_to_f64,         f64_to_f32,           widen_bf16_rows,
-    stream_wxt,         store_fused_fp8,
+    stream_wxt,         store_fused_fp8,    seq_fuse_bf16,
 };

@@ -63,6 +63,12 @@ typedef struct {
     ltx_idx (*store_fused_fp8)(const float *acc, const uint8_t *w, ltx_idx ldw, uint8_t *out,
                                ltx_idx ldo, ltx_idx rows, ltx_idx cols, int e5m2, int stochastic,
                                uint64_t key, ltx_idx index0, ltx_idx stride);
+    /* out[i, j] = bf16(f32(w[i, j]) + f32(bf16(sum_p x[i, p] * y[p, j]))) over an m x n tile,
+     * the sum from +0.0 in the order p = 0 .. k-1: seq_gemm into a zeroed c, then store_fused,
+     * in registers. Row-major; out may equal w */
+    void (*seq_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
+                          const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
+                          uint16_t *out, ltx_idx ldo);
 } ltx_kernels;
 
 /* The fastest table this CPU runs (may contract into FMA). */
