@@ -212,7 +212,7 @@ static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16
  * out[i, j] = bf16(f32(w[i, j]) + f32(bf16(sum_p x[i, p] * y[p, j]))), the sum accumulated from
  * +0.0 in the order p = 0, 1, 2, ...: the same bits as seq_gemm into a zeroed c followed by
  * store_fused. At small ranks (tens of terms per element) the rounding is as much work as the
- * product; done here it costs no pass over an f32 tile, and overlaps the multiply-adds.
+ * product; done here it costs no store and reload of an f32 tile.
  * Row blocks are the outer loop so that each weight row is read front to back, once. */
 
 typedef uint16_t vu16 __attribute__((vector_size(VW * 2), aligned(2), may_alias));
