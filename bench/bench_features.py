@@ -94,10 +94,7 @@ def main(argv=None):
     parser.add_argument("--threads", default=None)
     args = parser.parse_args(argv)
     harness.check_installed_not_checkout()
-    from ltx2blas._threads import available_cpus
-
-    threads = ([int(t) for t in args.threads.split(",")] if args.threads
-               else list(range(1, available_cpus() + 1)))
+    threads = harness.thread_counts(args.threads)
     ceilings = {t: harness.ceilings(t) for t in threads}
     if args.quick:
         rows = run(threads, 48, 0.3, (256, 128), ceilings, repeats=1)

@@ -17,7 +17,6 @@ result is compared with the reference too, and how many of its elements differ i
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -28,16 +27,6 @@ import peers  # noqa: E402
 SHAPES = [(4096, 4096), (16384, 4096), (4096, 16384), (2048, 2048)]
 RANKS = [32, 384, 450]
 STRENGTH = 0.8
-
-
-def _best_time(fn, repeats=3):
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def run(threads_list, shapes, ranks, ceilings, repeats=3, sample_rows=16, log=print):
@@ -59,7 +48,7 @@ def run(threads_list, shapes, ranks, ceilings, repeats=3, sample_rows=16, log=pr
             bs32, a32 = harness.widen(bs), harness.widen(lora_a)
             product = np.empty((rows, cols), np.float32)  # reused: the baseline pays no page faults
             flops = 2.0 * rows * cols * rank
-            scalar = peers.scalar_lora_rate(lora_a, bs, max(1, min(rows, 8)), _best_time)
+            scalar = peers.scalar_lora_rate(lora_a, bs, max(1, min(rows, 8)), harness.best_time)
             sample = np.sort(rng.choice(rows, size=min(rows, sample_rows), replace=False))
             expected = reference.fuse_lora(weight[sample], lora_a, lora_b[sample], STRENGTH)
             for threads in threads_list:
@@ -128,10 +117,7 @@ def main(argv=None):
                         help=f"comma list, default {','.join(map(str, RANKS))}")
     args = parser.parse_args(argv)
     harness.check_installed_not_checkout()
-    from ltx2blas._threads import available_cpus
-
-    threads = ([int(t) for t in args.threads.split(",")] if args.threads
-               else list(range(1, available_cpus() + 1)))
+    threads = harness.thread_counts(args.threads)
     ceilings = {t: harness.ceilings(t) for t in threads}
     if args.quick:
         rows = run(threads, [(2048, 2048)], [32, 450], ceilings, repeats=3)

@@ -18,7 +18,6 @@ import argparse
 import math
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -51,16 +50,6 @@ def check_rows(x, w, y, rng, samples=8):
     return bool(np.all(np.abs(got - ref) <= bound + ulp / 2))
 
 
-def _best_time(fn, repeats=3):
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def run(threads_list, outs, rows_list, ceilings, repeats=3, in_features=IN_FEATURES, log=print):
     import ltx2blas
 
@@ -73,7 +62,7 @@ def run(threads_list, outs, rows_list, ceilings, repeats=3, in_features=IN_FEATU
         w32 = torch.from_numpy(w32_np) if torch is not None else None
         w16 = w32.bfloat16() if torch is not None else None
         x_all = rng.standard_normal((max(rows_list), in_features), dtype=np.float32)
-        scalar = peers.scalar_linear_rate(x_all, w32_np, min(out, 4), _best_time)
+        scalar = peers.scalar_linear_rate(x_all, w32_np, min(out, 4), harness.best_time)
         for threads in threads_list:
             peak, bw = ceilings[threads]["sgemm_gflops"], ceilings[threads]["read_gbs"]
             for rows in rows_list:
@@ -181,10 +170,7 @@ def main(argv=None):
         if args.out:
             harness.write_json(args.out, {"machine": harness.machine(), "accuracy": table})
         return 0
-    from ltx2blas._threads import available_cpus
-
-    threads = ([int(t) for t in args.threads.split(",")] if args.threads
-               else list(range(1, available_cpus() + 1)))
+    threads = harness.thread_counts(args.threads)
     ceilings = {t: harness.ceilings(t) for t in threads}
     if args.quick:
         rows = run(threads, [256], [1, 8, 64], ceilings, repeats=2)

@@ -13,6 +13,26 @@ import time
 import numpy as np
 
 
+def thread_counts(text):
+    """A comma list of thread counts ("1,2,4"), or every count from 1 to every CPU for None."""
+    if text:
+        return [int(t) for t in text.split(",")]
+    from ltx2blas._threads import available_cpus
+
+    return list(range(1, available_cpus() + 1))
+
+
+def best_time(fn, repeats=3):
+    """The shortest of ``repeats`` timed calls, after one untimed call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.25, min_sample=0.05):
     """Time every callable in ``candidates`` (name -> fn) ``repeats`` times, round-robin.
 

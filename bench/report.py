@@ -33,6 +33,16 @@ def _eff(r):
     return f"{e:.2f}" if e is not None else "—"
 
 
+def _section(lines, rows, workload, title, columns, cells):
+    """Appends a table of the rows of one workload (nothing if it has none)."""
+    mine = [r for r in rows if r["workload"] == workload]
+    if not mine:
+        return
+    lines += ["", title, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in mine:
+        lines.append("| " + " | ".join(str(c) for c in cells(r)) + " |")
+
+
 def markdown(results):
     machine, rows = results["machine"], results["rows"]
     lines = [f"# ltx2blas benchmark — {machine.get('date', '')}", "",
@@ -47,42 +57,35 @@ def markdown(results):
     for c in results["ceilings"]:
         lines.append(f"| {c['threads']} | {c['sgemm_gflops']:.0f} | {c['dgemm_gflops']:.0f} | "
                      f"{c['read_gbs']:.1f} |")
-    fuse = [r for r in rows if r["workload"] == "fuse"]
-    if fuse:
-        lines += ["", "## Fuse (in place, rank-r adapter, strength 0.8)", "",
-                  "| threads | W | rank | GFLOP/s | ÷ sgemm | ÷ same-shape sgemm | scaling | peak RSS MiB | checked | vs peers |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in fuse:
-            lines.append(f"| {r['threads']} | {r['rows']}×{r['cols']} | {r['rank']} | {r['gflops']:.0f} | "
-                         f"{r['of_sgemm']:.2f} | {r['of_sgemm_same']:.2f} | {_eff(r)} | "
-                         f"{r['peak_rss_mib']:.0f} | {'yes' if r['checked'] else 'NO'} | {_peers(r)} |")
-    linear = [r for r in rows if r["workload"] == "linear"]
-    if linear:
-        lines += ["", "## Linear (in = 188,160, bf16 weight, f32 accumulation)", "",
-                  "| threads | out | M | ms | GFLOP/s | ÷ roofline | bound | scaling | peak RSS MiB | checked | vs peers |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in linear:
-            lines.append(f"| {r['threads']} | {r['out']} | {r['rows']} | {r['ms']:.1f} | {r['gflops']:.0f} | "
-                         f"{r['of_roofline']:.2f} | {r['bound']} | {_eff(r)} | {r['peak_rss_mib']:.0f} | "
-                         f"{'yes' if r['checked'] else 'NO'} | {_peers(r)} |")
-    ckpt = [r for r in rows if r["workload"] == "checkpoint"]
-    if ckpt:
-        lines += ["", "## Checkpoint fuse, end to end (read, fuse, write, fsync)", "",
-                  "| threads | checkpoint | rank | GFLOP | s | GFLOP/s | ÷ sgemm | scaling | peak RSS MiB | checked |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in ckpt:
-            lines.append(f"| {r['threads']} | {r['blocks']} blocks, {r['checkpoint_gib']:.2f} GiB | {r['rank']} | "
-                         f"{r['gflop']:.0f} | {r['seconds']:.2f} | {r['gflops']:.0f} | {r['of_sgemm']:.2f} | "
-                         f"{_eff(r)} | {r['peak_rss_mib']:.0f} | {'yes' if r['checked'] else 'NO'} |")
-    feats = [r for r in rows if r["workload"] == "features"]
-    if feats:
-        lines += ["", "## Text feature extractor (V2: normalise, flatten, video + audio projections)", "",
-                  "| threads | tokens (valid) | outs | s | GFLOP/s | ÷ sgemm | all rows s | saving | scaling | peak RSS MiB | checked |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in feats:
-            lines.append(f"| {r['threads']} | {r['tokens']} ({r['valid']}) | {'+'.join(map(str, r['outs']))} | "
-                         f"{r['seconds']:.2f} | {r['gflops']:.0f} | {r['of_sgemm']:.2f} | {r['all_rows_seconds']:.2f} | "
-                         f"{r['saving']:.0%} | {_eff(r)} | {r['peak_rss_mib']:.0f} | {'yes' if r['checked'] else 'NO'} |")
+    def yes(r):
+        return "yes" if r["checked"] else "NO"
+
+    _section(lines, rows, "fuse", "## Fuse (in place, rank-r adapter, strength 0.8)",
+             ["threads", "W", "rank", "GFLOP/s", "÷ sgemm", "÷ same-shape sgemm", "scaling",
+              "peak RSS MiB", "checked", "vs peers"],
+             lambda r: [r["threads"], f"{r['rows']}×{r['cols']}", r["rank"], f"{r['gflops']:.0f}",
+                        f"{r['of_sgemm']:.2f}", f"{r['of_sgemm_same']:.2f}", _eff(r),
+                        f"{r['peak_rss_mib']:.0f}", yes(r), _peers(r)])
+    _section(lines, rows, "linear", "## Linear (in = 188,160, bf16 weight, f32 accumulation)",
+             ["threads", "out", "M", "ms", "GFLOP/s", "÷ roofline", "bound", "scaling",
+              "peak RSS MiB", "checked", "vs peers"],
+             lambda r: [r["threads"], r["out"], r["rows"], f"{r['ms']:.1f}", f"{r['gflops']:.0f}",
+                        f"{r['of_roofline']:.2f}", r["bound"], _eff(r),
+                        f"{r['peak_rss_mib']:.0f}", yes(r), _peers(r)])
+    _section(lines, rows, "checkpoint", "## Checkpoint fuse, end to end (read, fuse, write, fsync)",
+             ["threads", "checkpoint", "rank", "GFLOP", "s", "GFLOP/s", "÷ sgemm", "scaling",
+              "peak RSS MiB", "checked"],
+             lambda r: [r["threads"], f"{r['blocks']} blocks, {r['checkpoint_gib']:.2f} GiB",
+                        r["rank"], f"{r['gflop']:.0f}", f"{r['seconds']:.2f}", f"{r['gflops']:.0f}",
+                        f"{r['of_sgemm']:.2f}", _eff(r), f"{r['peak_rss_mib']:.0f}", yes(r)])
+    _section(lines, rows, "features",
+             "## Text feature extractor (V2: normalise, flatten, video + audio projections)",
+             ["threads", "tokens (valid)", "outs", "s", "GFLOP/s", "÷ sgemm", "all rows s", "saving",
+              "scaling", "peak RSS MiB", "checked"],
+             lambda r: [r["threads"], f"{r['tokens']} ({r['valid']})", "+".join(map(str, r["outs"])),
+                        f"{r['seconds']:.2f}", f"{r['gflops']:.0f}", f"{r['of_sgemm']:.2f}",
+                        f"{r['all_rows_seconds']:.2f}", f"{r['saving']:.0%}", _eff(r),
+                        f"{r['peak_rss_mib']:.0f}", yes(r)])
     return "\n".join(lines) + "\n"
 
 

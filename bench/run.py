@@ -37,14 +37,12 @@ def main(argv=None):
     import bench_fuse
     import bench_linear
     import report
-    from ltx2blas._threads import available_cpus
 
     only = [w.strip() for w in args.only.split(",") if w.strip()]
     unknown = sorted(set(only) - set(WORKLOADS))
     if unknown:
         parser.error(f"unknown workload(s) {unknown}; choose from {WORKLOADS}")
-    threads = ([int(t) for t in args.threads.split(",")] if args.threads
-               else list(range(1, available_cpus() + 1)))
+    threads = harness.thread_counts(args.threads)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                    "results-" + time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)

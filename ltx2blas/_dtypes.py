@@ -26,6 +26,11 @@ def bf16_bits(array, name):
     )
 
 
+def bf16_to_f32(bits):
+    """The f32 values of bf16 bits (uint16 or ml_dtypes.bfloat16), exactly, in one new array."""
+    return np.left_shift(bits.view(np.uint16), 16, dtype=np.uint32).view(np.float32)
+
+
 def like(bits, template):
     """View uint16 bits as the bf16 kind of ``template``."""
     return bits.view(template.dtype) if is_ml_bfloat16(template.dtype) else bits

@@ -14,24 +14,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 from ._gemm cimport LTX_STREAM_LANES, kernels, ltx_kernels, sgemm_wxt
-
-cdef extern from *:
-    """
-    #include <stdlib.h>
-    static void *ltx_aligned_alloc(size_t bytes) {
-        void *p = NULL;
-        if (bytes == 0) bytes = 64;
-        if (posix_memalign(&p, 64, (bytes + 63) & ~(size_t)63) != 0) return NULL;
-        return p;
-    }
-    #ifdef _OPENMP
-    #include <omp.h>
-    #else
-    static int omp_get_thread_num(void) { return 0; }
-    #endif
-    """
-    void *ltx_aligned_alloc(size_t bytes) nogil
-    int omp_get_thread_num() nogil
+from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num
 
 
 cdef inline float f32_of_bits(uint32_t u) noexcept nogil:

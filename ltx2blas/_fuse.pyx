@@ -13,26 +13,9 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 from ._gemm cimport exact_product, exact_product_fused, kernels, ltx_kernels
+from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num
 
 import numpy as np
-
-cdef extern from *:
-    """
-    #include <stdlib.h>
-    static void *ltx_aligned_alloc(size_t bytes) {
-        void *p = NULL;
-        if (bytes == 0) bytes = 64;
-        if (posix_memalign(&p, 64, (bytes + 63) & ~(size_t)63) != 0) return NULL;
-        return p;
-    }
-    #ifdef _OPENMP
-    #include <omp.h>
-    #else
-    static int omp_get_thread_num(void) { return 0; }
-    #endif
-    """
-    void *ltx_aligned_alloc(size_t bytes) nogil
-    int omp_get_thread_num() nogil
 
 
 cdef struct Adapters:

@@ -15,6 +15,8 @@ from cpython.pycapsule cimport PyCapsule_GetName, PyCapsule_GetPointer
 from libc.stdint cimport uint16_t
 from libc.string cimport memset
 
+from ._parallel cimport LTX_HAVE_OPENMP, omp_get_max_threads
+
 import threading
 
 import numpy as np
@@ -24,19 +26,6 @@ cdef extern from "kernels.h" nogil:
     const ltx_kernels *ltx_strict_kernels()
     const ltx_kernels *ltx_kernels_by_name(const char *name)
     const char *ltx_kernels_built()
-
-cdef extern from *:
-    """
-    #ifdef _OPENMP
-    #include <omp.h>
-    #define LTX_HAVE_OPENMP 1
-    #else
-    static int omp_get_max_threads(void) { return 1; }
-    #define LTX_HAVE_OPENMP 0
-    #endif
-    """
-    int omp_get_max_threads() nogil
-    int LTX_HAVE_OPENMP
 
 ctypedef void (*sgemm_fn)(char *, char *, int *, int *, int *, float *, const float *, int *,
                           const float *, int *, float *, float *, int *) noexcept nogil

@@ -13,24 +13,7 @@ from libc.stdint cimport uint16_t
 from libc.stdlib cimport free, malloc
 
 from ._gemm cimport LTX_STREAM_LANES, dgemm_wxt, kernels, ltx_kernels, sgemm_wxt
-
-cdef extern from *:
-    """
-    #include <stdlib.h>
-    static void *ltx_aligned_alloc(size_t bytes) {
-        void *p = NULL;
-        if (bytes == 0) bytes = 64;
-        if (posix_memalign(&p, 64, (bytes + 63) & ~(size_t)63) != 0) return NULL;
-        return p;
-    }
-    #ifdef _OPENMP
-    #include <omp.h>
-    #else
-    static int omp_get_thread_num(void) { return 0; }
-    #endif
-    """
-    void *ltx_aligned_alloc(size_t bytes) nogil
-    int omp_get_thread_num() nogil
+from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num
 
 
 cdef struct Job:
@@ -45,7 +28,7 @@ cdef struct Job:
     int mb, ob, kb
     Py_ssize_t panels              # output-feature panels per row block
     bint f64
-    bint stream                    # few rows, bf16 weight: the seam's streaming kernel
+    bint stream                    # few rows, bf16 weight, f32 x: the streaming kernel
     const ltx_kernels *kern
 
 
@@ -95,14 +78,8 @@ cdef void linear_task(const Job *job, Py_ssize_t task, Slot *slot) noexcept nogi
                     kern.f32_to_f64(job.x32 + (m0 + r) * job.cols + c0, xp64 + r * kt, kt)
             dgemm_wxt(mt, ot, kt, xp64, kt, wp64, kt, 1.0, acc64, mt)
         elif job.stream:
-            if job.x16 != NULL:
-                kern.widen_bf16_rows(job.x16 + m0 * job.cols + c0, job.cols,
-                                     <float *>slot.x_panel, kt, mt, kt)
-                xp32, ldx = <float *>slot.x_panel, kt
-            else:
-                xp32, ldx = job.x32 + m0 * job.cols + c0, <int>job.cols
-            kern.stream_wxt(mt, ot, kt, xp32, ldx, job.w16 + o0 * job.cols + c0, job.cols, acc32,
-                            <float *>slot.w_panel)
+            kern.stream_wxt(mt, ot, kt, job.x32 + m0 * job.cols + c0, job.cols,
+                            job.w16 + o0 * job.cols + c0, job.cols, acc32, <float *>slot.w_panel)
         else:
             if job.w16 != NULL:
                 kern.widen_bf16_rows(job.w16 + o0 * job.cols + c0, job.cols,
@@ -185,6 +162,8 @@ cdef class LinearPlan:
         self.job.panels = (self.job.feats + ob - 1) // ob
         self.job.f64 = f64
         self.job.stream = stream and not f64 and self.job.w16 != NULL
+        if self.job.stream and self.job.x16 != NULL:
+            raise ValueError("the streaming route takes an f32 x: widen a bf16 x once, before")
         self.job.kern = kernels(True)
         self.tasks = (self.job.rows + mb - 1) // mb * self.job.panels
         self.threads = threads

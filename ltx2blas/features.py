@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from . import _features
-from ._dtypes import is_ml_bfloat16
+from ._dtypes import bf16_to_f32, is_ml_bfloat16
 from ._threads import blas_single_threaded, resolve_threads
 from .errors import DTypeError, LayoutError, ShapeError
 from .linear_layer import plan
@@ -125,8 +125,7 @@ def text_features(hidden_states, attention_mask, projections, *, version="v1", t
             bias = _bits_or_f32(bias, f"projections[{i}] bias")
             if bias.shape != (w.shape[0],):
                 raise ShapeError(f"projections[{i}] bias has shape {bias.shape}, expected ({w.shape[0]},)")
-            bias = (np.ascontiguousarray(bias).astype(np.uint32) << 16).view(np.float32) \
-                if bias.dtype == np.uint16 else np.ascontiguousarray(bias)
+            bias = bf16_to_f32(bias) if bias.dtype == np.uint16 else np.ascontiguousarray(bias)
         weights.append(w)
         biases.append(bias)
     if len({w.dtype for w in weights}) != 1:

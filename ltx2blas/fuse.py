@@ -8,7 +8,7 @@ import numbers
 import numpy as np
 
 from . import _fuse, _gemm
-from ._dtypes import bf16_bits
+from ._dtypes import bf16_bits, bf16_to_f32
 from ._threads import blas_single_threaded, resolve_threads
 from .reference import stochastic_key
 from .errors import (
@@ -278,7 +278,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule,
         bs_min = bmag.min * abs(float(s)) * (1 - 2.0**-7)
         if check_finite and bs_max >= _BF16_FINITE_LIMIT:
             with np.errstate(over="ignore", invalid="ignore"):
-                scaled = (b.astype(np.uint32) << 16).view(np.float32) * s
+                scaled = bf16_to_f32(b) * s
             from .reference import bf16_round
 
             bad = np.flatnonzero((bf16_round(scaled) & 0x7F80) == 0x7F80)

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from . import _linear
-from ._dtypes import is_ml_bfloat16
+from ._dtypes import bf16_to_f32, is_ml_bfloat16
 from ._threads import blas_single_threaded, resolve_threads
 from .errors import DTypeError, LayoutError, ShapeError
 
@@ -145,7 +145,7 @@ def error_bound(x, weight, bias=None, accumulate="f32", blocks=None):
 
 def _as_f64(array):
     if array.dtype.itemsize == 2:
-        return (array.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return bf16_to_f32(array).astype(np.float64)
     return array.astype(np.float64)
 
 
@@ -201,8 +201,7 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
         b_kind = _kind(bias, "bias")
         if bias.shape != (feats,):
             raise ShapeError(f"bias must have shape ({feats},), got {bias.shape}")
-        bias32 = (np.ascontiguousarray(bias).view(np.uint16).astype(np.uint32) << 16).view(
-            np.float32) if b_kind == "bf16" else np.ascontiguousarray(bias)
+        bias32 = bf16_to_f32(bias) if b_kind == "bf16" else np.ascontiguousarray(bias)
 
     if out is None:
         y = np.empty(out_shape, dtype=np.float32)
@@ -249,7 +248,7 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
     if route == "stream" and x_kind == "bf16":
         # At most STREAM_ROWS rows: widen them once here rather than per thread and chunk
         # (48 MiB at 64 rows of the real width, 1/32 of the bf16 weight).
-        x2 = (x2.astype(np.uint32) << 16).view(np.float32)
+        x2 = bf16_to_f32(x2)
     tasks_plan = _linear.LinearPlan(x2, _bits(weight), bias32, bias64, y2, mb, ob, kb, threads,
                                     route == "f64", route == "stream")
     tasks = tasks_plan.tasks

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._dtypes import bf16_to_f32
 from ..errors import (
     AlreadyFusedError,
     DTypeError,
@@ -366,7 +367,7 @@ def _alpha_value(source, key):
         raise ShapeError(f"{source.name}: alpha {key!r} has {value.size} elements, not one")
     dtype = source.dtype(key)
     if dtype == "BF16":
-        return float((value.astype(np.uint32) << 16).view(np.float32).reshape(-1)[0])
+        return float(bf16_to_f32(value).reshape(-1)[0])
     if dtype not in ("F32", "F16", "F64"):
         raise DTypeError(f"{source.name}: alpha {key!r} is {dtype}, expected a float")
     return float(value.reshape(-1)[0])
