@@ -251,7 +251,7 @@ def probe_report():
 # --------------------------------------------------------------------------------------------
 
 def kernel_name(bint allow_fma=True):
-    """Name of the kernel table used: 'avx512', 'avx2', 'neon' or 'base'."""
+    """Name of the kernel table used: 'avx512bf16', 'avx512', 'avx2', 'neon' or 'base'."""
     return kernels(allow_fma).name.decode()
 
 

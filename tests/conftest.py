@@ -22,7 +22,7 @@ def rng(request):
     return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
 
 
-@pytest.fixture(params=[name for name in ("base", "avx2", "avx512", "neon")
+@pytest.fixture(params=[name for name in ("base", "avx2", "avx512", "avx512bf16", "neon")
                         if name in _gemm.kernels_built()])
 def kernel_table(request):
     """Every kernel table this build has; skipped where the CPU lacks it."""

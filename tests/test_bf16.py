@@ -127,3 +127,50 @@ def test_fused_kernel_rounding(kernel_table, values):
     both_nan = np.isnan(reference.bf16_widen(w)) & np.isnan(acc)
     assert np.array_equal(got[~both_nan], expected[~both_nan])
     assert np.all(np.isnan(reference.bf16_widen(got[both_nan])))
+
+
+def near_subnormal_sets():
+    """Weights and products around the bottom of the normal range, where a conversion that
+    flushes subnormals (VCVTNE2PS2BF16 does, for inputs) would differ: every bf16 below 2**-124
+    in magnitude as a weight, against products of the same range and their near-ties, so that
+    two normal operands can sum to a subnormal and a subnormal can sum to a normal."""
+    small = np.concatenate([np.arange(0x0000, 0x0200), np.arange(0x8000, 0x8200)]).astype(np.uint16)
+    bits = small.astype(np.uint32) << 16
+    bits = np.concatenate([bits, bits | 0x8000, bits | 0x7FFF, bits | 0x0001])
+    return small, bits.view(np.float32)
+
+
+def expected_fuse(w, acc):
+    with np.errstate(invalid="ignore", over="ignore"):
+        return reference.bf16_round(reference.bf16_widen(w) + reference.bf16_widen(
+            reference.bf16_round(acc)))
+
+
+def test_kernel_store_near_subnormals(kernel_table):
+    small, products = near_subnormal_sets()
+    w, acc = (np.ascontiguousarray(a.ravel()) for a in np.meshgrid(small, products))
+    assert np.array_equal(_gemm._store_fused(acc, w, kernel_table), expected_fuse(w, acc))
+
+
+def test_fused_kernel_near_subnormals(kernel_table):
+    small, products = near_subnormal_sets()
+    # One term (k = 1) against y = 1.0: row i's products are all products[i], and its columns
+    # meet every small weight.
+    x = np.ascontiguousarray(products[:, None])
+    w = np.ascontiguousarray(np.broadcast_to(small, (products.size, small.size)))
+    got = _gemm.seq_fuse_bf16(x, np.ones((1, small.size), np.float32), w, kernel_table)
+    assert np.array_equal(got, expected_fuse(w, np.float32(0.0) + x))
+
+
+def test_bf16_conversion_table_is_chosen_where_the_cpu_has_it():
+    """On a CPU with AVX512_BF16 the fuse uses the table built on its conversions, so the
+    tests above exercise what users run."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    have = all(f in flags.split() for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl",
+                                             "avx512_bf16"))
+    if not have or "avx512bf16" not in _gemm.kernels_built():
+        pytest.skip("CPU or build without AVX512_BF16")
+    assert _gemm.kernel_name() == "avx512bf16"

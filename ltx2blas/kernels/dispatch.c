@@ -11,6 +11,9 @@ extern const ltx_kernels ltx_kernels_avx2;
 #ifdef LTX_HAVE_AVX512
 extern const ltx_kernels ltx_kernels_avx512;
 #endif
+#ifdef LTX_HAVE_AVX512BF16
+extern const ltx_kernels ltx_kernels_avx512bf16;
+#endif
 #ifdef LTX_HAVE_NEON
 extern const ltx_kernels ltx_kernels_neon;
 #endif
@@ -35,6 +38,18 @@ static int cpu_has_avx512(void)
 #endif
 }
 
+static int cpu_has_avx512bf16(void)
+{
+#if defined(LTX_HAVE_AVX512BF16) && (defined(__x86_64__) || defined(__i386__))
+    __builtin_cpu_init();
+    return cpu_has_avx512() && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
 const ltx_kernels *ltx_kernels_by_name(const char *name)
 {
     if (name == NULL)
@@ -49,6 +64,10 @@ const ltx_kernels *ltx_kernels_by_name(const char *name)
     if (strcmp(name, "avx512") == 0)
         return cpu_has_avx512() ? &ltx_kernels_avx512 : NULL;
 #endif
+#ifdef LTX_HAVE_AVX512BF16
+    if (strcmp(name, "avx512bf16") == 0)
+        return cpu_has_avx512bf16() ? &ltx_kernels_avx512bf16 : NULL;
+#endif
 #ifdef LTX_HAVE_NEON
     if (strcmp(name, "neon") == 0)
         return &ltx_kernels_neon;
@@ -58,6 +77,10 @@ const ltx_kernels *ltx_kernels_by_name(const char *name)
 
 const ltx_kernels *ltx_fast_kernels(void)
 {
+#ifdef LTX_HAVE_AVX512BF16
+    if (cpu_has_avx512bf16())
+        return &ltx_kernels_avx512bf16;
+#endif
 #ifdef LTX_HAVE_AVX512
     if (cpu_has_avx512())
         return &ltx_kernels_avx512;
@@ -82,6 +105,9 @@ const char *ltx_kernels_built(void)
 #endif
 #ifdef LTX_HAVE_AVX512
            ",avx512"
+#endif
+#ifdef LTX_HAVE_AVX512BF16
+           ",avx512bf16"
 #endif
 #ifdef LTX_HAVE_NEON
            ",neon"

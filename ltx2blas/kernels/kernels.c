@@ -8,6 +8,13 @@
 
 #include "kernels.h"
 
+/* AVX-512 plus the bf16 conversion instructions (AVX512_BF16, with BW, DQ and VL): the avx512
+ * table with the fuse's rounding done by VCVTNE2PS2BF16 (see fuse_pair). */
+#if defined(LTX_VARIANT_AVX512BF16)
+#define LTX_VARIANT_AVX512
+#define LTX_BF16_CONVERT
+#endif
+
 #if defined(LTX_VARIANT_AVX512) || defined(LTX_VARIANT_AVX2)
 #include <immintrin.h>
 #endif
@@ -16,8 +23,13 @@
 #define VW 16
 #define MR 8
 #define NRV 2
+#if defined(LTX_BF16_CONVERT)
+#define TABLE ltx_kernels_avx512bf16
+#define TABLE_NAME "avx512bf16"
+#else
 #define TABLE ltx_kernels_avx512
 #define TABLE_NAME "avx512"
+#endif
 #elif defined(LTX_VARIANT_AVX2)
 #define VW 8
 #define MR 6
@@ -197,16 +209,6 @@ static inline void store_fused_row(const float *restrict acc, const uint16_t *w,
     }
 }
 
-static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16_t *out,
-                        ltx_idx ldo, ltx_idx rows, ltx_idx cols)
-{
-    for (ltx_idx r = 0; r < rows; r++) {
-        if (r + PREFETCH_ROWS < rows)
-            prefetch_run(w + (r + PREFETCH_ROWS) * ldw, cols * 2);
-        store_fused_row(acc + r * cols, w + r * ldw, out + r * ldo, cols);
-    }
-}
-
 /* ---- The fuse of a small-rank adapter, product and rounding in registers ----
  *
  * out[i, j] = bf16(f32(w[i, j]) + f32(bf16(sum_p x[i, p] * y[p, j]))), the sum accumulated from
@@ -257,6 +259,82 @@ static inline void store_low16(uint16_t *p, vu32 h)
 #endif
 }
 
+#if defined(LTX_BF16_CONVERT)
+/* The generic rounding of one vector: w and out as in fuse_pair. */
+static inline void fuse_vec(vf acc, const uint16_t *w, uint16_t *out)
+{
+    const vf sum = widen_vec(w) + (vf)bf16_high_vec(acc);
+    store_low16(out, bf16_high_vec(sum) >> 16);
+}
+
+/* out[i] = bf16(f32(w[i]) + f32(bf16(acc[i]))) for 32 elements, acc[0..15] in lo and
+ * acc[16..31] in hi; out may equal w.
+ * wv holds w[0..31], loaded by the caller.
+ * VCVTNE2PS2BF16 rounds to nearest even exactly as bf16_high does, with two exceptions: it
+ * flushes subnormal inputs to zero and it keeps a NaN's payload. Inputs of either kind are
+ * found by VFPCLASSPS and the pair goes the generic way (rare: real weights hold neither).
+ * The bf16 vectors are widened by even and odd halves of each 32-bit word (a shift and a mask,
+ * no cross-lane moves); one word permute restores the order of the result. */
+static inline void fuse_pair(vf lo, vf hi, __m512i wv, const uint16_t *w, uint16_t *out)
+{
+    enum { NAN_OR_SUBNORMAL = 0x01 | 0x20 | 0x80 };
+    const __m512i high_half = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                                25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                                18, 2, 17, 1, 16, 0);
+    const __m512 a0 = (__m512)lo, a1 = (__m512)hi;
+    const __m512i delta = (__m512i)_mm512_cvtne2ps_pbh(a1, a0);
+    const __m512 even = _mm512_add_ps((__m512)_mm512_slli_epi32(wv, 16),
+                                      (__m512)_mm512_slli_epi32(delta, 16));
+    const __m512 odd = _mm512_add_ps((__m512)_mm512_and_si512(wv, high_half),
+                                     (__m512)_mm512_and_si512(delta, high_half));
+    const __mmask16 special = _mm512_fpclass_ps_mask(a0, NAN_OR_SUBNORMAL) |
+                              _mm512_fpclass_ps_mask(a1, NAN_OR_SUBNORMAL) |
+                              _mm512_fpclass_ps_mask(even, NAN_OR_SUBNORMAL) |
+                              _mm512_fpclass_ps_mask(odd, NAN_OR_SUBNORMAL);
+    if (__builtin_expect(special != 0, 0)) {
+        fuse_vec(lo, w, out);
+        fuse_vec(hi, w + 16, out + 16);
+        return;
+    }
+    const __m512i sum = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(interleave, sum));
+}
+#endif
+
+static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16_t *out,
+                        ltx_idx ldo, ltx_idx rows, ltx_idx cols)
+{
+#if defined(LTX_BF16_CONVERT)
+    /* Blocks of MR rows, loads before stores within each (see fuse_block). */
+    const ltx_idx pairs = cols - cols % 32;
+    for (ltx_idx r0 = 0; r0 < rows; r0 += MR) {
+        const int rb = (rows - r0 < MR) ? (int)(rows - r0) : MR;
+        for (ltx_idx r = r0 + MR; r < r0 + 2 * MR && r < rows; r++)
+            prefetch_run(w + r * ldw, cols * 2);
+        for (ltx_idx i = 0; i < pairs; i += 32) {
+            __m512i wv[MR];
+            for (int r = 0; r < rb; r++)
+                wv[r] = _mm512_loadu_si512(w + (r0 + r) * ldw + i);
+            for (int r = 0; r < rb; r++) {
+                const float *a = acc + (r0 + r) * cols + i;
+                fuse_pair((vf)LOADV(a), (vf)LOADV(a + 16), wv[r], w + (r0 + r) * ldw + i,
+                          out + (r0 + r) * ldo + i);
+            }
+        }
+        for (ltx_idx r = r0; r < r0 + rb; r++)
+            store_fused_row(acc + r * cols + pairs, w + r * ldw + pairs, out + r * ldo + pairs,
+                            cols - pairs);
+    }
+#else
+    for (ltx_idx r = 0; r < rows; r++) {
+        if (r + PREFETCH_ROWS < rows)
+            prefetch_run(w + (r + PREFETCH_ROWS) * ldw, cols * 2);
+        store_fused_row(acc + r * cols, w + r * ldw, out + r * ldo, cols);
+    }
+#endif
+}
+
 /* R rows (R <= MR) x NR columns. */
 static inline __attribute__((always_inline)) void
 fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, ltx_idx ldy,
@@ -278,6 +356,18 @@ fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, 
     }
     /* out may alias w (in-place fuse): each vector is read before it is written. Unrolled, so
      * that the accumulators stay in registers. */
+#if defined(LTX_BF16_CONVERT) && NRV == 2
+    /* Every row's weight is loaded before any row is stored: rows of a power-of-two width lie
+     * a multiple of 32 KiB apart, and a load issued after a store to the same low address bits
+     * waits on it (measured: 4096 x 16384 at rank 32 ran 10 % slower than 4096 x 16448). */
+    __m512i wv[MR];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+        wv[r] = _mm512_loadu_si512(w + r * ldw);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+        fuse_pair(acc[r][0], acc[r][1], wv[r], w + r * ldw, out + r * ldo);
+#else
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
@@ -286,6 +376,27 @@ fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, 
             const vf sum = widen_vec(w + r * ldw + v * VW) + delta;
             store_low16(out + r * ldo + v * VW, bf16_high_vec(sum) >> 16);
         }
+#endif
+}
+
+/* Blocks of MR x NR weight elements ahead of the one being fused that are asked for. The
+ * hardware prefetcher does not follow a tile's rows (a few hundred bytes each, then a jump);
+ * a whole row block ahead is too far (its lines are evicted before use). */
+#define FUSE_AHEAD 2
+
+/* Asks for the weight lines of the block at column j of row block i, continuing into the next
+ * row block past the end of a row. */
+static inline void fuse_prefetch(const uint16_t *w, ltx_idx ldw, ltx_idx m, ltx_idx n_full,
+                                 ltx_idx i, ltx_idx j)
+{
+    if (j >= n_full) {
+        j -= n_full;
+        i += MR;
+    }
+    for (ltx_idx r = i; r < i + MR && r < m; r++) {
+        __builtin_prefetch(w + r * ldw + j, 0, 3);
+        __builtin_prefetch(w + r * ldw + j + NR - 1, 0, 3);
+    }
 }
 
 static void seq_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
@@ -295,9 +406,8 @@ static void seq_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_i
     const ltx_idx n_full = n - n % NR;
     for (ltx_idx i = 0; i < m; i += MR) {
         const ltx_idx rows = (m - i < MR) ? m - i : MR;
-        for (ltx_idx r = 0; r < rows && i + MR + r < m; r++)
-            prefetch_run(w + (i + MR + r) * ldw, n * 2);
         for (ltx_idx j = 0; j < n_full; j += NR) {
+            fuse_prefetch(w, ldw, m, n_full, i, j + FUSE_AHEAD * NR);
             if (rows == MR) {
                 fuse_block(MR, k, x + i * ldx, ldx, y + j, ldy, w + i * ldw + j, ldw,
                            out + i * ldo + j, ldo);

@@ -75,7 +75,7 @@ typedef struct {
 const ltx_kernels *ltx_fast_kernels(void);
 /* Never contracts: mul then add, as the reference loop does. */
 const ltx_kernels *ltx_strict_kernels(void);
-/* A table by name ("avx512", "avx2", "neon", "base"), or NULL if absent or unsupported here. */
+/* A table by name ("avx512bf16", "avx512", "avx2", "neon", "base"), or NULL if absent or unsupported here. */
 const ltx_kernels *ltx_kernels_by_name(const char *name);
 /* Names of the tables built into this module, comma separated. */
 const char *ltx_kernels_built(void);
