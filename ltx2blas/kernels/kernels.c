@@ -467,11 +467,18 @@ static inline float lane_tree(vf v)
 }
 
 /* The register tile: SR weight rows x SM rows of x, SR * SM accumulators (plus SR + 1 vectors
- * in flight) within 32 registers, or 16 with AVX2. */
-#define SM 4
+ * in flight) within 32 registers, or 16 with AVX2. AVX-512 takes 8 rows of x at a time although
+ * 32 accumulators leave the compiler a few spills: each widened weight vector then feeds 8
+ * FMAs rather than 4, and at 8 to 16 rows of x that measured 10-15 % faster than 4 x 4 and
+ * 3 x 8 (2-core Zen 4). */
 #if defined(LTX_VARIANT_AVX2)
+#define SM 4
 #define SR 2
+#elif defined(LTX_VARIANT_AVX512)
+#define SM 8
+#define SR 4
 #else
+#define SM 4
 #define SR 4
 #endif
 
@@ -546,6 +553,14 @@ static void stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_id
                         STREAM_CASE(2)
                         STREAM_CASE(3)
                         STREAM_CASE(4)
+#if SM > 4
+                        STREAM_CASE(5)
+                        STREAM_CASE(6)
+#endif
+#if SM > 6
+                        STREAM_CASE(7)
+                        STREAM_CASE(8)
+#endif
                     }
                 }
             }
