@@ -219,8 +219,11 @@ def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list 
             slots[s].scratch = <uint8_t *>(base + bs_len + panels_len + tile_len * (1 + sum_rule))
             slots[s].strip = -1
 
+        # Guided: each thread starts on a long run of neighbouring tiles, as with a static
+        # split, and the rest is shared out as threads come free, so that a thread that starts
+        # late (an idle worker waking, a core busy with file I/O) does not hold up the call.
         with nogil, parallel(num_threads=threads):
-            for t in prange(tiles, schedule="static"):
+            for t in prange(tiles, schedule="guided"):
                 fuse_tile(&job, &ad, t, &slots[omp_get_thread_num()], &bad[0])
     finally:
         free(buffers)

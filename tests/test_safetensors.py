@@ -179,3 +179,47 @@ def test_stale_temp_files_of_dead_writers_are_cleaned(tmp_path):
     live.write_bytes(b"in progress")
     assert clean_stale_temps(out) == [stale.name]
     assert live.exists() and not stale.exists()
+
+
+def _page_buffer(nbytes, page=4096):
+    raw = np.empty(nbytes + 2 * page, np.uint8)
+    start = (-raw.ctypes.data) % page
+    return raw[start:start + nbytes + page]
+
+
+def test_direct_writes_from_the_callers_memory(tmp_path, rng, monkeypatch):
+    """Arrays handed over with ``release`` at their file offset's place within a page are
+    written from where they lie, the rest copied; every byte lands, every release is called
+    once. Small chunks, so that a few hundred KiB take the O_DIRECT path."""
+    from ltx2blas.files import safetensors as st
+
+    monkeypatch.setattr(st._DirectSink, "CHUNK", 1 << 16)
+    queued = []
+    queue = st._DirectSink._queue
+    monkeypatch.setattr(st._DirectSink, "_queue",
+                        lambda self, data, on_done: (queued.append(data), queue(self, data, on_done)))
+    sizes = [5, 3 * 4096 + 7, 70000, 1, 200000, 8192, 4095, 100000]
+    data = [rng.integers(0, 256, size=n, dtype=np.uint8) for n in sizes]
+    entries = [(f"t{i}", "U8", (n,), n) for i, n in enumerate(sizes)]
+    path = tmp_path / "out.safetensors"
+    released = []
+    buffers = []
+    with SafetensorsWriter(path, entries, {"note": "direct"}) as writer:
+        if not isinstance(writer._sink, st._DirectSink):
+            pytest.skip("this file system refuses O_DIRECT")
+        for i, values in enumerate(data):
+            # Even tensors at their page offset (written in place), odd ones one byte off (copied).
+            shift = (writer.file_offset(f"t{i}") + i % 2) % writer.ALIGN
+            buffer = _page_buffer(values.size)
+            buffer[shift:shift + values.size] = values
+            buffers.append(buffer)
+            writer.write(f"t{i}", buffer[shift:shift + values.size],
+                         release=lambda i=i: released.append(i))
+        writer.commit()
+    assert sorted(released) == list(range(len(sizes)))
+    in_place = {i for i, b in enumerate(buffers) if any(np.shares_memory(q, b) for q in queued)}
+    assert in_place == {2, 4}  # the even tensors with at least one whole page past the first
+    with SafetensorsFile(path) as f:
+        assert f.metadata == {"note": "direct"}
+        for i, values in enumerate(data):
+            assert np.array_equal(f.read(f"t{i}"), values)

@@ -5,6 +5,7 @@ fused in place by :func:`ltx2blas.fuse_loras`, written, and the buffer reused; e
 tensor is copied byte for byte, file to file.  Peak memory is about the largest fused tensor
 plus its adapter factors, whatever the checkpoint's size.
 """
+import functools
 import hashlib
 import json
 import os
@@ -207,12 +208,14 @@ def _fused_metadata(base, reports, dtypes, plan, fp8_rounding, seed):
 
 class _Prefetcher:
     """Reads the fused weights, in order, one ahead of the caller, into two reused buffers: the
-    next weight is read from the file while the current one is fused."""
+    next weight is read from the file while the current one is fused.  Each weight is placed
+    ``shift(name)`` bytes past a page boundary (its offset within a page of the output file), so
+    that the writer can write it to the output without copying it."""
 
-    def __init__(self, ckpt, names):
-        self.ckpt, self.names = ckpt, names
+    def __init__(self, ckpt, names, shift=lambda name: 0, page=4096):
+        self.ckpt, self.names, self.shift = ckpt, names, shift
         largest = max((ckpt.entries[n][1].nbytes for n in names), default=0)
-        self.buffers = [np.empty(largest, np.uint8), np.empty(largest, np.uint8)]
+        self.buffers = [_page_aligned(largest + page, page), _page_aligned(largest + page, page)]
         self.ready = {}
         self.error = None
         self.cv = threading.Condition()
@@ -230,7 +233,8 @@ class _Prefetcher:
                     return
                 index = self.free.pop(0)
             f, info = self.ckpt.entries[name]
-            array = self.buffers[index][:info.nbytes].view(
+            start = self.shift(name)
+            array = self.buffers[index][start:start + info.nbytes].view(
                 np.uint16 if info.dtype == "BF16" else np.uint8).reshape(info.shape)
             try:
                 f.read(name, array)
@@ -263,6 +267,12 @@ class _Prefetcher:
             self.stop = True
             self.cv.notify_all()
         self.thread.join()
+
+
+def _page_aligned(nbytes, page):
+    raw = np.empty(nbytes + page, np.uint8)
+    start = (-raw.ctypes.data) % page
+    return raw[start:start + nbytes]
 
 
 def _sha256(fd):
@@ -521,18 +531,19 @@ def fuse_checkpoint(model, loras, output, *, threads=None, progress=None, check_
         entries = [(n, ckpt.entries[n][1].dtype, ckpt.entries[n][1].shape,
                     ckpt.entries[n][1].nbytes) for n in order]
         fused_order = [n for n in order if n in plan]
-        reader = _Prefetcher(ckpt, fused_order)
         done_gflop = 0.0
-        try:
-            with SafetensorsWriter(output, entries, metadata) as writer:
+        with SafetensorsWriter(output, entries, metadata) as writer:
+            reader = _Prefetcher(ckpt, fused_order,
+                                 lambda name: writer.file_offset(name) % writer.ALIGN, writer.ALIGN)
+            try:
                 for count, name in enumerate(order, 1):
                     f, info = ckpt.entries[name]
                     if name in plan:
                         weight = reader.take(name)
                         _fuse_one(weight, plan[name], sources, reports, info.dtype, name, threads,
                                   check_finite, fp8_rounding, seed)
-                        writer.write(name, weight)
-                        reader.release(weight)
+                        # Written from the read buffer, which is reused once the write is done.
+                        writer.write(name, weight, release=functools.partial(reader.release, weight))
                         done_gflop += _gflop(info.shape, plan[name], sources)
                     else:
                         writer.copy(name, f.fileno(), info.begin, info.nbytes, f.path)
@@ -547,8 +558,8 @@ def fuse_checkpoint(model, loras, output, *, threads=None, progress=None, check_
                 metadata = _fused_metadata(ckpt.metadata, reports, dtypes, plan, fp8_rounding, seed)
                 writer.set_metadata(metadata)
                 writer.commit()
-        finally:
-            reader.close()
+            finally:
+                reader.close()
         report.metadata = metadata
         report.seconds = time.perf_counter() - t0
         report.peak_rss_mib = _peak_rss_mib()

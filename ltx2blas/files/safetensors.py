@@ -318,6 +318,10 @@ class _BufferedSink:
             except OSError as exc:
                 raise Ltx2IOError(exc.errno, f"writing {self.path} failed: {exc.strerror}") from exc
 
+    def append_owned(self, data, release):
+        self.append(data)
+        release()
+
     def finish(self, size):
         pass
 
@@ -334,7 +338,8 @@ def _aligned(nbytes, alignment=4096):
 class _DirectSink:
     """O_DIRECT writes of CHUNK-byte blocks from two aligned staging buffers: the caller fills
     one while a background thread writes the other.  The last, partial block is padded to the
-    alignment and the file truncated back to its size."""
+    alignment and the file truncated back to its size.  ``append_owned`` hands whole pages of
+    the caller's own memory to the background thread instead, without a copy."""
 
     CHUNK = 32 << 20
     ALIGN = 4096
@@ -359,23 +364,26 @@ class _DirectSink:
                     self.lock.wait()
                 if not self.pending:
                     return
-                index, length, offset = self.pending.pop(0)
+                data, offset, on_done = self.pending.pop(0)
             try:
                 if self.error is None:
-                    view = memoryview(self.buffers[index][:length])
+                    view = memoryview(data)
                     done = 0
-                    while done < length:
+                    while done < len(view):
                         done += os.pwrite(self.fd, view[done:], offset + done)
             except OSError as exc:
                 self.error = exc
             finally:
-                self.free[index].release()
+                on_done()
+
+    def _queue(self, data, on_done):
+        with self.lock:
+            self.pending.append((data, self.offset, on_done))
+            self.lock.notify()
+        self.offset += len(data)
 
     def _submit(self, length):
-        with self.lock:
-            self.pending.append((self.current, length, self.offset))
-            self.lock.notify()
-        self.offset += length
+        self._queue(self.buffers[self.current][:length], self.free[self.current].release)
         self.current ^= 1
         self.free[self.current].acquire()  # wait until the writer is done with it
         self.fill = 0
@@ -396,6 +404,25 @@ class _DirectSink:
             done += n
             if self.fill == self.CHUNK:
                 self._submit(self.CHUNK)
+
+    def append_owned(self, data, release):
+        """Append ``data``, writing its whole pages from where they lie when it sits at the same
+        offset from a page boundary in memory as in the file; ``release()`` is called once
+        nothing more will be read from it (from the writer thread, or before returning).
+        ``data`` must not change until then."""
+        view = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        head = (-(self.offset + self.fill)) % self.ALIGN
+        whole = max(0, len(view) - head) // self.ALIGN * self.ALIGN
+        if whole == 0 or (view.ctypes.data + head) % self.ALIGN:
+            self.append(view)
+            release()
+            return
+        self.append(view[:head])  # completes the staging buffer's last page
+        if self.fill:
+            self._submit(self.fill)
+        self._queue(view[head:head + whole], release)
+        self.append(view[head + whole:])
+        self._raise()
 
     def finish(self, size):
         if self.fill:
@@ -469,12 +496,28 @@ class SafetensorsWriter:
             raise ValueError(f"expected {want[0]!r} ({want[3]} bytes) next, got {name!r} ({nbytes})")
         self._index += 1
 
-    def write(self, name, array):
-        """The next tensor's data from a C-contiguous array (its raw bytes)."""
+    #: Page size of direct writes: an array passed to write() with ``release`` that starts at
+    #: file_offset(name) % ALIGN past a page boundary is written without a copy.
+    ALIGN = _DirectSink.ALIGN
+
+    def file_offset(self, name):
+        """Where the data of tensor ``name`` starts in the file."""
+        if not hasattr(self, "_index_of"):
+            self._index_of = {entry[0]: i for i, entry in enumerate(self.entries)}
+        return len(self._header) + self.offsets[self._index_of[name]]
+
+    def write(self, name, array, release=None):
+        """The next tensor's data from a C-contiguous array (its raw bytes).  Without
+        ``release`` the bytes are taken before this returns; with it, the array may be written
+        from where it lies, must not change until ``release()`` is called (from the writer's
+        thread, or before this returns), and is not referenced after."""
         array = np.ascontiguousarray(array)
         self._next(name, array.nbytes)
-        if array.nbytes:
-            self._sink.append(array.reshape(-1).view(np.uint8))
+        data = array.reshape(-1).view(np.uint8)
+        if release is not None:
+            self._sink.append_owned(data, release)
+        elif array.nbytes:
+            self._sink.append(data)
 
     def copy(self, name, source_fd, offset, nbytes, source_path="input"):
         """The next tensor's data copied byte for byte from another file."""
