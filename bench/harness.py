@@ -96,12 +96,29 @@ def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def reader(array, threads):
+    """A callable that reads every byte of ``array`` (bf16 bits) once, one stripe per thread,
+    through ltx2blas's scan kernel: the memory read rate a bandwidth-bound kernel can reach."""
+    import threading
+
+    from ltx2blas import _gemm
+
+    stripes = np.array_split(array.reshape(-1).view(np.uint16), threads)
+
+    def read():
+        workers = [threading.Thread(target=_gemm.scan_bf16, args=(s,)) for s in stripes]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    return read
+
+
 def ceilings(threads, n=2048, bandwidth_mib=1024, repeats=5):
     """The machine at ``threads`` threads, measured now: square sgemm and dgemm rates (GFLOP/s,
     through the BLAS ltx2blas calls) and memory read bandwidth (GB/s, one stripe per thread read
     by ltx2blas's scan kernel).  Best of ``repeats``, each after the previous parallel call's
     worker threads have gone quiet."""
-    import threading
 
     from threadpoolctl import threadpool_limits
 
@@ -113,7 +130,6 @@ def ceilings(threads, n=2048, bandwidth_mib=1024, repeats=5):
     dgemm = __import__("scipy.linalg.blas", fromlist=["dgemm"]).dgemm
     best = {"sgemm": float("inf"), "dgemm": float("inf"), "read": float("inf")}
     buffer = np.ones(bandwidth_mib << 19, np.uint16)
-    stripes = np.array_split(buffer, threads)
     product = np.empty((n, n), np.float32)
     with threadpool_limits(threads, user_api="blas"):
         _gemm.sgemm(x32, x32, out=product)
@@ -126,14 +142,11 @@ def ceilings(threads, n=2048, bandwidth_mib=1024, repeats=5):
             t0 = time.perf_counter()
             dgemm(1.0, x64, x64)
             best["dgemm"] = min(best["dgemm"], time.perf_counter() - t0)
+    read = reader(buffer, threads)
     for _ in range(repeats):
         time.sleep(0.2)
-        workers = [threading.Thread(target=_gemm.scan_bf16, args=(s,)) for s in stripes]
         t0 = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
+        read()
         best["read"] = min(best["read"], time.perf_counter() - t0)
     time.sleep(0.2)
     return {"threads": threads, "sgemm_gflops": 2.0 * n**3 / best["sgemm"] / 1e9,
