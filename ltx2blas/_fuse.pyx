@@ -8,11 +8,12 @@ rounds and widens each adapter's bf16(B * s) rows once per strip it visits, not 
 (that pass costs about four times more per element than widening A, which is redone per tile).
 """
 from cython.parallel cimport parallel, prange
-from libc.stdint cimport int64_t, uint8_t, uint16_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
-from ._gemm cimport exact_product, exact_product_fused, kernels, ltx_kernels
+from ._gemm cimport (exact_product, exact_product_fused, exact_product_fused_pairs, kernels,
+                     ltx_kernels)
 from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num
 
 import numpy as np
@@ -41,13 +42,16 @@ cdef struct Job:
     int fmt                   # 0: bf16, 1: F8_E4M3, 2: F8_E5M2
     bint stochastic           # fp8 only: stochastic rounding with random bits from key
     uint64_t key
+    bint pairs                # one bf16 adapter, no sgemm: the dot-product kernel on bf16 pairs
     const ltx_kernels *kern
 
 
 cdef struct Slot:
     # One thread's buffers (64-byte aligned) and which row strip its bs rows hold.
     float *bs                 # every adapter's [mt, rank] = f32(bf16(B * s)) for the strip
-    float *panels             # every adapter's [rank, nt] = f32(A[:, tile columns])
+    float *panels             # every adapter's [rank, nt] = f32(A[:, tile columns]), or with
+                              # pairs, [ceil(rank / 2), nt] pairs of A's bf16 rows
+    uint32_t *bs_pairs        # with pairs: [mt, ceil(rank / 2)] pairs of the bs columns
     float *acc                # [mt, nt] product
     float *total              # [mt, nt] several-adapter sum
     uint8_t *scratch          # [mt, nt] dry-run output
@@ -89,12 +93,26 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
         for a in range(ad.count):
             kern.scale_round_widen(ad.b[a] + o0 * ad.rank[a], ad.scale[a],
                                    slot.bs + ad.bs_offset[a], <Py_ssize_t>mt * ad.rank[a])
+        if job.pairs:
+            kern.pack_pairs_cols(slot.bs, ad.rank[0], slot.bs_pairs, (ad.rank[0] + 1) // 2, mt,
+                                 ad.rank[0])
         slot.strip = ti
 
     if job.dry_run:
         dst, ldo = slot.scratch, nt
     else:
         dst, ldo = job.out + origin * esize, job.cols
+
+    if job.pairs:
+        # As below, two terms per instruction.
+        kern.pack_pairs_rows(ad.a[0] + i0, job.cols, <uint32_t *>slot.panels, ad.rank[0], nt)
+        exact_product_fused_pairs(kern, mt, nt, (ad.rank[0] + 1) // 2, slot.bs_pairs,
+                                  (ad.rank[0] + 1) // 2, <const uint32_t *>slot.panels,
+                                  <const uint16_t *>(job.w + origin * esize), job.cols,
+                                  <uint16_t *>dst, ldo)
+        if job.check:
+            check_bf16_tile(kern, <uint16_t *>dst, ldo, mt, nt, origin, job.cols, &bad[t])
+        return
 
     if ad.count == 1 and job.fmt == 0 and not job.sum_rule and ad.depth[shape] == 0:
         # No sgemm for this product: it is computed, rounded and added in one pass.
@@ -135,12 +153,14 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
 def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list lora_a,
                list lora_b, float[::1] scales, int[:, ::1] depths, int mb, int nb, int threads,
                bint allow_fma, bint sum_rule, bint check, bint dry_run, bint stochastic=False,
-               uint64_t key=0):
+               uint64_t key=0, bint pairs=False):
     """Fuse adapters into ``weight``, writing ``out`` (which may be ``weight``); both passed as
     their bytes, [rows, cols * element size], ``fmt`` 0 for bf16, 1 for F8_E4M3, 2 for F8_E5M2.
 
     ``depths[a]`` holds the verified sgemm depth of adapter a for the tile shapes
     (full, full), (full, edge), (edge, full), (edge, edge) in (rows, cols).
+    ``pairs``: one bf16 adapter multiplied by the kernel table's dot-product fuse, which the
+    caller has found exact for these inputs (``fuse._pairs_exact``).
     Validation happens in :mod:`ltx2blas.fuse`; this trusts shapes, dtypes and contiguity.
     Returns the flat index of the first non-finite (bf16) or overflowing (fp8) output, or -1,
     when ``check`` is set."""
@@ -153,7 +173,7 @@ def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list 
     cdef const uint16_t[:, ::1] view
     cdef Job job
     cdef Adapters ad
-    cdef size_t bs_len, panels_len, tile_len, scratch_len, slot_len
+    cdef size_t bs_len, panels_len, tile_len, scratch_len, pairs_len, slot_len
     cdef char *buffers = NULL
     cdef Slot *slots = NULL
     cdef char *base
@@ -198,6 +218,8 @@ def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list 
         job.sum_rule, job.dry_run, job.check = sum_rule, dry_run, check
         job.fmt, job.stochastic, job.key = fmt, stochastic, key
         job.kern = kernels(allow_fma)
+        job.pairs = (pairs and count == 1 and fmt == 0 and not sum_rule
+                     and job.kern.dot_fuse_bf16 != NULL)
 
         # Per-thread buffers, allocated here so that a failure happens before any tile is
         # written. Panel offsets are multiples of nb floats; every part is 64-byte aligned.
@@ -205,7 +227,9 @@ def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list 
         panels_len = (<size_t>rank_sum * nb * sizeof(float) + 63) & ~(<size_t>63)
         tile_len = (<size_t>mb * nb * sizeof(float) + 63) & ~(<size_t>63)
         scratch_len = (<size_t>mb * nb * sizeof(uint16_t) + 63) & ~(<size_t>63)
-        slot_len = bs_len + panels_len + tile_len * (1 + sum_rule) + scratch_len * dry_run
+        pairs_len = (<size_t>mb * ((rank_sum + 1) // 2) * sizeof(uint32_t) + 63) & ~(<size_t>63)
+        slot_len = (bs_len + panels_len + tile_len * (1 + sum_rule) + scratch_len * dry_run
+                    + pairs_len * job.pairs)
         buffers = <char *>ltx_aligned_alloc(slot_len * threads)
         slots = <Slot *>malloc(threads * sizeof(Slot))
         if buffers == NULL or slots == NULL:
@@ -217,6 +241,7 @@ def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list 
             slots[s].acc = <float *>(base + bs_len + panels_len)
             slots[s].total = <float *>(base + bs_len + panels_len + tile_len)
             slots[s].scratch = <uint8_t *>(base + bs_len + panels_len + tile_len * (1 + sum_rule))
+            slots[s].bs_pairs = <uint32_t *>(base + slot_len - pairs_len * job.pairs)
             slots[s].strip = -1
 
         # Guided: each thread starts on a long run of neighbouring tiles, as with a static

@@ -1,5 +1,5 @@
 # The seam: every GEMM that ltx2blas runs goes through the functions declared here.
-from libc.stdint cimport uint8_t, uint16_t, uint64_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
 cdef extern from "kernels.h" nogil:
     ctypedef Py_ssize_t ltx_idx
@@ -31,6 +31,13 @@ cdef extern from "kernels.h" nogil:
         void (*seq_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
                               const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
                               uint16_t *out, ltx_idx ldo) noexcept nogil
+        void (*dot_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp,
+                              ltx_idx ldxp, const uint32_t *yp, ltx_idx ldyp, const uint16_t *w,
+                              ltx_idx ldw, uint16_t *out, ltx_idx ldo) noexcept nogil
+        void (*pack_pairs_rows)(const uint16_t *src, ltx_idx lds, uint32_t *dst, ltx_idx rows,
+                                ltx_idx cols) noexcept nogil
+        void (*pack_pairs_cols)(const float *src, ltx_idx lds, uint32_t *dst, ltx_idx ldd,
+                                ltx_idx rows, ltx_idx cols) noexcept nogil
 
 cdef const ltx_kernels *kernels(bint allow_fma) noexcept nogil
 
@@ -49,3 +56,8 @@ cdef void exact_product(const ltx_kernels *kern, int m, int n, int k, const floa
 cdef void exact_product_fused(const ltx_kernels *kern, int m, int n, int k, const float *x,
                               int ldx, const float *y, const uint16_t *w, Py_ssize_t ldw,
                               uint16_t *out, Py_ssize_t ldo) noexcept nogil
+
+cdef void exact_product_fused_pairs(const ltx_kernels *kern, int m, int n, int kp,
+                                    const uint32_t *xp, int ldxp, const uint32_t *yp,
+                                    const uint16_t *w, Py_ssize_t ldw, uint16_t *out,
+                                    Py_ssize_t ldo) noexcept nogil

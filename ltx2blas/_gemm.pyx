@@ -12,7 +12,7 @@ from +0.0 in the order p = 0, 1, 2, ... (the textbook loop of the spec).
   the accumulation element by element, in order, from what sgemm left in ``c``.
 """
 from cpython.pycapsule cimport PyCapsule_GetName, PyCapsule_GetPointer
-from libc.stdint cimport uint16_t
+from libc.stdint cimport uint16_t, uint32_t
 from libc.string cimport memset
 
 from ._parallel cimport LTX_HAVE_OPENMP, omp_get_max_threads
@@ -122,6 +122,18 @@ cdef void exact_product_fused(const ltx_kernels *kern, int m, int n, int k, cons
     product and rounding in one pass, for a product that sgemm is not used for."""
     if m > 0 and n > 0:
         kern.seq_fuse_bf16(m, n, k, x, ldx, y, n, w, ldw, out, ldo)
+
+
+cdef void exact_product_fused_pairs(const ltx_kernels *kern, int m, int n, int kp,
+                                    const uint32_t *xp, int ldxp, const uint32_t *yp,
+                                    const uint16_t *w, Py_ssize_t ldw, uint16_t *out,
+                                    Py_ssize_t ldo) noexcept nogil:
+    """As :func:`exact_product_fused`, from bf16 operands packed in pairs of terms (xp [m, kp]
+    with row stride ldxp, yp [kp, n] packed), by the table's dot-product kernel, which must
+    exist. The caller has ruled out inf, NaN and subnormal inputs, products and partial sums
+    (see ``fuse._pairs_exact``)."""
+    if m > 0 and n > 0:
+        kern.dot_fuse_bf16(m, n, kp, xp, ldxp, yp, n, w, ldw, out, ldo)
 
 
 # Up to this depth the sequential kernel is used alone, sgemm neither probed nor called: at a
@@ -347,6 +359,40 @@ def seq_fuse_bf16(const float[:, ::1] x, const float[:, ::1] y, const uint16_t[:
         with nogil:
             kern.seq_fuse_bf16(m, n, k, &x[0, 0] if k else NULL, k, &y[0, 0] if k else NULL,
                                n, &w[0, 0], n, &o[0, 0], n)
+    return out
+
+
+def has_pairs_kernel(table=None):
+    """Whether a kernel table (default: the one in use) has the bf16 dot-product fuse."""
+    return _table(table).dot_fuse_bf16 != NULL
+
+
+def dot_fuse_bf16(const uint16_t[:, ::1] x, const uint16_t[:, ::1] y, const uint16_t[:, ::1] w,
+                  table=None):
+    """bf16(w + bf16(x @ y)) for bf16 x and y, packed in pairs by the table's pack kernels and
+    multiplied by its dot-product fuse; for tests."""
+    cdef Py_ssize_t m = x.shape[0], k = x.shape[1], n = y.shape[1]
+    cdef Py_ssize_t kp = (k + 1) // 2
+    if y.shape[0] != k or w.shape[0] != m or w.shape[1] != n:
+        raise ValueError("shape mismatch")
+    cdef const ltx_kernels *kern = _table(table)
+    if kern.dot_fuse_bf16 == NULL:
+        raise ValueError("this kernel table has no dot-product fuse")
+    xf = np.ascontiguousarray((np.asarray(x).astype(np.uint32) << 16).view(np.float32))
+    cdef const float[:, ::1] xv = xf
+    xp_arr = np.zeros((m, max(kp, 1)), np.uint32)
+    yp_arr = np.zeros((max(kp, 1), n), np.uint32)
+    cdef uint32_t[:, ::1] xp = xp_arr
+    cdef uint32_t[:, ::1] yp = yp_arr
+    out = np.empty((m, n), np.uint16)
+    cdef uint16_t[:, ::1] o = out
+    if m and n:
+        with nogil:
+            if k:
+                kern.pack_pairs_cols(&xv[0, 0], k, &xp[0, 0], xp.shape[1], m, k)
+                kern.pack_pairs_rows(&y[0, 0], n, &yp[0, 0], k, n)
+            kern.dot_fuse_bf16(m, n, kp, &xp[0, 0], xp.shape[1], &yp[0, 0], n, &w[0, 0], n,
+                               &o[0, 0], n)
     return out
 
 

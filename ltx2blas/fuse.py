@@ -122,6 +122,27 @@ class _Magnitudes:
         self.min = _bf16_value(lo)
 
 
+def _pairs_exact(rank, bs_min, a_min, overflow_bound):
+    """Whether the dot-product kernel (VDPBF16PS, two terms per instruction) gives the textbook
+    bytes for this adapter.  It adds each product in order, rounded, as the textbook loop does,
+    but flushes subnormal inputs, products and sums to zero, and it is used only where none can
+    occur and no sum can reach inf:
+      * rank at most SEQUENTIAL_DEPTH (above it the product goes through sgemm);
+      * no subnormal input: the smallest non-zero |bf16(B*s)| and |A| are at least 2**-126;
+      * no subnormal partial sum: a bf16 value of exponent e is a multiple of 2**(e - 7), so
+        every product, and every sum of products (rounding keeps multiples of the smallest
+        quantum), is a multiple of 2**(ea + eb - 14), with ea, eb the exponents of the smallest
+        magnitudes; a product of those magnitudes of at least 2**-110 makes that quantum at
+        least 2**-126, the smallest normal;
+      * no overflow: rank * max|bf16(B*s)| * max|A| (with slack) below 2**127.
+    Zero magnitudes (all-zero operands) add only zeros, which no flushing changes."""
+    if rank > _gemm.SEQUENTIAL_DEPTH or overflow_bound >= 2.0**127:
+        return False
+    if bs_min == 0 or a_min == 0:
+        return True
+    return bs_min >= 2.0**-126 and a_min >= 2.0**-126 and bs_min * a_min >= 2.0**-110
+
+
 def _bf16_value(bits):
     return float((np.uint32(bits) << np.uint32(16)).view(np.float32))
 
@@ -265,6 +286,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule,
     allow_fma = True
     use_blas = True
     overflow_bound = 0.0
+    pairs_exact = fmt == "bf16" and not sum_rule and len(prepared) == 1
     for i, (a, b, s) in enumerate(prepared):
         amag, bmag = _Magnitudes(a), _Magnitudes(b)
         if check_finite:
@@ -294,6 +316,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule,
         if amag.first_nonfinite >= 0 or bmag.first_nonfinite >= 0 or bs_max >= _BF16_FINITE_LIMIT:
             use_blas = False
         overflow_bound += a.shape[0] * bs_max * amag.max * 1.01
+        pairs_exact = pairs_exact and _pairs_exact(a.shape[0], bs_min, amag.min, overflow_bound)
 
     if not prepared:
         if result is not w:
@@ -329,9 +352,10 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule,
                                    mb, nb, run_threads, allow_fma, sum_rule, True, True,
                                    stochastic, key)
             _raise_nonfinite_result(bad, w.shape, fmt)
+        pairs = pairs_exact and use_blas and allow_fma and _gemm.has_pairs_kernel()
         bad = _fuse.fuse_tiles(w_bytes, out_bytes, code, lora_a, lora_b, scales, depths, mb,
                                nb, run_threads, allow_fma, sum_rule, check_finite, False,
-                               stochastic, key)
+                               stochastic, key, pairs)
     if check_finite:
         _raise_nonfinite_result(bad, w.shape, fmt)
     return result if given_out else _like(result, weight)

@@ -91,6 +91,7 @@ def collect(probe_depths=(32, 384, 450, 512)):
             "by_rank": {str(k): d for k, d in depths.items()},
         },
         "sgemm_above_rank": _gemm.SEQUENTIAL_DEPTH,
+        "dot_product_fuse": _gemm.has_pairs_kernel(),
     }
 
 
@@ -117,4 +118,7 @@ def format_info(info):
         lines.append(f"  rank {k:>5}: {how}")
     lines.append(f"the fuse calls sgemm only above rank {info['sgemm_above_rank']}; up to it, the "
                  "sequential kernel fuses each tile in one pass")
+    if info.get("dot_product_fuse"):
+        lines.append("  two terms per instruction (VDPBF16PS) where the adapter's magnitudes "
+                     "rule out subnormal and infinite sums")
     return "\n".join(lines)

@@ -32,3 +32,24 @@ def kernel_table(request):
         pytest.skip(f"this CPU cannot run the {request.param} kernels")
     yield request.param
     _gemm.use_kernels(None)
+
+
+def _pairs_tables():
+    names = []
+    for name in ("avx512bf16",):
+        try:
+            if name in _gemm.kernels_built() and _gemm.has_pairs_kernel(name):
+                names.append(name)
+        except ValueError:  # built, but this CPU cannot run it
+            pass
+    return names or [None]
+
+
+@pytest.fixture(params=_pairs_tables())
+def pairs_table(request):
+    """Every kernel table with the dot-product fuse that this CPU runs (one skip if none)."""
+    if request.param is None:
+        pytest.skip("no kernel table with the dot-product fuse runs on this CPU")
+    _gemm.use_kernels(request.param)
+    yield request.param
+    _gemm.use_kernels(None)

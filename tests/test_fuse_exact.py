@@ -8,7 +8,8 @@ from ltx2blas import _gemm, reference
 
 from helpers import random_bf16
 
-# 128 and 129: the last rank the sequential fused kernel takes alone, the first through sgemm
+# 128 and 129: the last rank the sequential fused kernels take alone, the first through sgemm
+# (up to 128, where the CPU has one, the dot-product fuse on ordinary inputs)
 RANKS = [1, 7, 32, 128, 129, 384, 450, 512, 1024, 1500]
 SHAPES = [(1, 1), (7, 13), (97, 101), (16, 700), (700, 16), (333, 777)]
 
@@ -85,6 +86,66 @@ def test_fused_kernel_alone(kernel_table, rng, shape, k):
     expected = reference.bf16_round(reference.bf16_widen(w) + reference.bf16_widen(
         reference.bf16_round(acc)))
     assert np.array_equal(_gemm.seq_fuse_bf16(x, y, w, kernel_table), expected)
+
+
+@pytest.mark.parametrize("shape", [(13, 29), (8, 64), (1, 33), (70, 1), (17, 100)])
+@pytest.mark.parametrize("k", [1, 2, 31, 32, 130])
+def test_pairs_kernel_alone(pairs_table, rng, shape, k):
+    """The dot-product fuse (two terms per instruction) against the textbook loop, for odd and
+    even depths and tiles with row and column remainders, on inputs its guard admits."""
+    m, n = shape
+    x, y = random_bf16(rng, (m, k)), random_bf16(rng, (k, n))
+    w = rng.integers(0, 65536, size=(m, n), dtype=np.uint16)  # every kind, NaN and inf too
+    xf, yf = reference.bf16_widen(x), reference.bf16_widen(y)
+    acc = np.zeros((m, n), np.float32)
+    for p in range(k):
+        acc = acc + xf[:, p:p + 1] * yf[p:p + 1, :]
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = reference.bf16_round(reference.bf16_widen(w) + reference.bf16_widen(
+            reference.bf16_round(acc)))
+    assert np.array_equal(_gemm.dot_fuse_bf16(x, y, w, pairs_table), expected)
+
+
+def test_pairs_route_is_taken_for_ordinary_adapters(rng, monkeypatch):
+    """A rank-32 adapter of ordinary magnitudes goes to the dot-product fuse where the CPU has
+    one; the same bytes as the reference either way."""
+    from ltx2blas import _fuse
+
+    seen = []
+    fuse_tiles = _fuse.fuse_tiles
+    monkeypatch.setattr(_fuse, "fuse_tiles", lambda *args: (seen.append(args[-1]), fuse_tiles(*args))[1])
+    weight = random_bf16(rng, (64, 96), 0.02)
+    lora_a, lora_b = adapter(rng, 64, 96, 32)
+    got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8)
+    assert seen == [_gemm.has_pairs_kernel()]
+    assert np.array_equal(got, reference.fuse_lora(weight, lora_a, lora_b, 0.8))
+
+
+def test_pairs_guard():
+    from ltx2blas.fuse import _pairs_exact
+
+    assert _pairs_exact(32, 1e-3, 1e-4, 1.0)
+    assert _pairs_exact(128, 0.0, 1e-30, 1.0)                # B all zero: only zeros are added
+    assert not _pairs_exact(129, 1e-3, 1e-4, 1.0)            # sgemm's ranks
+    assert not _pairs_exact(32, 2.0**-127, 1.0, 1.0)         # a subnormal input
+    assert not _pairs_exact(32, 2.0**-60, 2.0**-55, 1.0)     # sums could be subnormal
+    assert _pairs_exact(32, 2.0**-55, 2.0**-55, 1.0)
+    assert not _pairs_exact(32, 1.0, 1.0, 2.0**127)          # sums could reach inf
+
+
+def test_subnormal_partial_sums_stay_exact():
+    """Two normal products whose sum is subnormal: the textbook loop keeps it, the dot-product
+    instruction would flush it to zero, so the guard sends this adapter the FMA way."""
+    e = reference.bf16_round(np.float32([1.5 * 2.0**-63, -1.25 * 2.0**-63, 2.0**-63]))
+    lora_b = e[None, :2].copy()                          # [1, 2]: bf16(B * 1.0) = B
+    lora_a = np.full((2, 32), e[2], np.uint16)           # 32 columns: one whole vector
+    weight = np.zeros((1, 32), np.uint16)
+    expected = reference.fuse_lora(weight, lora_a, lora_b, 1.0)
+    assert np.all(expected == 0x0020)                    # bf16(2**-128): subnormal, kept
+    assert np.array_equal(ltx2blas.fuse_lora(weight, lora_a, lora_b, 1.0), expected)
+    if _gemm.has_pairs_kernel():
+        flushed = _gemm.dot_fuse_bf16(lora_b, lora_a, weight)
+        assert np.all(flushed == 0x0000)                 # what the unguarded instruction gives
 
 
 def test_small_ranks_never_call_sgemm():

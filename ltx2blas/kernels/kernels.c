@@ -427,6 +427,100 @@ static void seq_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_i
     }
 }
 
+static void pack_pairs_rows(const uint16_t *src, ltx_idx lds, uint32_t *dst, ltx_idx rows,
+                            ltx_idx cols)
+{
+    for (ltx_idx q = 0; 2 * q < rows; q++) {
+        const uint16_t *hi = src + 2 * q * lds;
+        uint32_t *d = dst + q * cols;
+        if (2 * q + 1 < rows) {
+            const uint16_t *lo = hi + lds;
+            for (ltx_idx j = 0; j < cols; j++)
+                d[j] = (uint32_t)hi[j] << 16 | lo[j];
+        } else {
+            for (ltx_idx j = 0; j < cols; j++)
+                d[j] = (uint32_t)hi[j] << 16;
+        }
+    }
+}
+
+static void pack_pairs_cols(const float *src, ltx_idx lds, uint32_t *dst, ltx_idx ldd,
+                            ltx_idx rows, ltx_idx cols)
+{
+    for (ltx_idx i = 0; i < rows; i++) {
+        const u32a *s = (const u32a *)(src + i * lds);
+        for (ltx_idx q = 0; 2 * q < cols; q++) {
+            const uint32_t lo = (2 * q + 1 < cols) ? s[2 * q + 1] >> 16 : 0;
+            dst[i * ldd + q] = (s[2 * q] & 0xFFFF0000u) | lo;
+        }
+    }
+}
+
+#if defined(LTX_BF16_CONVERT)
+/* dot_fuse_bf16's register tile: R rows x NR columns, as fuse_block. */
+static inline __attribute__((always_inline)) void
+dot_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp, const uint32_t *yp,
+          ltx_idx ldyp, const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
+{
+    __m512 acc[MR][NRV];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NRV; v++)
+            acc[r][v] = _mm512_setzero_ps();
+    for (ltx_idx q = 0; q < kp; q++) {
+        __m512bh yv[NRV];
+        for (int v = 0; v < NRV; v++)
+            yv[v] = (__m512bh)_mm512_loadu_si512(yp + q * ldyp + v * VW);
+        for (int r = 0; r < R; r++) {
+            const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)xp[r * ldxp + q]);
+            for (int v = 0; v < NRV; v++)
+                acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xs, yv[v]);
+        }
+    }
+    __m512i wv[MR];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+        wv[r] = _mm512_loadu_si512(w + r * ldw);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+        fuse_pair((vf)acc[r][0], (vf)acc[r][1], wv[r], w + r * ldw, out + r * ldo);
+}
+
+static void dot_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp,
+                          const uint32_t *yp, ltx_idx ldyp, const uint16_t *w, ltx_idx ldw,
+                          uint16_t *out, ltx_idx ldo)
+{
+    const ltx_idx n_full = n - n % NR;
+    for (ltx_idx i = 0; i < m; i += MR) {
+        const ltx_idx rows = (m - i < MR) ? m - i : MR;
+        for (ltx_idx j = 0; j < n_full; j += NR) {
+            fuse_prefetch(w, ldw, m, n_full, i, j + FUSE_AHEAD * NR);
+            if (rows == MR) {
+                dot_block(MR, kp, xp + i * ldxp, ldxp, yp + j, ldyp, w + i * ldw + j, ldw,
+                          out + i * ldo + j, ldo);
+            } else {
+                for (ltx_idx r = 0; r < rows; r++)
+                    dot_block(1, kp, xp + (i + r) * ldxp, ldxp, yp + j, ldyp,
+                              w + (i + r) * ldw + j, ldw, out + (i + r) * ldo + j, ldo);
+            }
+        }
+        /* The last columns one at a time, the pairs' products exact in f32, added high then
+         * low: the instruction's arithmetic. */
+        for (ltx_idx r = i; r < i + rows; r++)
+            for (ltx_idx j = n_full; j < n; j++) {
+                float acc = 0.0f;
+                for (ltx_idx q = 0; q < kp; q++) {
+                    const uint32_t a = xp[r * ldxp + q], b = yp[q * ldyp + j];
+                    const float hi = bits_f32(a & 0xFFFF0000u) * bits_f32(b & 0xFFFF0000u);
+                    const float lo = bits_f32(a << 16) * bits_f32(b << 16);
+                    acc = acc + hi;
+                    acc = acc + lo;
+                }
+                store_fused_row(&acc, w + r * ldw + j, out + r * ldo + j, 1);
+            }
+    }
+}
+#endif
+
 /* ---- A Linear's product for a few rows of x, straight from bf16 weight rows ----
  *
  * acc[o * mt + m] += sum_{k < kt} x[m, k] * f32(w[o, k])   for m < mt, o < n.
@@ -732,4 +826,10 @@ const ltx_kernels TABLE = {
     store_fused,        accumulate_rounded, first_nonfinite_bf16, scan_bf16,
     widen_bf16_f64,     f32_to_f64,         f64_to_f32,           widen_bf16_rows,
     stream_wxt,         store_fused_fp8,    seq_fuse_bf16,
+#if defined(LTX_BF16_CONVERT)
+    dot_fuse_bf16,
+#else
+    NULL,
+#endif
+    pack_pairs_rows,    pack_pairs_cols,
 };

@@ -69,6 +69,23 @@ typedef struct {
     void (*seq_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
                           const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
                           uint16_t *out, ltx_idx ldo);
+    /* The same fuse from bf16 operands packed in pairs of consecutive terms, two terms per
+     * instruction (VDPBF16PS): xp[i, q] = x[i, 2q] << 16 | x[i, 2q + 1] and likewise yp[q, j]
+     * (bf16 bits; a zero after the last term of an odd depth), kp = ceil(k / 2) pairs. The
+     * instruction adds the high product, then the low one, each rounded: the textbook order,
+     * provided no input, product or partial sum is subnormal (it flushes them) and none is
+     * inf or NaN, which the caller rules out. NULL in tables without the instruction. */
+    void (*dot_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp,
+                          const uint32_t *yp, ltx_idx ldyp, const uint16_t *w, ltx_idx ldw,
+                          uint16_t *out, ltx_idx ldo);
+    /* dst[q, j] = src[2q, j] << 16 | src[2q + 1, j] (0 past the last row) for a rows x cols
+     * block of bf16 (row stride lds) into ceil(rows / 2) rows of cols pairs */
+    void (*pack_pairs_rows)(const uint16_t *src, ltx_idx lds, uint32_t *dst, ltx_idx rows,
+                            ltx_idx cols);
+    /* dst[i, q] = hi(src[i, 2q]) << 16 | hi(src[i, 2q + 1]) (0 past the last column), hi the
+     * high half of an f32 holding a bf16 value, over rows x cols (row strides lds, ldd) */
+    void (*pack_pairs_cols)(const float *src, ltx_idx lds, uint32_t *dst, ltx_idx ldd,
+                            ltx_idx rows, ltx_idx cols);
 } ltx_kernels;
 
 /* The fastest table this CPU runs (may contract into FMA). */
