@@ -100,7 +100,8 @@ def buffer_bytes(ranks, threads=1, tile=None, several=None):
     """Bytes of panel buffers a fuse allocates (its extra memory, beyond the output when not
     in place).  Per thread: f32 bf16(B*s) rows [tile_rows x sum(ranks)], A panels
     [sum(ranks) x tile_cols] and the product tile [tile_rows x tile_cols] (twice for several
-    adapters), each rounded up to 64 bytes."""
+    adapters), each rounded up to 64 bytes; for one adapter of rank up to SEQUENTIAL_DEPTH, also
+    its bf16(B*s) rows in pairs [tile_rows x ceil(rank / 2)] for the dot-product kernel."""
     mb, nb = DEFAULT_TILE if tile is None else tile
     total_rank = sum(ranks)
     several = len(ranks) > 1 if several is None else several
@@ -109,6 +110,8 @@ def buffer_bytes(ranks, threads=1, tile=None, several=None):
         return (n + 63) // 64 * 64
 
     slot = up(4 * mb * total_rank) + up(4 * total_rank * nb) + up(4 * mb * nb) * (1 + several)
+    if not several and total_rank <= _gemm.SEQUENTIAL_DEPTH:
+        slot += up(4 * mb * ((total_rank + 1) // 2))
     return slot * threads
 
 
