@@ -3,8 +3,9 @@ tile, in parallel, with the GIL released.
 
 Each output tile [mt x nt] is independent: its bytes depend only on the inputs, never on which
 thread ran it or how many threads there were, so results are identical for any thread count.
-Tiles are numbered row strip by row strip and handed to threads in contiguous runs, so a thread
-rounds and widens each adapter's bf16(B * s) rows once per strip it visits, not once per tile
+Tiles are numbered row strip by row strip and handed to threads in contiguous runs (long ones
+first, shorter ones as the call nears its end), so a thread rounds and widens each adapter's
+bf16(B * s) rows once per strip it visits, not once per tile
 (that pass costs about four times more per element than widening A, which is redone per tile).
 """
 from cython.parallel cimport parallel, prange
