@@ -300,6 +300,23 @@ static inline void fuse_pair(vf lo, vf hi, __m512i wv, const uint16_t *w, uint16
     const __m512i sum = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
     _mm512_storeu_si512(out, _mm512_permutexvar_epi16(interleave, sum));
 }
+
+/* The rounding store of an R x 32 register block (R <= MR): acc[r][0..1] into row r of out.
+ * Every row's weight is loaded before any row is stored: rows of a power-of-two width lie a
+ * multiple of 32 KiB apart, and a load issued after a store to the same low address bits waits
+ * on it (measured: 4096 x 16384 at rank 32 ran 10 % slower than 4096 x 16448). */
+static inline __attribute__((always_inline)) void
+store_block_rounded(const int R, vf acc[][2], const uint16_t *w, ltx_idx ldw, uint16_t *out,
+                    ltx_idx ldo)
+{
+    __m512i wv[MR];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+        wv[r] = _mm512_loadu_si512(w + r * ldw);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+        fuse_pair(acc[r][0], acc[r][1], wv[r], w + r * ldw, out + r * ldo);
+}
 #endif
 
 static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16_t *out,
@@ -357,16 +374,7 @@ fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, 
     /* out may alias w (in-place fuse): each vector is read before it is written. Unrolled, so
      * that the accumulators stay in registers. */
 #if defined(LTX_BF16_CONVERT) && NRV == 2
-    /* Every row's weight is loaded before any row is stored: rows of a power-of-two width lie
-     * a multiple of 32 KiB apart, and a load issued after a store to the same low address bits
-     * waits on it (measured: 4096 x 16384 at rank 32 ran 10 % slower than 4096 x 16448). */
-    __m512i wv[MR];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; r++)
-        wv[r] = _mm512_loadu_si512(w + r * ldw);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; r++)
-        fuse_pair(acc[r][0], acc[r][1], wv[r], w + r * ldw, out + r * ldo);
+    store_block_rounded(R, acc, w, ldw, out, ldo);
 #else
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
@@ -399,32 +407,87 @@ static inline void fuse_prefetch(const uint16_t *w, ltx_idx ldw, ltx_idx m, ltx_
     }
 }
 
-static void seq_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
-                          const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
-                          uint16_t *out, ltx_idx ldo)
+#if defined(LTX_BF16_CONVERT)
+/* dot_fuse_bf16's register tile: R rows x NR columns, as fuse_block. */
+static inline __attribute__((always_inline)) void
+dot_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp, const uint32_t *yp,
+          ltx_idx ldyp, const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
 {
+    vf acc[MR][NRV];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NRV; v++)
+            acc[r][v] = (vf){0};
+    for (ltx_idx q = 0; q < kp; q++) {
+        __m512bh yv[NRV];
+        for (int v = 0; v < NRV; v++)
+            yv[v] = (__m512bh)_mm512_loadu_si512(yp + q * ldyp + v * VW);
+        for (int r = 0; r < R; r++) {
+            const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)xp[r * ldxp + q]);
+            for (int v = 0; v < NRV; v++)
+                acc[r][v] = (vf)_mm512_dpbf16_ps((__m512)acc[r][v], xs, yv[v]);
+        }
+    }
+    store_block_rounded(R, acc, w, ldw, out, ldo);
+}
+#endif
+
+/* The walk of a small-rank fuse over its tile, row blocks outer: MR x NR register blocks, the
+ * last rows one by one, the last columns one element at a time. pairs: x and y are bf16 pairs
+ * (dot_fuse_bf16's layout, k counting pairs) for the dot-product block; else f32 for
+ * fuse_block. */
+static inline __attribute__((always_inline)) void
+fuse_walk(const int pairs, ltx_idx m, ltx_idx n, ltx_idx k, const void *x, ltx_idx ldx,
+          const void *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
+{
+    const float *xf = x, *yf = y;
+    const uint32_t *xp = x, *yp = y;
     const ltx_idx n_full = n - n % NR;
     for (ltx_idx i = 0; i < m; i += MR) {
         const ltx_idx rows = (m - i < MR) ? m - i : MR;
         for (ltx_idx j = 0; j < n_full; j += NR) {
             fuse_prefetch(w, ldw, m, n_full, i, j + FUSE_AHEAD * NR);
-            if (rows == MR) {
-                fuse_block(MR, k, x + i * ldx, ldx, y + j, ldy, w + i * ldw + j, ldw,
-                           out + i * ldo + j, ldo);
-            } else {
-                for (ltx_idx r = 0; r < rows; r++)
-                    fuse_block(1, k, x + (i + r) * ldx, ldx, y + j, ldy,
-                               w + (i + r) * ldw + j, ldw, out + (i + r) * ldo + j, ldo);
+            for (ltx_idx r = 0; r < rows; r += (rows == MR) ? MR : 1) {
+                const uint16_t *wb = w + (i + r) * ldw + j;
+                uint16_t *ob = out + (i + r) * ldo + j;
+#if defined(LTX_BF16_CONVERT)
+                if (pairs) {
+                    if (rows == MR)
+                        dot_block(MR, k, xp + i * ldx, ldx, yp + j, ldy, wb, ldw, ob, ldo);
+                    else
+                        dot_block(1, k, xp + (i + r) * ldx, ldx, yp + j, ldy, wb, ldw, ob, ldo);
+                    continue;
+                }
+#endif
+                if (rows == MR)
+                    fuse_block(MR, k, xf + i * ldx, ldx, yf + j, ldy, wb, ldw, ob, ldo);
+                else
+                    fuse_block(1, k, xf + (i + r) * ldx, ldx, yf + j, ldy, wb, ldw, ob, ldo);
             }
         }
         for (ltx_idx r = i; r < i + rows; r++)
             for (ltx_idx j = n_full; j < n; j++) {
                 float acc = 0.0f;
-                for (ltx_idx p = 0; p < k; p++)
-                    acc = acc + x[r * ldx + p] * y[p * ldy + j];
+                for (ltx_idx p = 0; p < k; p++) {
+                    if (pairs) {
+                        /* A pair's products, exact in f32, added high then low: the
+                         * instruction's arithmetic. */
+                        const uint32_t a = xp[r * ldx + p], b = yp[p * ldy + j];
+                        acc = acc + bits_f32(a & 0xFFFF0000u) * bits_f32(b & 0xFFFF0000u);
+                        acc = acc + bits_f32(a << 16) * bits_f32(b << 16);
+                    } else {
+                        acc = acc + xf[r * ldx + p] * yf[p * ldy + j];
+                    }
+                }
                 store_fused_row(&acc, w + r * ldw + j, out + r * ldo + j, 1);
             }
     }
+}
+
+static void seq_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
+                          const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
+                          uint16_t *out, ltx_idx ldo)
+{
+    fuse_walk(0, m, n, k, x, ldx, y, ldy, w, ldw, out, ldo);
 }
 
 static void pack_pairs_rows(const uint16_t *src, ltx_idx lds, uint32_t *dst, ltx_idx rows,
@@ -457,67 +520,11 @@ static void pack_pairs_cols(const float *src, ltx_idx lds, uint32_t *dst, ltx_id
 }
 
 #if defined(LTX_BF16_CONVERT)
-/* dot_fuse_bf16's register tile: R rows x NR columns, as fuse_block. */
-static inline __attribute__((always_inline)) void
-dot_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp, const uint32_t *yp,
-          ltx_idx ldyp, const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
-{
-    __m512 acc[MR][NRV];
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < NRV; v++)
-            acc[r][v] = _mm512_setzero_ps();
-    for (ltx_idx q = 0; q < kp; q++) {
-        __m512bh yv[NRV];
-        for (int v = 0; v < NRV; v++)
-            yv[v] = (__m512bh)_mm512_loadu_si512(yp + q * ldyp + v * VW);
-        for (int r = 0; r < R; r++) {
-            const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)xp[r * ldxp + q]);
-            for (int v = 0; v < NRV; v++)
-                acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xs, yv[v]);
-        }
-    }
-    __m512i wv[MR];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; r++)
-        wv[r] = _mm512_loadu_si512(w + r * ldw);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; r++)
-        fuse_pair((vf)acc[r][0], (vf)acc[r][1], wv[r], w + r * ldw, out + r * ldo);
-}
-
 static void dot_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp,
                           const uint32_t *yp, ltx_idx ldyp, const uint16_t *w, ltx_idx ldw,
                           uint16_t *out, ltx_idx ldo)
 {
-    const ltx_idx n_full = n - n % NR;
-    for (ltx_idx i = 0; i < m; i += MR) {
-        const ltx_idx rows = (m - i < MR) ? m - i : MR;
-        for (ltx_idx j = 0; j < n_full; j += NR) {
-            fuse_prefetch(w, ldw, m, n_full, i, j + FUSE_AHEAD * NR);
-            if (rows == MR) {
-                dot_block(MR, kp, xp + i * ldxp, ldxp, yp + j, ldyp, w + i * ldw + j, ldw,
-                          out + i * ldo + j, ldo);
-            } else {
-                for (ltx_idx r = 0; r < rows; r++)
-                    dot_block(1, kp, xp + (i + r) * ldxp, ldxp, yp + j, ldyp,
-                              w + (i + r) * ldw + j, ldw, out + (i + r) * ldo + j, ldo);
-            }
-        }
-        /* The last columns one at a time, the pairs' products exact in f32, added high then
-         * low: the instruction's arithmetic. */
-        for (ltx_idx r = i; r < i + rows; r++)
-            for (ltx_idx j = n_full; j < n; j++) {
-                float acc = 0.0f;
-                for (ltx_idx q = 0; q < kp; q++) {
-                    const uint32_t a = xp[r * ldxp + q], b = yp[q * ldyp + j];
-                    const float hi = bits_f32(a & 0xFFFF0000u) * bits_f32(b & 0xFFFF0000u);
-                    const float lo = bits_f32(a << 16) * bits_f32(b << 16);
-                    acc = acc + hi;
-                    acc = acc + lo;
-                }
-                store_fused_row(&acc, w + r * ldw + j, out + r * ldo + j, 1);
-            }
-    }
+    fuse_walk(1, m, n, kp, xp, ldxp, yp, ldyp, w, ldw, out, ldo);
 }
 #endif
 
