@@ -7,8 +7,8 @@ For each thread count, out_features and row count M (in_features = 188,160, bf16
   * the reports' scalar f64 loop, timed on a few output features (the "before" figure);
 and the ceilings at the same thread count: the sgemm rate (harness.ceilings, at the start of the
 run) and the memory read bandwidth (the weight itself read by ltx2blas's scan kernel,
-interleaved with the calls; its median sample, as ours is the median call).  roofline = max(2 M out in / sgemm rate, weight
-bytes / read bandwidth).
+interleaved with the calls; its median sample, as ours is the median call).
+roofline = max(2 M out in / sgemm rate, weight bytes / read bandwidth).
 Every row is checked: sampled outputs against the exact sum (math.fsum), within the derived
 bound of ltx2blas.linear_layer.
 
@@ -102,7 +102,8 @@ def run(threads_list, outs, rows_list, ceilings, repeats=3, in_features=IN_FEATU
                     "threads": threads, "ms": ours * 1e3, "gflops": flops / ours / 1e9,
                     "sgemm_gflops": peak, "read_gbs": bw,
                     "read_gbs_best": weight.nbytes / probe["min"] / 1e9,
-                    "read_gbs_at_start": ceilings[threads]["read_gbs"], "roofline_ms": roofline_s * 1e3,
+                    "read_gbs_at_start": ceilings[threads]["read_gbs"],
+                    "roofline_ms": roofline_s * 1e3,
                     "of_roofline": roofline_s / ours, "of_sgemm": flops / ours / 1e9 / peak,
                     "bound": "compute" if compute_s > memory_s else "memory",
                     "spread": t["ltx2blas"]["spread"], "peak_rss_mib": harness.peak_rss_mib(),

@@ -104,24 +104,22 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
     else:
         dst, ldo = job.out + origin * esize, job.cols
 
-    if job.pairs:
-        # As below, two terms per instruction.
-        kern.pack_pairs_rows(ad.a[0] + i0, job.cols, <uint32_t *>slot.panels, ad.rank[0], nt)
-        exact_product_fused_pairs(kern, mt, nt, (ad.rank[0] + 1) // 2, slot.bs_pairs,
-                                  (ad.rank[0] + 1) // 2, <const uint32_t *>slot.panels,
-                                  <const uint16_t *>(job.w + origin * esize), job.cols,
-                                  <uint16_t *>dst, ldo)
-        if job.check:
-            check_bf16_tile(kern, <uint16_t *>dst, ldo, mt, nt, origin, job.cols, &bad[t])
-        return
-
-    if ad.count == 1 and job.fmt == 0 and not job.sum_rule and ad.depth[shape] == 0:
-        # No sgemm for this product: it is computed, rounded and added in one pass.
-        panel = slot.panels
-        kern.widen_bf16_rows(ad.a[0] + i0, job.cols, panel, nt, ad.rank[0], nt)
-        exact_product_fused(kern, mt, nt, ad.rank[0], slot.bs, ad.rank[0], panel,
-                            <const uint16_t *>(job.w + origin * esize), job.cols,
-                            <uint16_t *>dst, ldo)
+    if job.pairs or (ad.count == 1 and job.fmt == 0 and not job.sum_rule
+                     and ad.depth[shape] == 0):
+        # No sgemm for this product: it is computed, rounded and added in one pass, with
+        # pairs two terms per instruction.
+        rank = ad.rank[0]
+        if job.pairs:
+            kern.pack_pairs_rows(ad.a[0] + i0, job.cols, <uint32_t *>slot.panels, rank, nt)
+            exact_product_fused_pairs(kern, mt, nt, (rank + 1) // 2, slot.bs_pairs,
+                                      (rank + 1) // 2, <const uint32_t *>slot.panels,
+                                      <const uint16_t *>(job.w + origin * esize), job.cols,
+                                      <uint16_t *>dst, ldo)
+        else:
+            kern.widen_bf16_rows(ad.a[0] + i0, job.cols, slot.panels, nt, rank, nt)
+            exact_product_fused(kern, mt, nt, rank, slot.bs, rank, slot.panels,
+                                <const uint16_t *>(job.w + origin * esize), job.cols,
+                                <uint16_t *>dst, ldo)
         if job.check:
             check_bf16_tile(kern, <uint16_t *>dst, ldo, mt, nt, origin, job.cols, &bad[t])
         return

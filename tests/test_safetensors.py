@@ -181,12 +181,6 @@ def test_stale_temp_files_of_dead_writers_are_cleaned(tmp_path):
     assert live.exists() and not stale.exists()
 
 
-def _page_buffer(nbytes, page=4096):
-    raw = np.empty(nbytes + 2 * page, np.uint8)
-    start = (-raw.ctypes.data) % page
-    return raw[start:start + nbytes + page]
-
-
 def test_direct_writes_from_the_callers_memory(tmp_path, rng, monkeypatch):
     """Arrays handed over with ``release`` at their file offset's place within a page are
     written from where they lie, the rest copied; every byte lands, every release is called
@@ -210,7 +204,7 @@ def test_direct_writes_from_the_callers_memory(tmp_path, rng, monkeypatch):
         for i, values in enumerate(data):
             # Even tensors at their page offset (written in place), odd ones one byte off (copied).
             shift = (writer.file_offset(f"t{i}") + i % 2) % writer.ALIGN
-            buffer = _page_buffer(values.size)
+            buffer = st.page_aligned(values.size + writer.ALIGN)
             buffer[shift:shift + values.size] = values
             buffers.append(buffer)
             writer.write(f"t{i}", buffer[shift:shift + values.size],

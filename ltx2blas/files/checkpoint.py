@@ -26,7 +26,8 @@ from ..errors import (
 )
 from ..fuse import fuse_loras
 from . import keys as keymatch
-from .safetensors import SafetensorsFile, SafetensorsWriter, open_regular, pread_exact
+from .safetensors import (SafetensorsFile, SafetensorsWriter, open_regular, page_aligned,
+                          pread_exact)
 
 _package = "ltx2blas"
 FUSED_KEY = "ltx2blas.fused"
@@ -215,7 +216,7 @@ class _Prefetcher:
     def __init__(self, ckpt, names, shift=lambda name: 0, page=4096):
         self.ckpt, self.names, self.shift = ckpt, names, shift
         largest = max((ckpt.entries[n][1].nbytes for n in names), default=0)
-        self.buffers = [_page_aligned(largest + page, page), _page_aligned(largest + page, page)]
+        self.buffers = [page_aligned(largest + page, page), page_aligned(largest + page, page)]
         self.ready = {}
         self.error = None
         self.cv = threading.Condition()
@@ -267,12 +268,6 @@ class _Prefetcher:
             self.stop = True
             self.cv.notify_all()
         self.thread.join()
-
-
-def _page_aligned(nbytes, page):
-    raw = np.empty(nbytes + page, np.uint8)
-    start = (-raw.ctypes.data) % page
-    return raw[start:start + nbytes]
 
 
 def _sha256(fd):

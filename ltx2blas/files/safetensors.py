@@ -329,7 +329,8 @@ class _BufferedSink:
         pass
 
 
-def _aligned(nbytes, alignment=4096):
+def page_aligned(nbytes, alignment=4096):
+    """An uninitialised uint8 array of nbytes whose data starts on an ``alignment`` boundary."""
     raw = np.empty(nbytes + alignment, np.uint8)
     start = (-raw.ctypes.data) % alignment
     return raw[start:start + nbytes]
@@ -346,7 +347,7 @@ class _DirectSink:
 
     def __init__(self, fd, path):
         self.fd, self.path = fd, path
-        self.buffers = [_aligned(self.CHUNK), _aligned(self.CHUNK)]
+        self.buffers = [page_aligned(self.CHUNK), page_aligned(self.CHUNK)]
         self.free = [threading.Semaphore(1), threading.Semaphore(1)]
         self.current, self.fill, self.offset = 0, 0, 0
         self.error = None
@@ -477,7 +478,7 @@ class SafetensorsWriter:
                 import fcntl
 
                 fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) | os.O_DIRECT)
-                probe = _aligned(_DirectSink.ALIGN)
+                probe = page_aligned(_DirectSink.ALIGN)
                 os.pwrite(self._fd, probe, 0)
                 os.ftruncate(self._fd, 0)
                 self._sink = _DirectSink(self._fd, self.path)

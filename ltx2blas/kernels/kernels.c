@@ -259,13 +259,14 @@ static inline void store_low16(uint16_t *p, vu32 h)
 #endif
 }
 
-#if defined(LTX_BF16_CONVERT)
-/* The generic rounding of one vector: w and out as in fuse_pair. */
+/* out[i] = bf16(f32(w[i]) + f32(bf16(acc[i]))) for VW elements; out may equal w. */
 static inline void fuse_vec(vf acc, const uint16_t *w, uint16_t *out)
 {
     const vf sum = widen_vec(w) + (vf)bf16_high_vec(acc);
     store_low16(out, bf16_high_vec(sum) >> 16);
 }
+
+#if defined(LTX_BF16_CONVERT)
 
 /* out[i] = bf16(f32(w[i]) + f32(bf16(acc[i]))) for 32 elements, acc[0..15] in lo and
  * acc[16..31] in hi; out may equal w.
@@ -323,21 +324,24 @@ static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16
                         ltx_idx ldo, ltx_idx rows, ltx_idx cols)
 {
 #if defined(LTX_BF16_CONVERT)
-    /* Blocks of MR rows, loads before stores within each (see fuse_block). */
+    /* Blocks of MR rows, loads before stores within each (see store_block_rounded). */
     const ltx_idx pairs = cols - cols % 32;
     for (ltx_idx r0 = 0; r0 < rows; r0 += MR) {
         const int rb = (rows - r0 < MR) ? (int)(rows - r0) : MR;
         for (ltx_idx r = r0 + MR; r < r0 + 2 * MR && r < rows; r++)
             prefetch_run(w + r * ldw, cols * 2);
         for (ltx_idx i = 0; i < pairs; i += 32) {
-            __m512i wv[MR];
-            for (int r = 0; r < rb; r++)
-                wv[r] = _mm512_loadu_si512(w + (r0 + r) * ldw + i);
+            vf block[MR][2];
             for (int r = 0; r < rb; r++) {
-                const float *a = acc + (r0 + r) * cols + i;
-                fuse_pair((vf)LOADV(a), (vf)LOADV(a + 16), wv[r], w + (r0 + r) * ldw + i,
-                          out + (r0 + r) * ldo + i);
+                block[r][0] = LOADV(acc + (r0 + r) * cols + i);
+                block[r][1] = LOADV(acc + (r0 + r) * cols + i + 16);
             }
+            if (rb == MR)
+                store_block_rounded(MR, block, w + r0 * ldw + i, ldw, out + r0 * ldo + i, ldo);
+            else
+                for (int r = 0; r < rb; r++)
+                    store_block_rounded(1, &block[r], w + (r0 + r) * ldw + i, ldw,
+                                        out + (r0 + r) * ldo + i, ldo);
         }
         for (ltx_idx r = r0; r < r0 + rb; r++)
             store_fused_row(acc + r * cols + pairs, w + r * ldw + pairs, out + r * ldo + pairs,
@@ -379,11 +383,8 @@ fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, 
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-        for (int v = 0; v < NRV; v++) {
-            const vf delta = (vf)bf16_high_vec(acc[r][v]);
-            const vf sum = widen_vec(w + r * ldw + v * VW) + delta;
-            store_low16(out + r * ldo + v * VW, bf16_high_vec(sum) >> 16);
-        }
+        for (int v = 0; v < NRV; v++)
+            fuse_vec(acc[r][v], w + r * ldw + v * VW, out + r * ldo + v * VW);
 #endif
 }
 
@@ -431,10 +432,24 @@ dot_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp, const uint3
 }
 #endif
 
+/* One register block of the walk below: the dot-product block on bf16 pairs, or fuse_block. */
+static inline __attribute__((always_inline)) void
+walk_block(const int pairs, const int R, ltx_idx k, const void *x, ltx_idx ldx, const void *y,
+           ltx_idx ldy, const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
+{
+#if defined(LTX_BF16_CONVERT)
+    if (pairs) {
+        dot_block(R, k, x, ldx, y, ldy, w, ldw, out, ldo);
+        return;
+    }
+#endif
+    fuse_block(R, k, x, ldx, y, ldy, w, ldw, out, ldo);
+}
+
 /* The walk of a small-rank fuse over its tile, row blocks outer: MR x NR register blocks, the
  * last rows one by one, the last columns one element at a time. pairs: x and y are bf16 pairs
  * (dot_fuse_bf16's layout, k counting pairs) for the dot-product block; else f32 for
- * fuse_block. */
+ * fuse_block. Both layouts have 4-byte elements, so one pointer arithmetic serves. */
 static inline __attribute__((always_inline)) void
 fuse_walk(const int pairs, ltx_idx m, ltx_idx n, ltx_idx k, const void *x, ltx_idx ldx,
           const void *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
@@ -446,23 +461,13 @@ fuse_walk(const int pairs, ltx_idx m, ltx_idx n, ltx_idx k, const void *x, ltx_i
         const ltx_idx rows = (m - i < MR) ? m - i : MR;
         for (ltx_idx j = 0; j < n_full; j += NR) {
             fuse_prefetch(w, ldw, m, n_full, i, j + FUSE_AHEAD * NR);
-            for (ltx_idx r = 0; r < rows; r += (rows == MR) ? MR : 1) {
-                const uint16_t *wb = w + (i + r) * ldw + j;
-                uint16_t *ob = out + (i + r) * ldo + j;
-#if defined(LTX_BF16_CONVERT)
-                if (pairs) {
-                    if (rows == MR)
-                        dot_block(MR, k, xp + i * ldx, ldx, yp + j, ldy, wb, ldw, ob, ldo);
-                    else
-                        dot_block(1, k, xp + (i + r) * ldx, ldx, yp + j, ldy, wb, ldw, ob, ldo);
-                    continue;
-                }
-#endif
-                if (rows == MR)
-                    fuse_block(MR, k, xf + i * ldx, ldx, yf + j, ldy, wb, ldw, ob, ldo);
-                else
-                    fuse_block(1, k, xf + (i + r) * ldx, ldx, yf + j, ldy, wb, ldw, ob, ldo);
-            }
+            if (rows == MR)
+                walk_block(pairs, MR, k, xf + i * ldx, ldx, yf + j, ldy, w + i * ldw + j, ldw,
+                           out + i * ldo + j, ldo);
+            else
+                for (ltx_idx r = i; r < i + rows; r++)
+                    walk_block(pairs, 1, k, xf + r * ldx, ldx, yf + j, ldy, w + r * ldw + j, ldw,
+                               out + r * ldo + j, ldo);
         }
         for (ltx_idx r = i; r < i + rows; r++)
             for (ltx_idx j = n_full; j < n; j++) {
