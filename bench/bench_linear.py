@@ -5,9 +5,11 @@ For each thread count, out_features and row count M (in_features = 188,160, bf16
   * peers, when torch is installed: ``torch.nn.functional.linear`` on f32 with the weight held in
     f32 (what a torch user holds), and in bf16 (x rounded to bf16);
   * the reports' scalar f64 loop, timed on a few output features (the "before" figure);
-and the ceilings at the same thread count: the sgemm rate (harness.ceilings, at the start of the
-run) and the memory read bandwidth (the weight itself read by ltx2blas's scan kernel,
-interleaved with the calls; its median sample, as ours is the median call).
+and the ceilings at the same thread count, both interleaved with the calls and taken as their
+median sample, as ours is the median call: the sgemm rate (a square 2048^3 sgemm,
+harness.square_sgemm) and the memory read bandwidth (the weight itself read by ltx2blas's scan
+kernel). The roofline from the ceilings measured at the start of the run (harness.ceilings,
+best of five) is recorded beside it (``of_roofline_at_start``).
 roofline = max(2 M out in / sgemm rate, weight bytes / read bandwidth).
 Every row is checked: sampled outputs against the exact sum (math.fsum), within the derived
 bound of ltx2blas.linear_layer.
@@ -66,7 +68,8 @@ def run(threads_list, outs, rows_list, ceilings, repeats=3, in_features=IN_FEATU
         x_all = rng.standard_normal((max(rows_list), in_features), dtype=np.float32)
         scalar = peers.scalar_linear_rate(x_all, w32_np, min(out, 4), harness.best_time)
         for threads in threads_list:
-            peak = ceilings[threads]["sgemm_gflops"]
+            at_start = ceilings[threads]["sgemm_gflops"]
+            square, square_flops = harness.square_sgemm(threads)
             for rows in rows_list:
                 x = x_all[:rows]
                 y = np.empty((rows, out), np.float32)
@@ -74,7 +77,7 @@ def run(threads_list, outs, rows_list, ceilings, repeats=3, in_features=IN_FEATU
                 # shared host the rate moves between runs (this one has measured both 35 and
                 # 65 GB/s on two threads); a ceiling from the start of the run would not do.
                 cands = {"ltx2blas": lambda: ltx2blas.linear(x, weight, threads=threads, out=y),
-                         "read_weight": harness.reader(weight, threads)}
+                         "read_weight": harness.reader(weight, threads), "sgemm_square": square}
                 if torch is not None:
                     tx = torch.from_numpy(x)
                     tx16 = tx.bfloat16()
@@ -94,17 +97,21 @@ def run(threads_list, outs, rows_list, ceilings, repeats=3, in_features=IN_FEATU
                 flops = 2.0 * rows * out * in_features
                 probe = t.pop("read_weight")
                 bw = weight.nbytes / probe["median"] / 1e9  # the same statistic as ours
+                peak = square_flops / t.pop("sgemm_square")["median"] / 1e9
                 compute_s, memory_s = flops / (peak * 1e9), weight.nbytes / (bw * 1e9)
                 roofline_s = max(compute_s, memory_s)
                 ours = t["ltx2blas"]["median"]
                 row = {
                     "workload": "linear", "rows": rows, "out": out, "in": in_features,
                     "threads": threads, "ms": ours * 1e3, "gflops": flops / ours / 1e9,
-                    "sgemm_gflops": peak, "read_gbs": bw,
+                    "sgemm_gflops": peak, "sgemm_gflops_at_start": at_start, "read_gbs": bw,
                     "read_gbs_best": weight.nbytes / probe["min"] / 1e9,
                     "read_gbs_at_start": ceilings[threads]["read_gbs"],
                     "roofline_ms": roofline_s * 1e3,
                     "of_roofline": roofline_s / ours, "of_sgemm": flops / ours / 1e9 / peak,
+                    "of_roofline_at_start": max(
+                        flops / (at_start * 1e9),
+                        weight.nbytes / (ceilings[threads]["read_gbs"] * 1e9)) / ours,
                     "bound": "compute" if compute_s > memory_s else "memory",
                     "spread": t["ltx2blas"]["spread"], "peak_rss_mib": harness.peak_rss_mib(),
                     "checked": check_rows(x, weight, y, rng), "peers": {},

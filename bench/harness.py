@@ -114,6 +114,24 @@ def reader(array, threads):
     return read
 
 
+def square_sgemm(threads, n=2048):
+    """(callable, flops): one n^3 sgemm through the BLAS ltx2blas calls, at ``threads`` threads --
+    the sgemm rate as a candidate to interleave with a workload's calls, so that the rate a
+    workload is divided by is measured with the same statistic (the median) over the same
+    minutes as the workload itself, not the best of a few calls at the start of the run."""
+    from threadpoolctl import threadpool_limits
+
+    from ltx2blas import _gemm
+
+    x = np.random.default_rng(2).standard_normal((n, n), dtype=np.float32)
+    product = np.empty((n, n), np.float32)
+
+    def call():
+        with threadpool_limits(threads, user_api="blas"):
+            _gemm.sgemm(x, x, out=product)
+    return call, 2.0 * n**3
+
+
 def ceilings(threads, n=2048, bandwidth_mib=1024, repeats=5):
     """The machine at ``threads`` threads, measured now: square sgemm and dgemm rates (GFLOP/s,
     through the BLAS ltx2blas calls) and memory read bandwidth (GB/s, one stripe per thread read

@@ -78,6 +78,20 @@ def test_fused_tensors_equal_the_tensor_level_fuse(files):
     assert meta["ltx2blas.version"]
 
 
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096 + 17])
+def test_adapter_hash_reads_the_whole_file_in_chunks(tmp_path, size):
+    import hashlib
+
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert checkpoint._sha256(fd, chunk=4096) == hashlib.sha256(data).hexdigest()
+    finally:
+        os.close(fd)
+
+
 def test_thread_count_does_not_change_the_file(files, tmp_path):
     paths = files[0]
     ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 1.0)], tmp_path / "t1.safetensors", threads=1)

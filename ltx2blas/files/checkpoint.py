@@ -270,15 +270,19 @@ class _Prefetcher:
         self.thread.join()
 
 
-def _sha256(fd):
+def _sha256(fd, chunk=1 << 20):
+    # One reused buffer that stays in cache: a fresh 16 MiB bytes object per read cost a quarter
+    # more time than the hashing itself (page faults and zeroing). Not mmap: a file truncated
+    # under a mapping kills the process with SIGBUS.
     h = hashlib.sha256()
+    view = memoryview(bytearray(chunk))
     offset = 0
     while True:
-        chunk = os.pread(fd, 1 << 24, offset)
-        if not chunk:
+        n = os.preadv(fd, [view], offset)
+        if not n:
             return h.hexdigest()
-        h.update(chunk)
-        offset += len(chunk)
+        h.update(view[:n])
+        offset += n
 
 
 def _parse_loras(loras):
