@@ -58,10 +58,12 @@ def markdown(results):
              f"ltx2blas {machine.get('ltx2blas')}, numpy {machine.get('numpy')}, "
              f"torch {machine.get('torch') or 'not installed'}.", "",
              "Ratios are of timings in the same run; peers' speedups are their time ÷ ours "
-             "(above 1: ltx2blas is faster). \"÷ sgemm\" and \"÷ roofline\" divide by ceilings "
-             "measured interleaved with the workload's calls (a 2048³ sgemm; the memory read "
-             "rate), median against median; \"at start\" divides by the best of five of the "
-             "ceilings below, measured once before the workloads.", "", "## Ceilings", "",
+             "(above 1: ltx2blas is faster). Every candidate is timed by its fastest of the "
+             "interleaved samples (noise on a shared host only slows calls down); medians are "
+             "in results.json. \"÷ sgemm\" and \"÷ roofline\" divide by ceilings measured "
+             "interleaved with the workload's calls (a 2048³ sgemm; the memory read rate); "
+             "\"at start\" divides by the best of five of the ceilings below, measured once "
+             "before the workloads.", "", "## Ceilings", "",
              "| threads | sgemm GFLOP/s | dgemm GFLOP/s | read GB/s |", "|---|---|---|---|"]
     for c in results["ceilings"]:
         lines.append(f"| {c['threads']} | {c['sgemm_gflops']:.0f} | {c['dgemm_gflops']:.0f} | "

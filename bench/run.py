@@ -6,7 +6,8 @@ use instead, at every thread count, in one run.
 Run it against the installed package (``pip install ".[bench]"``), from any directory.  Writes
 DIR/results.json (every row, with the machine: CPU, cores, BLAS and its kernels, versions,
 date), DIR/results.md (the tables) and PNG plots.  No timing here is a pass/fail test: repeats
-are interleaved and warmed up, medians and spreads reported; every row's result is checked
+are interleaved and warmed up, each candidate judged by its fastest sample (harness.STAT),
+medians and spreads recorded; every row's result is checked
 against the reference, and the exit status is non-zero if any check failed.
 ``--quick`` runs every part on small shapes in under two minutes on two cores.
 """
