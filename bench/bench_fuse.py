@@ -32,7 +32,7 @@ RANKS = [32, 384, 450]
 STRENGTH = 0.8
 
 
-def run(threads_list, shapes, ranks, ceilings, repeats=3, sample_rows=16, log=print):
+def run(threads_list, shapes, ranks, ceilings, repeats=5, sample_rows=16, log=print):
     import ltx2blas
     from ltx2blas import _gemm, reference
     from threadpoolctl import threadpool_limits
