@@ -44,6 +44,7 @@ cdef struct Job:
     bint stochastic           # fp8 only: stochastic rounding with random bits from key
     uint64_t key
     bint pairs                # one bf16 adapter, no sgemm: the dot-product kernel on bf16 pairs
+    bint plus_zero            # one bf16 adapter under the several-adapter rule: -0.0 -> +0.0
     const ltx_kernels *kern
 
 
@@ -120,6 +121,8 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
             exact_product_fused(kern, mt, nt, rank, slot.bs, rank, slot.panels,
                                 <const uint16_t *>(job.w + origin * esize), job.cols,
                                 <uint16_t *>dst, ldo)
+        if job.plus_zero:
+            kern.clear_negative_zero_bf16(<uint16_t *>dst, ldo, mt, nt)
         if job.check:
             check_bf16_tile(kern, <uint16_t *>dst, ldo, mt, nt, origin, job.cols, &bad[t])
         return
@@ -140,6 +143,8 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
     if job.fmt == 0:
         kern.store_fused(result, <const uint16_t *>(job.w + origin * esize), job.cols,
                          <uint16_t *>dst, ldo, mt, nt)
+        if job.plus_zero:
+            kern.clear_negative_zero_bf16(<uint16_t *>dst, ldo, mt, nt)
         if job.check:
             check_bf16_tile(kern, <uint16_t *>dst, ldo, mt, nt, origin, job.cols, &bad[t])
     else:
@@ -152,7 +157,7 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
 def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list lora_a,
                list lora_b, float[::1] scales, int[:, ::1] depths, int mb, int nb, int threads,
                bint allow_fma, bint sum_rule, bint check, bint dry_run, bint stochastic=False,
-               uint64_t key=0, bint pairs=False):
+               uint64_t key=0, bint pairs=False, bint plus_zero=False):
     """Fuse adapters into ``weight``, writing ``out`` (which may be ``weight``); both passed as
     their bytes, [rows, cols * element size], ``fmt`` 0 for bf16, 1 for F8_E4M3, 2 for F8_E5M2.
 
@@ -160,6 +165,8 @@ def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list 
     (full, full), (full, edge), (edge, full), (edge, edge) in (rows, cols).
     ``pairs``: one bf16 adapter multiplied by the kernel table's dot-product fuse, which the
     caller has found exact for these inputs (``fuse._pairs_exact``).
+    ``plus_zero``: one bf16 adapter fused by the several-adapter rule (``sum_rule`` off): its
+    result is the one-adapter result with -0.0 made +0.0, tile by tile.
     Validation happens in :mod:`ltx2blas.fuse`; this trusts shapes, dtypes and contiguity.
     Returns the flat index of the first non-finite (bf16) or overflowing (fp8) output, or -1,
     when ``check`` is set."""
@@ -219,6 +226,7 @@ def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list 
         job.kern = kernels(allow_fma)
         job.pairs = (pairs and count == 1 and fmt == 0 and not sum_rule
                      and job.kern.dot_fuse_bf16 != NULL)
+        job.plus_zero = plus_zero and count == 1 and fmt == 0 and not sum_rule
 
         # Per-thread buffers, allocated here so that a failure happens before any tile is
         # written. Panel offsets are multiples of nb floats; every part is 64-byte aligned.

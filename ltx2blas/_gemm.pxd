@@ -38,6 +38,8 @@ cdef extern from "kernels.h" nogil:
                                 ltx_idx cols) noexcept nogil
         void (*pack_pairs_cols)(const float *src, ltx_idx lds, uint32_t *dst, ltx_idx ldd,
                                 ltx_idx rows, ltx_idx cols) noexcept nogil
+        void (*clear_negative_zero_bf16)(uint16_t *p, ltx_idx ldp, ltx_idx rows,
+                                         ltx_idx cols) noexcept nogil
 
 cdef const ltx_kernels *kernels(bint allow_fma) noexcept nogil
 

@@ -113,7 +113,7 @@ def test_pairs_route_is_taken_for_ordinary_adapters(rng, monkeypatch):
 
     seen = []
     fuse_tiles = _fuse.fuse_tiles
-    monkeypatch.setattr(_fuse, "fuse_tiles", lambda *args: (seen.append(args[-1]), fuse_tiles(*args))[1])
+    monkeypatch.setattr(_fuse, "fuse_tiles", lambda *args: (seen.append(args[16]), fuse_tiles(*args))[1])
     weight = random_bf16(rng, (64, 96), 0.02)
     lora_a, lora_b = adapter(rng, 64, 96, 32)
     got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8)
@@ -209,6 +209,53 @@ def test_fuse_loras_in_place_and_empty(rng):
     assert np.array_equal(ltx2blas.fuse_loras(weight, []), before)
     ltx2blas.fuse_loras(weight, adapters, out=weight)
     assert np.array_equal(weight, expected)
+
+
+@pytest.mark.parametrize("rank", [1, 7, 32, 384])
+def test_one_adapter_by_the_several_adapter_rule(rng, rank):
+    """fuse_loras with one adapter takes the one-adapter routes and clears -0.0 from each tile:
+    the rule's bf16(W + bf16(0.0 + delta)) differs from fuse_lora's bf16(W + delta) exactly
+    where W and delta are both -0.0 (there -0.0 against +0.0)."""
+    rows, cols = 70, 300
+    weight = random_bf16(rng, (rows, cols), 0.02)
+    lora_a, lora_b = adapter(rng, rows, cols, rank)
+    # bf16(B) = -2^-72 on rows 0-9 and A = 2^-73 on columns 0-99: there the sum is
+    # -rank * 2^-145, below half the smallest bf16 subnormal (2^-134), so the delta is -0.0.
+    lora_b[:10] = 0x9B80
+    lora_a[:, :100] = 0x1B00
+    weight[:10, :50] = 0x8000
+    weight[:10, 50:60] = 0x0000
+    one = reference.fuse_lora(weight, lora_a, lora_b, 1.0)
+    expected = reference.fuse_loras(weight, [(lora_a, lora_b, 1.0)])
+    assert np.all(one[:10, :50] == 0x8000) and np.all(expected[:10, :50] == 0x0000)
+    assert np.array_equal(one[:, 50:], expected[:, 50:]) and np.array_equal(one[10:], expected[10:])
+    for threads in (1, 2):
+        got = ltx2blas.fuse_loras(weight, [(lora_a, lora_b, 1.0)], threads=threads, tile=(32, 64))
+        assert np.array_equal(got, expected)
+        assert np.array_equal(ltx2blas.fuse_lora(weight, lora_a, lora_b, 1.0, threads=threads), one)
+
+
+@pytest.mark.parametrize("rank", [32, 384])
+def test_one_adapter_by_the_rule_takes_the_one_adapter_routes(rng, monkeypatch, rank):
+    """Ordinary magnitudes: the one-adapter routes (the dot-product kernel up to rank 128 where
+    the CPU has it, sgemm above), with the -0.0 pass; signed zeros in W come out as the
+    reference's."""
+    from ltx2blas import _fuse
+
+    seen = []
+    fuse_tiles = _fuse.fuse_tiles
+    monkeypatch.setattr(_fuse, "fuse_tiles",
+                        lambda *args: (seen.append(args[11:]), fuse_tiles(*args))[1])
+    weight = random_bf16(rng, (100, 140), 0.02)
+    weight[::3, ::5] = 0x8000
+    weight[1::3, ::7] = 0x0000
+    lora_a, lora_b = adapter(rng, 100, 140, rank)
+    lora_b[::4] = 0  # deltas of +0.0
+    got = ltx2blas.fuse_loras(weight, [(lora_a, lora_b, 0.8)], threads=2)
+    assert np.array_equal(got, reference.fuse_loras(weight, [(lora_a, lora_b, 0.8)]))
+    sum_rule, pairs, plus_zero = seen[0][0], seen[0][5], seen[0][6]
+    assert (sum_rule, plus_zero) == (False, True)
+    assert pairs == (rank <= 128 and _gemm.has_pairs_kernel())
 
 
 def test_products_outside_the_normal_range_take_the_strict_path(rng):

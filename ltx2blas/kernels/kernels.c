@@ -806,6 +806,20 @@ static void accumulate_rounded(const float *restrict acc, float *restrict total,
         total[i] = total[i] + bits_f32(bf16_high(acc[i]));
 }
 
+/* Turns one adapter's fuse into the several-adapter rule's: that rule's total, bf16(0.0 +
+ * delta), differs from delta only where delta is -0.0, which it makes +0.0, and W + delta is
+ * -0.0 only where both are -0.0 (a sum of two bf16 values that is not zero does not round to
+ * zero). So the rule's result is the one-adapter result with every -0.0 made +0.0; done on a
+ * tile just stored, while it is in cache. */
+static void clear_negative_zero_bf16(uint16_t *p, ltx_idx ldp, ltx_idx rows, ltx_idx cols)
+{
+    for (ltx_idx r = 0; r < rows; r++) {
+        uint16_t *row = p + r * ldp;
+        for (ltx_idx i = 0; i < cols; i++)
+            row[i] = row[i] == 0x8000u ? 0 : row[i];
+    }
+}
+
 static ltx_idx first_nonfinite_bf16(const uint16_t *src, ltx_idx n)
 {
     for (ltx_idx i = 0; i < n; i++)
@@ -843,5 +857,5 @@ const ltx_kernels TABLE = {
 #else
     NULL,
 #endif
-    pack_pairs_rows,    pack_pairs_cols,
+    pack_pairs_rows,    pack_pairs_cols,    clear_negative_zero_bf16,
 };

@@ -86,6 +86,8 @@ typedef struct {
      * high half of an f32 holding a bf16 value, over rows x cols (row strides lds, ldd) */
     void (*pack_pairs_cols)(const float *src, ltx_idx lds, uint32_t *dst, ltx_idx ldd,
                             ltx_idx rows, ltx_idx cols);
+    /* p[r, i] = +0.0 where it is -0.0 (bits 0x8000), over rows x cols (row stride ldp) */
+    void (*clear_negative_zero_bf16)(uint16_t *p, ltx_idx ldp, ltx_idx rows, ltx_idx cols);
 } ltx_kernels;
 
 /* The fastest table this CPU runs (may contract into FMA). */
