@@ -96,11 +96,15 @@ def run(threads_list, outs, rows_list, ceilings, repeats=3, in_features=IN_FEATU
                 t = harness.interleaved(cands, repeats=repeats, warmup=1)
                 flops = 2.0 * rows * out * in_features
                 probe = t.pop("read_weight")
-                bw = weight.nbytes / probe[harness.STAT] / 1e9  # the same statistic as ours
                 square_t = t.pop("sgemm_square")
-                peak = square_flops / square_t[harness.STAT] / 1e9
-                compute_s, memory_s = flops / (peak * 1e9), weight.nbytes / (bw * 1e9)
+
+                def roofline(stat):
+                    """(compute, memory) seconds by the ceilings' samples of statistic stat."""
+                    return flops * square_t[stat] / square_flops, probe[stat]
+
+                compute_s, memory_s = roofline(harness.STAT)  # the same statistic as ours
                 roofline_s = max(compute_s, memory_s)
+                peak, bw = flops / compute_s / 1e9, weight.nbytes / memory_s / 1e9
                 ours = t["ltx2blas"][harness.STAT]
                 row = {
                     "workload": "linear", "rows": rows, "out": out, "in": in_features,
@@ -108,10 +112,7 @@ def run(threads_list, outs, rows_list, ceilings, repeats=3, in_features=IN_FEATU
                     "sgemm_gflops": peak, "sgemm_gflops_at_start": at_start, "read_gbs": bw,
                     "read_gbs_median": weight.nbytes / probe["median"] / 1e9,
                     "ms_median": t["ltx2blas"]["median"] * 1e3,
-                    "of_roofline_median": max(
-                        flops / (square_flops / square_t["median"]),
-                        weight.nbytes / (weight.nbytes / probe["median"]))
-                    / t["ltx2blas"]["median"],
+                    "of_roofline_median": max(roofline("median")) / t["ltx2blas"]["median"],
                     "read_gbs_at_start": ceilings[threads]["read_gbs"],
                     "roofline_ms": roofline_s * 1e3,
                     "of_roofline": roofline_s / ours, "of_sgemm": flops / ours / 1e9 / peak,

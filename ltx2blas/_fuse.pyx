@@ -60,15 +60,19 @@ cdef struct Slot:
     Py_ssize_t strip          # row strip the bs rows hold, -1 for none
 
 
-cdef inline void check_bf16_tile(const ltx_kernels *kern, const uint16_t *tile, Py_ssize_t ldo,
-                                 int mt, int nt, Py_ssize_t origin, Py_ssize_t cols,
-                                 int64_t *bad) noexcept nogil:
-    """Records in *bad the flat index of the tile's first inf or NaN, if any."""
+cdef inline void finish_bf16_tile(const Job *job, uint16_t *tile, Py_ssize_t ldo, int mt,
+                                  int nt, Py_ssize_t origin, int64_t *bad) noexcept nogil:
+    """After a bf16 tile is stored: -0.0 made +0.0 for plus_zero, and with check, *bad set to
+    the flat index of the tile's first inf or NaN, if any."""
     cdef Py_ssize_t r, q
+    if job.plus_zero:
+        job.kern.clear_negative_zero_bf16(tile, ldo, mt, nt)
+    if not job.check:
+        return
     for r in range(mt):
-        q = kern.first_nonfinite_bf16(tile + r * ldo, nt)
+        q = job.kern.first_nonfinite_bf16(tile + r * ldo, nt)
         if q >= 0:
-            bad[0] = origin + r * cols + q
+            bad[0] = origin + r * job.cols + q
             return
 
 
@@ -121,10 +125,7 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
             exact_product_fused(kern, mt, nt, rank, slot.bs, rank, slot.panels,
                                 <const uint16_t *>(job.w + origin * esize), job.cols,
                                 <uint16_t *>dst, ldo)
-        if job.plus_zero:
-            kern.clear_negative_zero_bf16(<uint16_t *>dst, ldo, mt, nt)
-        if job.check:
-            check_bf16_tile(kern, <uint16_t *>dst, ldo, mt, nt, origin, job.cols, &bad[t])
+        finish_bf16_tile(job, <uint16_t *>dst, ldo, mt, nt, origin, &bad[t])
         return
 
     if job.sum_rule:
@@ -143,10 +144,7 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
     if job.fmt == 0:
         kern.store_fused(result, <const uint16_t *>(job.w + origin * esize), job.cols,
                          <uint16_t *>dst, ldo, mt, nt)
-        if job.plus_zero:
-            kern.clear_negative_zero_bf16(<uint16_t *>dst, ldo, mt, nt)
-        if job.check:
-            check_bf16_tile(kern, <uint16_t *>dst, ldo, mt, nt, origin, job.cols, &bad[t])
+        finish_bf16_tile(job, <uint16_t *>dst, ldo, mt, nt, origin, &bad[t])
     else:
         q = kern.store_fused_fp8(result, job.w + origin, job.cols, dst, ldo, mt, nt,
                                  job.fmt == 2, job.stochastic, job.key, origin, job.cols)
