@@ -103,10 +103,12 @@ def test_same_bytes_for_every_thread_count_and_run(rng, rows, accumulate):
         assert again.tobytes() == first.tobytes()
 
 
-@pytest.mark.parametrize("rows, cols, feats", [(11, 1000, 33), (13, 2 * 4096 + 37, 9), (1, 4099, 2)])
+@pytest.mark.parametrize("rows, cols, feats", [(11, 1000, 33), (13, 2 * 4096 + 37, 9), (1, 4099, 2),
+                                              (1, 4099, 21), (2, 1000, 21), (4, 3000, 13)])
 def test_streaming_kernel_in_every_table(kernel_table, rng, rows, cols, feats):
     # Row groups of 8 and a tail, an odd count of weight rows, several blocks of 4096 and a k
-    # tail shorter than a vector.
+    # tail shorter than a vector; with 1 to 4 rows of x, register tiles of 8 or 4 weight rows
+    # and a tail, against one weight row at a time (the blocks below).
     x, w, b = case(rng, rows, cols, feats)
     assert plan(rows, w.dtype)[0] == "stream"
     y = ltx2blas.linear(x, w, b, threads=2)
