@@ -3,6 +3,7 @@ tensors copied byte for byte, metadata kept and extended, key matching, refusals
 sharded inputs, fp8, and loaders' in-memory state dicts."""
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -301,3 +302,46 @@ def test_state_dict_torch_zero_copy(files):
     ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 0.8)], paths["out"])
     out, _, _ = read_all(paths["out"])
     assert np.array_equal(state[name].view(torch.int16).numpy().view(np.uint16), out[name][1])
+
+
+def test_reader_reads_small_weights_ahead_while_a_large_one_is_written(tmp_path, rng):
+    # Two large weights then four small ones; the first large one written (released), the
+    # second still being written: the four small ones are read, with their factors, into the
+    # bin the first one left -- not one at a time behind the second's write.
+    shapes = [(64, 1024), (64, 1024)] + [(8, 1024)] * 4
+    names = [f"w{i}" for i in range(len(shapes))]
+    tensors = {n: ("BF16", rng.integers(0, 1 << 16, size=s, dtype=np.uint16)) for n, s in zip(names, shapes)}
+    path = ck.write(tmp_path / "m.safetensors", tensors)
+    shift = {n: (97 * i) % 4096 // 2 * 2 for i, n in enumerate(names)}  # odd places in a page
+    loaded = []
+
+    def load(name, space):
+        space[:4] = 7  # the factors' place, after the weight
+        loaded.append(name)
+        return space[:4].copy()
+
+    ckpt = checkpoint.Checkpoint(path)
+    reader = checkpoint._Prefetcher(ckpt, names, load, lambda name: 4, shift.get)
+    try:
+        first, _ = reader.take("w0")
+        second, _ = reader.take("w1")
+        reader.release(first)
+        got = {}
+
+        def take_small():
+            for n in names[2:]:
+                got[n] = reader.take(n)
+
+        worker = threading.Thread(target=take_small, daemon=True)
+        worker.start()
+        worker.join(timeout=30)
+        assert not worker.is_alive(), "the small weights waited for the large one's write"
+        assert loaded == names
+        for n, (weight, factors) in got.items():
+            assert np.array_equal(weight, tensors[n][1]) and np.array_equal(factors, [7] * 4)
+            assert weight.ctypes.data % 4096 == shift[n]
+            assert np.shares_memory(weight, reader.bins[0])
+        assert np.array_equal(second, tensors["w1"][1])  # not overwritten by the reads ahead
+    finally:
+        reader.close()
+        ckpt.close()

@@ -136,8 +136,9 @@ print(json.dumps({{"growth": status('VmHWM') - before, "largest": 2048 * 2048 * 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_checkpoint_fuse_streams(tmp_path):
     """Fusing a 384 MiB checkpoint holds about one tensor at a time: peak memory grows by less
-    than 2 x the largest tensor (the one being fused, the next being read) + 128 MiB (64 MiB of
-    write staging, the rest for the adapter factors and Python) -- far below its size."""
+    than 2 x the largest tensor (the reader's two buffers: the one being fused, the next being
+    read) + 128 MiB (the factors in those buffers, 64 MiB of write staging, Python) -- far below
+    its size."""
     code = CHECKPOINT_SCRIPT.format(folder=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
                          timeout=600)
