@@ -2,8 +2,8 @@
 
 A checkpoint is never loaded whole: each weight an adapter touches is read into a buffer,
 fused in place by :func:`ltx2blas.fuse_loras`, written, and the buffer reused; every other
-tensor is copied byte for byte, file to file.  Peak memory is about the largest fused tensor
-plus its adapter factors, whatever the checkpoint's size.
+tensor is copied byte for byte, file to file.  Peak memory is about twice the largest fused
+tensor with its adapter factors (the reader's two buffers), whatever the checkpoint's size.
 """
 import functools
 import hashlib
@@ -214,13 +214,13 @@ class _Prefetcher:
 
     A weight and its factors go into one of two reused bins, each the size of the largest such
     set (``load(name, space)`` reads the factors into the ``space`` after the weight, of
-    ``factor_bytes(name)`` bytes, and returns them).  A bin takes weights one after another while
-    they fit and is reused once every weight in it is written: small weights are so read ahead
-    while a large one is still being written (one weight per buffer leaves the fuse waiting for
-    a read after each large write), and nothing is read into fresh memory (whose page faults
-    cost more than the reading: 308 MB of factors in 69 ms fresh, 25 ms reused).  Each weight is placed ``shift(name)`` bytes past a page boundary
-    (its offset within a page of the output file), so that the writer can write it to the
-    output without copying it."""
+    ``factor_bytes(name)`` bytes, and returns them).  A bin takes weights one after another
+    while they fit and is reused once every weight in it is written: small weights are so read
+    ahead while a large one is still being written (one weight per buffer leaves the fuse
+    waiting for a read after each large write), and nothing is read into fresh memory (whose
+    page faults cost more than the reading: 308 MB of factors in 69 ms fresh, 25 ms reused).
+    Each weight is placed ``shift(name)`` bytes past a page boundary (its offset within a page
+    of the output file), so that the writer can write it to the output without copying it."""
 
     def __init__(self, ckpt, names, load, factor_bytes, shift=lambda name: 0, page=4096):
         self.ckpt, self.names, self.load, self.shift, self.page = ckpt, names, load, shift, page
