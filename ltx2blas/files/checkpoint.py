@@ -225,7 +225,7 @@ class _Prefetcher:
     def __init__(self, ckpt, names, load, factor_bytes, shift=lambda name: 0, page=4096):
         self.ckpt, self.names, self.load, self.shift, self.page = ckpt, names, load, shift, page
         self.factor_bytes = factor_bytes
-        self.size = max((self._span(n) for n in names), default=0)
+        self.size = max((self._layout(n)[2] for n in names), default=0)
         self.bins = [page_aligned(self.size, page), page_aligned(self.size, page)]
         self.fill, self.live, self.open = [0, 0], [0, 0], 0
         self.ready = {}
@@ -235,32 +235,33 @@ class _Prefetcher:
         self.thread = threading.Thread(target=self._run, name="ltx2blas-reader", daemon=True)
         self.thread.start()
 
-    def _weight_span(self, name):
-        """Bytes a weight takes in a bin: its shift, its data, up to the next page."""
-        nbytes = self.shift(name) + self.ckpt.entries[name][1].nbytes
-        return -(-nbytes // self.page) * self.page
-
-    def _span(self, name):
-        """... and its factors, up to the next page: where the next weight may start."""
-        return -(-(self._weight_span(name) + self.factor_bytes(name)) // self.page) * self.page
+    def _layout(self, name):
+        """(weight bytes in a bin: its shift, its data, up to the next page; factor bytes; the
+        whole span, up to the next page: where the next weight may start)."""
+        weight = _round_up(self.shift(name) + self.ckpt.entries[name][1].nbytes, self.page)
+        factors = self.factor_bytes(name)
+        return weight, factors, _round_up(weight + factors, self.page)
 
     def _place(self, span):
-        """(bin, offset) for ``span`` bytes, or None while there is no room."""
-        for b in (self.open, 1 - self.open):
-            if self.live[b] == 0:
-                self.fill[b] = 0
-            if self.fill[b] + span <= self.size and (b == self.open or self.live[b] == 0):
-                self.open = b
-                at = self.fill[b]
-                self.fill[b] += span
-                self.live[b] += 1
-                return b, at
-        return None
+        """(bin, offset) for ``span`` bytes: after the weights in the open bin if they fit,
+        else at the start of the other bin once it is empty; None while there is no room."""
+        b = self.open
+        if self.live[b] and self.fill[b] + span > self.size:
+            b = 1 - b
+            if self.live[b]:
+                return None
+        if not self.live[b]:
+            self.fill[b] = 0
+        self.open, at = b, self.fill[b]
+        self.fill[b] += span
+        self.live[b] += 1
+        return b, at
 
     def _run(self):
         for name in self.names:
+            weight_bytes, factor_bytes, span = self._layout(name)
             with self.cv:
-                while not self.stop and (place := self._place(self._span(name))) is None:
+                while not self.stop and (place := self._place(span)) is None:
                     self.cv.wait()
                 if self.stop:
                     return
@@ -271,8 +272,8 @@ class _Prefetcher:
                 np.uint16 if info.dtype == "BF16" else np.uint8).reshape(info.shape)
             try:
                 f.read(name, array)
-                space = at + self._weight_span(name)
-                factors = self.load(name, self.bins[b][space:space + self.factor_bytes(name)])
+                space = at + weight_bytes
+                factors = self.load(name, self.bins[b][space:space + factor_bytes])
             except BaseException as exc:
                 with self.cv:
                     self.error = exc
@@ -473,10 +474,18 @@ def _weight_shape(shape, key):
     return shape
 
 
+def _round_up(n, to):
+    return -(-n // to) * to
+
+
+def _factor_place(source, key):
+    """Bytes a bf16 factor takes in _factors' ``space``: its own, up to a multiple of 64."""
+    return _round_up(2 * math.prod(source.shape(key)), 64)
+
+
 def _factor_space(adapters, sources):
-    """Bytes that _factors places in ``space``: each factor's, rounded up to 64."""
-    return sum(-(-2 * math.prod(sources[i].shape(key)) // 64) * 64
-               for i, pair, _ in adapters for key in (pair.a, pair.b))
+    """Bytes that _factors places in ``space``."""
+    return sum(_factor_place(sources[i], key) for i, pair, _ in adapters for key in (pair.a, pair.b))
 
 
 def _factors(adapters, sources, reports, space=None):
@@ -488,7 +497,7 @@ def _factors(adapters, sources, reports, space=None):
         for key in (pair.a, pair.b):
             ab.append(_factor_bf16(sources[index], key, reports[index],
                                    None if space is None else space[at:]))
-            at += -(-2 * math.prod(sources[index].shape(key)) // 64) * 64
+            at += _factor_place(sources[index], key)
         pairs.append((ab[0], ab[1], scale))
     return pairs
 
