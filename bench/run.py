@@ -66,7 +66,8 @@ def main(argv=None):
             rows += bench_fuse.run(threads, bench_fuse.SHAPES, bench_fuse.RANKS, ceilings)
     if "linear" in only:
         if args.quick:
-            rows += bench_linear.run(threads, [256], [1, 8, 64], ceilings, repeats=2)
+            rows += bench_linear.run(threads, [256], [1, 8, 64], ceilings, repeats=2,
+                                         short_repeats=2)
         else:
             rows += bench_linear.run(threads, bench_linear.OUTS, bench_linear.ROWS, ceilings)
     if "checkpoint" in only:
