@@ -223,9 +223,9 @@ class _Prefetcher:
     of the output file), so that the writer can write it to the output without copying it."""
 
     def __init__(self, ckpt, names, load, factor_bytes, shift=lambda name: 0, page=4096):
-        self.ckpt, self.names, self.load, self.shift, self.page = ckpt, names, load, shift, page
-        self.factor_bytes = factor_bytes
-        self.size = max((self._layout(n)[2] for n in names), default=0)
+        self.ckpt, self.names, self.load = ckpt, names, load
+        self.layouts = [self._layout(n, factor_bytes, shift, page) for n in names]
+        self.size = max((span for _, _, _, span in self.layouts), default=0)
         self.bins = [page_aligned(self.size, page), page_aligned(self.size, page)]
         self.fill, self.live, self.open = [0, 0], [0, 0], 0
         self.ready = {}
@@ -235,12 +235,13 @@ class _Prefetcher:
         self.thread = threading.Thread(target=self._run, name="ltx2blas-reader", daemon=True)
         self.thread.start()
 
-    def _layout(self, name):
-        """(weight bytes in a bin: its shift, its data, up to the next page; factor bytes; the
-        whole span, up to the next page: where the next weight may start)."""
-        weight = _round_up(self.shift(name) + self.ckpt.entries[name][1].nbytes, self.page)
-        factors = self.factor_bytes(name)
-        return weight, factors, _round_up(weight + factors, self.page)
+    def _layout(self, name, factor_bytes, shift, page):
+        """(the weight's shift; its bytes in a bin: the shift, its data, up to the next page;
+        factor bytes; the whole span, up to the next page: where the next weight may start)."""
+        start = shift(name)
+        weight = _round_up(start + self.ckpt.entries[name][1].nbytes, page)
+        factors = factor_bytes(name)
+        return start, weight, factors, _round_up(weight + factors, page)
 
     def _place(self, span):
         """(bin, offset) for ``span`` bytes: after the weights in the open bin if they fit,
@@ -258,8 +259,7 @@ class _Prefetcher:
         return b, at
 
     def _run(self):
-        for name in self.names:
-            weight_bytes, factor_bytes, span = self._layout(name)
+        for name, (shift, weight_bytes, factor_bytes, span) in zip(self.names, self.layouts):
             with self.cv:
                 while not self.stop and (place := self._place(span)) is None:
                     self.cv.wait()
@@ -267,7 +267,7 @@ class _Prefetcher:
                     return
             f, info = self.ckpt.entries[name]
             b, at = place
-            start = at + self.shift(name)
+            start = at + shift
             array = self.bins[b][start:start + info.nbytes].view(
                 np.uint16 if info.dtype == "BF16" else np.uint8).reshape(info.shape)
             try:
