@@ -43,6 +43,8 @@ def fuse_cases(ref):
         ("two_adapters", 20, 30, [(16, 1.0), (450, 0.75)], 0.02),
         ("three_adapters", 11, 19, [(1024, 0.5), (3, -2.0), (384, 1.0)], 0.02),
         ("large_values", 12, 16, [(64, 3.0)], 40.0),
+        ("two_adapters_addmm", 20, 30, [(16, 1.0), (450, 0.75)], 0.02),
+        ("three_adapters_addmm", 11, 19, [(1024, 0.5), (3, -2.0), (384, 1.0)], 0.02),
     ]
     cases = {}
     for name, rows, cols, adapters, wscale in specs:
@@ -60,10 +62,60 @@ def fuse_cases(ref):
         if len(pairs) == 1:
             case["rule"] = np.array("fuse_lora")
             case["expected"] = ref.fuse_lora(case["weight"], *pairs[0])
-        else:
-            case["rule"] = np.array("fuse_loras")
-            case["expected"] = ref.fuse_loras(case["weight"], pairs)
+        else:  # the several-adapter rule by name: "sum" (upstream's first release), "addmm"
+            rule = "addmm" if name.endswith("_addmm") else "sum"
+            case["rule"] = np.array(f"fuse_loras:{rule}")
+            case["expected"] = ref.fuse_loras(case["weight"], pairs, rule)
         cases[name] = case
+    return cases
+
+
+def quantized_cases(ref):
+    """Scaled and quantised layouts (spec §2): stored codes and scales, two adapters fused by
+    the addmm rule, and what the layout's rule gives."""
+    rng = np.random.default_rng(20260303)
+
+    def bf16(shape, scale):
+        return ref.bf16_round(rng.standard_normal(shape).astype(np.float32) * np.float32(scale))
+
+    cases = {}
+    specs = [("fp8_scaled", "F8_E4M3", 128, 256), ("comfy_fp8", "F8_E5M2", 40, 72),
+             ("fp8_block", "F8_E4M3", 256, 128), ("fp6_block", None, 128, 256),
+             ("nvfp4", None, 130, 96)]
+    for layout, fmt, rows, cols in specs:
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        if layout in ("fp8_scaled", "comfy_fp8"):
+            scales = (np.array(0.001 if fmt == "F8_E4M3" else 0.00003, np.float32),)
+            weight = ref.fp8_round(w * np.float32(0.02) / scales[0], fmt)
+        elif layout == "fp8_block":
+            scales = (rng.uniform(1e-5, 1e-4, (rows // 128, cols // 128)).astype(np.float32),)
+            weight = ref.fp8_round(w * np.float32(60), "F8_E4M3")
+        elif layout == "fp6_block":
+            scales = (rng.uniform(0.05, 0.2, (rows // 128, cols // 128)).astype(np.float32),)
+            codes = ref.fp8_round(np.clip(w * np.float32(0.03), -0.117, 0.117), "F8_E4M3")
+            weight = ref.fp6_pack(codes)
+        else:
+            padded = (-(-rows // 128) * 128, -(-(cols // 16) // 4) * 4)
+            block = np.zeros(padded, np.uint8)
+            r, c = np.meshgrid(np.arange(rows), np.arange(cols // 16), indexing="ij")
+            block.reshape(-1)[ref.nvfp4_scale_offset(r, c, padded[1])] = rng.integers(
+                0x28, 0x60, (rows, cols // 16))
+            scales = (block, np.array(0.0007, np.float32))
+            weight = rng.integers(0, 256, (rows, cols // 2)).astype(np.uint8)
+        case = {"layout": np.array(layout), "fmt": np.array(fmt or "F8_E4M3"), "weight": weight}
+        for i, s in enumerate(scales):
+            case[f"scale{i}"] = s
+        adapters = []
+        for i, (rank, strength) in enumerate(((32, 0.8), (200, -1.5))):
+            case[f"lora_a{i}"] = bf16((rank, cols), 0.03)
+            case[f"lora_b{i}"] = bf16((rows, rank), 0.03)
+            case[f"strength{i}"] = np.float64(strength)
+            adapters.append((case[f"lora_a{i}"], case[f"lora_b{i}"], strength))
+        out = ref.fuse_quantized(layout, weight, scales, adapters, "addmm", fmt or "F8_E4M3")
+        case["expected"] = out[0]
+        for i, s in enumerate(out[1:]):
+            case[f"expected_scale{i}"] = np.asarray(s)
+        cases[f"quant_{layout}"] = case
     return cases
 
 
@@ -101,10 +153,15 @@ def main(argv=None):
     ref = load_reference()
     bad = 0
     cases = {f"fuse_{name}": case for name, case in fuse_cases(ref).items()}
+    cases.update(quantized_cases(ref))
     cases.update(feature_cases(ref))
     for name, case in cases.items():
         path = os.path.join(HERE, f"{name}.npz")
         if args.check:
+            if not os.path.exists(path):
+                print(f"MISSING {os.path.basename(path)}")
+                bad += 1
+                continue
             with np.load(path) as stored:
                 same = set(stored.files) == set(case) and all(
                     np.array_equal(stored[k], case[k]) for k in case)

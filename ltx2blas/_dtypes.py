@@ -7,6 +7,15 @@ from .errors import DTypeError
 _BITS = np.dtype(np.uint16)
 
 
+#: ml_dtypes' fp8 dtype names -> safetensors dtype names.
+ML_FP8 = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+
+
+def ml_fp8_format(dtype):
+    """"F8_E4M3" / "F8_E5M2" for an ml_dtypes fp8 dtype (whatever kind numpy gives it), else None."""
+    return ML_FP8.get(dtype.name) if dtype.itemsize == 1 and dtype.kind in "Vf" else None
+
+
 def is_ml_bfloat16(dtype):
     return dtype.kind == "V" and dtype.itemsize == 2 and dtype.name == "bfloat16"
 

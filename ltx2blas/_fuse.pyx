@@ -20,6 +20,15 @@ from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num
 import numpy as np
 
 
+# The several-adapter rules (fuse_tiles' ``rule``); the names are the Python API's.
+cdef enum:
+    RULE_ONE = 0
+    RULE_SUM = 1
+    RULE_ADDMM = 2
+
+RULES = {"one": RULE_ONE, "sum": RULE_SUM, "addmm": RULE_ADDMM}
+
+
 cdef struct Adapters:
     int count
     const uint16_t **a        # [rank, cols] bf16, row stride cols
@@ -37,7 +46,7 @@ cdef struct Job:
     Py_ssize_t rows, cols
     int mb, nb
     Py_ssize_t tiles_n
-    bint sum_rule             # several-adapter rule: total = bf16(0 + d1 + d2 ...)
+    int rule                  # RULE_ONE, RULE_SUM or RULE_ADDMM (see fuse_tiles)
     bint dry_run              # compute and check, write nothing
     bint check                # record the first non-finite output per tile
     int fmt                   # 0: bf16, 1: F8_E4M3, 2: F8_E5M2
@@ -90,15 +99,19 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
     cdef float *bs
     cdef float *panel
     cdef const float *result = slot.acc
-    cdef Py_ssize_t esize = 1 if job.fmt else 2
+    cdef Py_ssize_t esize = 1 if job.fmt == 1 or job.fmt == 2 else 2
     cdef Py_ssize_t origin = o0 * job.cols + i0   # the tile's first element in the weight
     cdef uint8_t *dst
     cdef Py_ssize_t ldo
 
     if slot.strip != ti:
         for a in range(ad.count):
-            kern.scale_round_widen(ad.b[a] + o0 * ad.rank[a], ad.scale[a],
-                                   slot.bs + ad.bs_offset[a], <Py_ssize_t>mt * ad.rank[a])
+            if job.rule == RULE_ADDMM and a > 0:  # addmm scales the product, not B
+                kern.widen_bf16(ad.b[a] + o0 * ad.rank[a], slot.bs + ad.bs_offset[a],
+                                <Py_ssize_t>mt * ad.rank[a])
+            else:
+                kern.scale_round_widen(ad.b[a] + o0 * ad.rank[a], ad.scale[a],
+                                       slot.bs + ad.bs_offset[a], <Py_ssize_t>mt * ad.rank[a])
         if job.pairs:
             kern.pack_pairs_cols(slot.bs, ad.rank[0], slot.bs_pairs, (ad.rank[0] + 1) // 2, mt,
                                  ad.rank[0])
@@ -109,7 +122,7 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
     else:
         dst, ldo = job.out + origin * esize, job.cols
 
-    if job.pairs or (ad.count == 1 and job.fmt == 0 and not job.sum_rule
+    if job.pairs or (ad.count == 1 and job.fmt == 0 and job.rule == RULE_ONE
                      and ad.depth[shape] == 0):
         # No sgemm for this product: it is computed, rounded and added in one pass, with
         # pairs two terms per instruction.
@@ -128,7 +141,7 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
         finish_bf16_tile(job, <uint16_t *>dst, ldo, mt, nt, origin, &bad[t])
         return
 
-    if job.sum_rule:
+    if job.rule == RULE_SUM:
         memset(slot.total, 0, <size_t>mt * nt * sizeof(float))
     for a in range(ad.count):
         rank = ad.rank[a]
@@ -136,15 +149,21 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
         kern.widen_bf16_rows(ad.a[a] + i0, job.cols, panel, nt, rank, nt)
         exact_product(kern, mt, nt, rank, slot.bs + ad.bs_offset[a], rank, panel, slot.acc,
                       ad.depth[4 * a + shape])
-        if job.sum_rule:
+        if job.rule == RULE_SUM:
             kern.accumulate_rounded(slot.acc, slot.total, <Py_ssize_t>mt * nt)
-    if job.sum_rule:
+        elif job.rule == RULE_ADDMM and a == 0:
+            kern.round_bf16_f32(slot.acc, slot.total, <Py_ssize_t>mt * nt)
+        elif job.rule == RULE_ADDMM:
+            kern.accumulate_addmm(slot.acc, slot.total, ad.scale[a], <Py_ssize_t>mt * nt)
+    if job.rule != RULE_ONE:
         result = slot.total
 
     if job.fmt == 0:
         kern.store_fused(result, <const uint16_t *>(job.w + origin * esize), job.cols,
                          <uint16_t *>dst, ldo, mt, nt)
         finish_bf16_tile(job, <uint16_t *>dst, ldo, mt, nt, origin, &bad[t])
+    elif job.fmt == 3:
+        kern.store_rounded(result, <uint16_t *>dst, ldo, mt, nt)
     else:
         q = kern.store_fused_fp8(result, job.w + origin, job.cols, dst, ldo, mt, nt,
                                  job.fmt == 2, job.stochastic, job.key, origin, job.cols)
@@ -154,21 +173,25 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
 
 def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list lora_a,
                list lora_b, float[::1] scales, int[:, ::1] depths, int mb, int nb, int threads,
-               bint allow_fma, bint sum_rule, bint check, bint dry_run, bint stochastic=False,
+               bint allow_fma, int rule, bint check, bint dry_run, bint stochastic=False,
                uint64_t key=0, bint pairs=False, bint plus_zero=False):
     """Fuse adapters into ``weight``, writing ``out`` (which may be ``weight``); both passed as
-    their bytes, [rows, cols * element size], ``fmt`` 0 for bf16, 1 for F8_E4M3, 2 for F8_E5M2.
+    their bytes, [rows, cols * element size], ``fmt`` 0 for bf16, 1 for F8_E4M3, 2 for F8_E5M2,
+    3 for the bare bf16 delta (``out = bf16(agg)``, ``weight`` not read).
 
+    ``rule``: RULE_ONE (one adapter, ``W + delta``), RULE_SUM (``W + bf16(0 + d1 + d2 ...)``)
+    or RULE_ADDMM (``W + agg``, agg = d1, then ``bf16(agg + s_i * (B_i @ A_i))`` for each later
+    adapter, B_i unscaled), as :func:`ltx2blas.reference.aggregate_delta` states them.
     ``depths[a]`` holds the verified sgemm depth of adapter a for the tile shapes
     (full, full), (full, edge), (edge, full), (edge, edge) in (rows, cols).
     ``pairs``: one bf16 adapter multiplied by the kernel table's dot-product fuse, which the
     caller has found exact for these inputs (``fuse._pairs_exact``).
-    ``plus_zero``: one bf16 adapter fused by the several-adapter rule (``sum_rule`` off): its
+    ``plus_zero``: one bf16 adapter fused by the sum rule (``rule`` RULE_ONE): its
     result is the one-adapter result with -0.0 made +0.0, tile by tile.
     Validation happens in :mod:`ltx2blas.fuse`; this trusts shapes, dtypes and contiguity.
     Returns the flat index of the first non-finite (bf16) or overflowing (fp8) output, or -1,
     when ``check`` is set."""
-    cdef Py_ssize_t esize = 1 if fmt else 2
+    cdef Py_ssize_t esize = 1 if fmt == 1 or fmt == 2 else 2
     cdef Py_ssize_t rows = weight.shape[0], cols = weight.shape[1] // esize
     cdef Py_ssize_t tiles_m = (rows + mb - 1) // mb, tiles_n = (cols + nb - 1) // nb
     cdef Py_ssize_t tiles = tiles_m * tiles_n, t
@@ -182,8 +205,11 @@ def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list 
     cdef Slot *slots = NULL
     cdef char *base
     cdef int s
+    cdef bint several = rule != RULE_ONE
     if rows == 0 or cols == 0 or count == 0:
         return -1
+    if rule not in (RULE_ONE, RULE_SUM, RULE_ADDMM) or (rule == RULE_ONE and count != 1):
+        raise ValueError(f"rule {rule} does not apply to {count} adapters")
 
     keep = []  # the memoryviews whose pointers the C structs hold
     ad.count = count
@@ -219,12 +245,12 @@ def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list 
         job.rows, job.cols = rows, cols
         job.mb, job.nb = mb, nb
         job.tiles_n = tiles_n
-        job.sum_rule, job.dry_run, job.check = sum_rule, dry_run, check
+        job.rule, job.dry_run, job.check = rule, dry_run, check
         job.fmt, job.stochastic, job.key = fmt, stochastic, key
         job.kern = kernels(allow_fma)
-        job.pairs = (pairs and count == 1 and fmt == 0 and not sum_rule
+        job.pairs = (pairs and count == 1 and fmt == 0 and rule == RULE_ONE
                      and job.kern.dot_fuse_bf16 != NULL)
-        job.plus_zero = plus_zero and count == 1 and fmt == 0 and not sum_rule
+        job.plus_zero = plus_zero and count == 1 and fmt == 0 and rule == RULE_ONE
 
         # Per-thread buffers, allocated here so that a failure happens before any tile is
         # written. Panel offsets are multiples of nb floats; every part is 64-byte aligned.
@@ -233,7 +259,7 @@ def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list 
         tile_len = (<size_t>mb * nb * sizeof(float) + 63) & ~(<size_t>63)
         scratch_len = (<size_t>mb * nb * sizeof(uint16_t) + 63) & ~(<size_t>63)
         pairs_len = (<size_t>mb * ((rank_sum + 1) // 2) * sizeof(uint32_t) + 63) & ~(<size_t>63)
-        slot_len = (bs_len + panels_len + tile_len * (1 + sum_rule) + scratch_len * dry_run
+        slot_len = (bs_len + panels_len + tile_len * (1 + several) + scratch_len * dry_run
                     + pairs_len * job.pairs)
         buffers = <char *>ltx_aligned_alloc(slot_len * threads)
         slots = <Slot *>malloc(threads * sizeof(Slot))
@@ -245,7 +271,7 @@ def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list 
             slots[s].panels = <float *>(base + bs_len)
             slots[s].acc = <float *>(base + bs_len + panels_len)
             slots[s].total = <float *>(base + bs_len + panels_len + tile_len)
-            slots[s].scratch = <uint8_t *>(base + bs_len + panels_len + tile_len * (1 + sum_rule))
+            slots[s].scratch = <uint8_t *>(base + bs_len + panels_len + tile_len * (1 + several))
             slots[s].bs_pairs = <uint32_t *>(base + slot_len - pairs_len * job.pairs)
             slots[s].strip = -1
 

@@ -40,6 +40,10 @@ cdef extern from "kernels.h" nogil:
                                 ltx_idx rows, ltx_idx cols) noexcept nogil
         void (*clear_negative_zero_bf16)(uint16_t *p, ltx_idx ldp, ltx_idx rows,
                                          ltx_idx cols) noexcept nogil
+        void (*round_bf16_f32)(const float *src, float *dst, ltx_idx n) noexcept nogil
+        void (*accumulate_addmm)(const float *acc, float *agg, float s, ltx_idx n) noexcept nogil
+        void (*store_rounded)(const float *acc, uint16_t *out, ltx_idx ldo, ltx_idx rows,
+                              ltx_idx cols) noexcept nogil
 
 cdef const ltx_kernels *kernels(bint allow_fma) noexcept nogil
 

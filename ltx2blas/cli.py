@@ -79,7 +79,7 @@ def _cmd_fuse(args):
 
     loras = [_lora_arg(item) for item in args.lora]
     report = fuse_checkpoint(
-        args.model, loras, args.output, threads=args.threads,
+        args.model, loras, args.output, rule=args.rule, threads=args.threads,
         progress=None if (args.dry_run or args.quiet) else _ProgressPrinter(),
         check_finite=args.check_finite, force=args.force, fp8_rounding=args.fp8_rounding,
         seed=args.seed, dry_run=args.dry_run)
@@ -115,6 +115,9 @@ def build_parser():
     p.add_argument("--lora", action="append", required=True, metavar="PATH[:STRENGTH]",
                    help="adapter file and strength (default 1.0); repeat for several")
     p.add_argument("-o", "--output", required=True, help="output .safetensors file")
+    p.add_argument("--rule", choices=("addmm", "sum"), default="addmm",
+                   help="how several adapters on one weight combine: addmm (upstream LTX-2 "
+                        "today, the default) or sum (its first release)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="threads (default: every CPU this process may use)")
     p.add_argument("--dry-run", action="store_true",

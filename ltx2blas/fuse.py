@@ -8,7 +8,7 @@ import numbers
 import numpy as np
 
 from . import _fuse, _gemm
-from ._dtypes import bf16_bits, bf16_to_f32
+from ._dtypes import bf16_bits, bf16_to_f32, ml_fp8_format
 from ._threads import blas_single_threaded, resolve_threads
 from .reference import stochastic_key
 from .errors import (
@@ -20,7 +20,7 @@ from .errors import (
     ShapeError,
 )
 
-__all__ = ["fuse_lora", "fuse_loras", "buffer_bytes", "DEFAULT_TILE"]
+__all__ = ["fuse_lora", "fuse_loras", "aggregate_delta", "buffer_bytes", "DEFAULT_TILE"]
 
 #: Output tile (rows, cols) each thread computes at a time. The f32 accumulator tile
 #: (512 x 256 x 4 B = 512 KiB) stays in L2 between the product and the rounding store.
@@ -70,22 +70,31 @@ def fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None,
     :func:`ltx2blas.reference.fuse_loras_fp8` (fp8) on the same inputs.
     """
     return _fuse_into(weight, [(lora_a, lora_b, strength)], threads, out, check_finite, tile,
-                      sum_rule=False, weight_format=weight_format, fp8_rounding=fp8_rounding,
+                      rule="one", weight_format=weight_format, fp8_rounding=fp8_rounding,
                       seed=seed, name=name)
 
 
-def fuse_loras(weight, adapters, *, threads=None, out=None, check_finite=False, tile=None,
-               weight_format=None, fp8_rounding="nearest", seed=0, name=""):
-    """Fold several adapters into one weight by the spec's rule:
-    ``total = bf16(0.0 + delta_1 + delta_2 + ...)`` (f32, in the order given), then
-    ``W' = bf16(W + total)``.
+def fuse_loras(weight, adapters, *, rule="addmm", threads=None, out=None, check_finite=False,
+               tile=None, weight_format=None, fp8_rounding="nearest", seed=0, name=""):
+    """Fold several adapters into one weight: ``W' = bf16(W + agg)``, the adapters' bf16
+    aggregate ``agg`` formed by a named rule, in the order given.
 
-    ``adapters`` is a sequence of ``(lora_a, lora_b, strength)``. Other arguments as
-    :func:`fuse_lora`.  With a single adapter the result equals :func:`fuse_lora`'s except where
-    the weight and the delta are both -0.0 (a delta is -0.0 only when its products underflow):
-    the sum turns the delta into +0.0, so the result is +0.0 there, not -0.0. A single bf16
-    adapter runs as fast as :func:`fuse_lora`.
+    ``adapters`` is a sequence of ``(lora_a, lora_b, strength)``.
+
+    ``rule="addmm"`` (default; upstream LTX-2 today): ``agg = delta_1``, then for each later
+    adapter ``agg = bf16(agg + f32(s_i * (B_i @ A_i)))`` with B_i not scaled and the product
+    accumulated in f32 in order.  With one adapter this is :func:`fuse_lora` exactly.
+
+    ``rule="sum"`` (upstream's first release): ``agg = bf16(0.0 + delta_1 + delta_2 + ...)``
+    in f32.  With one adapter the result equals :func:`fuse_lora`'s except where the weight and
+    the delta are both -0.0 (a delta is -0.0 only when its products underflow): the sum turns
+    the delta into +0.0, so the result is +0.0 there, not -0.0.
+
+    Other arguments as :func:`fuse_lora`.  Byte-identical to
+    :func:`ltx2blas.reference.fuse_loras` (``reference.fuse_loras_fp8`` for fp8 weights).
     """
+    if rule not in _RULES:
+        raise ValueError(f"rule must be 'addmm' or 'sum', got {rule!r}")
     try:
         adapters = [tuple(item) for item in adapters]
     except TypeError:
@@ -93,9 +102,26 @@ def fuse_loras(weight, adapters, *, threads=None, out=None, check_finite=False, 
     for i, item in enumerate(adapters):
         if len(item) != 3:
             raise TypeError(f"adapters[{i}] must be (lora_a, lora_b, strength), got {len(item)} items")
-    return _fuse_into(weight, adapters, threads, out, check_finite, tile, sum_rule=True,
+    return _fuse_into(weight, adapters, threads, out, check_finite, tile, rule=rule,
                       weight_format=weight_format, fp8_rounding=fp8_rounding, seed=seed,
                       name=name)
+
+
+def aggregate_delta(rows, cols, adapters, *, rule="addmm", threads=None, tile=None, out=None):
+    """The adapters' bf16 aggregate delta ``[rows, cols]`` as uint16 bits: ``bf16(B*s) @ A``
+    rounded to bf16 for one adapter, the named rule's aggregate for several (see
+    :func:`fuse_loras`) -- what a scaled or quantised layout's rule adds to its dequantised
+    weight.  Byte-identical to :func:`ltx2blas.reference.aggregate_delta`; ``out`` (uint16
+    [rows, cols], C-contiguous) is filled when given."""
+    if rule not in _RULES:
+        raise ValueError(f"rule must be 'addmm' or 'sum', got {rule!r}")
+    adapters = [tuple(item) for item in adapters]
+    if out is None:
+        out = np.empty((rows, cols), np.uint16)
+    elif out.shape != (rows, cols) or out.dtype != np.uint16 or not out.flags.c_contiguous:
+        raise LayoutError(f"out must be C-contiguous uint16 [{rows}, {cols}]")
+    _fuse_into(out, adapters, threads, out, False, tile, rule=rule, weight_format="delta")
+    return out
 
 
 def buffer_bytes(ranks, threads=1, tile=None, several=None):
@@ -174,8 +200,9 @@ def _where(index, shape):
     return tuple(int(v) for v in np.unravel_index(index, shape))
 
 
-_FORMAT_CODES = {"bf16": 0, "F8_E4M3": 1, "F8_E5M2": 2}
-_ML_FP8 = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+# "delta": the bare bf16 aggregate delta, for the layouts whose rule needs all of it first.
+_FORMAT_CODES = {"bf16": 0, "F8_E4M3": 1, "F8_E5M2": 2, "delta": 3}
+_RULES = ("addmm", "sum")
 #: Largest finite value of each storage format: past it a result has overflowed.
 _FORMAT_LIMIT = {"bf16": _BF16_FINITE_LIMIT, "F8_E4M3": 448.0, "F8_E5M2": 57344.0}
 
@@ -185,7 +212,7 @@ def _weight_bits(weight, weight_format, name="weight"):
     if not isinstance(weight, np.ndarray):
         raise DTypeError(f"{name} must be a numpy array, got {type(weight).__name__}")
     dt = weight.dtype
-    inferred = _ML_FP8.get(dt.name) if dt.kind == "V" and dt.itemsize == 1 else None
+    inferred = ml_fp8_format(dt)
     if weight_format is None:
         if inferred:
             weight_format = inferred
@@ -196,8 +223,8 @@ def _weight_bits(weight, weight_format, name="weight"):
             return "bf16", bf16_bits(weight, name)
     if weight_format not in _FORMAT_CODES:
         raise ValueError(f"weight_format must be one of {sorted(_FORMAT_CODES)}, got {weight_format!r}")
-    if weight_format == "bf16":
-        return "bf16", bf16_bits(weight, name)
+    if weight_format in ("bf16", "delta"):
+        return weight_format, bf16_bits(weight, name)
     if not (dt == np.dtype(np.uint8) or inferred == weight_format):
         raise DTypeError(f"{name} must hold {weight_format} codes (uint8, or the ml_dtypes fp8 "
                          f"dtype of that format), got {dt}")
@@ -219,12 +246,12 @@ def _first_nonfinite(bits, fmt):
     return first, largest
 
 
-def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule,
+def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
                weight_format=None, fp8_rounding="nearest", seed=0, name=""):
     fmt, w = _weight_bits(weight, weight_format)
     if fp8_rounding not in ("nearest", "stochastic"):
         raise ValueError(f"fp8_rounding must be 'nearest' or 'stochastic', got {fp8_rounding!r}")
-    if fp8_rounding == "stochastic" and fmt == "bf16":
+    if fp8_rounding == "stochastic" and fmt in ("bf16", "delta"):
         raise ValueError("fp8_rounding='stochastic' applies to fp8 weights; this one is bf16")
     if w.ndim != 2:
         raise ShapeError(f"weight must be 2-D [out, in], got shape {w.shape}")
@@ -291,14 +318,15 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule,
     allow_fma = True
     use_blas = True
     overflow_bound = 0.0
-    # One adapter under the several-adapter rule: bf16(0.0 + delta) is delta with -0.0 made
-    # +0.0, so it takes the one-adapter routes (the one-pass and dot-product kernels among
-    # them) and the kernels clear -0.0 from each stored tile, instead of a zeroed f32 total
-    # and one more rounding pass per tile. Not for fp8, whose one-adapter rule is the delta's.
-    plus_zero = sum_rule and fmt == "bf16" and len(prepared) == 1
-    if plus_zero:
-        sum_rule = False
-    pairs_exact = fmt == "bf16" and not sum_rule and len(prepared) == 1
+    # One adapter under the sum rule: bf16(0.0 + delta) is delta with -0.0 made +0.0, so it
+    # takes the one-adapter routes (the one-pass and dot-product kernels among them) and the
+    # kernels clear -0.0 from each stored tile, instead of a zeroed f32 total and one more
+    # rounding pass per tile. Not for fp8, whose one-adapter rule is the delta's. One adapter
+    # under addmm is the one-adapter rule exactly.
+    plus_zero = rule == "sum" and fmt == "bf16" and len(prepared) == 1
+    if len(prepared) == 1:
+        rule = "one"
+    pairs_exact = fmt == "bf16" and rule == "one"
     for i, (a, b, s) in enumerate(prepared):
         amag, bmag = _Magnitudes(a), _Magnitudes(b)
         if check_finite:
@@ -307,10 +335,15 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule,
                     at = _where(mag.first_nonfinite, arr.shape)
                     raise NonFiniteInputError(
                         f"adapter {i} {name} is non-finite at {at} (value {_bf16_value(arr[at])!r})")
-        # bs = bf16(B*s): bounds on its magnitudes, one bf16 rounding step of slack each way.
-        bs_max = bmag.max * abs(float(s)) * (1 + 2.0**-7)
-        bs_min = bmag.min * abs(float(s)) * (1 - 2.0**-7)
-        if check_finite and bs_max >= _BF16_FINITE_LIMIT:
+        # bs = bf16(B*s): bounds on its magnitudes, one bf16 rounding step of slack each way;
+        # addmm multiplies later adapters' B unscaled and scales their products.
+        prescaled = rule != "addmm" or i == 0
+        if prescaled:
+            bs_max = bmag.max * abs(float(s)) * (1 + 2.0**-7)
+            bs_min = bmag.min * abs(float(s)) * (1 - 2.0**-7)
+        else:
+            bs_max, bs_min = bmag.max, bmag.min
+        if check_finite and prescaled and bs_max >= _BF16_FINITE_LIMIT:
             with np.errstate(over="ignore", invalid="ignore"):
                 scaled = bf16_to_f32(b) * s
             from .reference import bf16_round
@@ -327,11 +360,13 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule,
             allow_fma = False
         if amag.first_nonfinite >= 0 or bmag.first_nonfinite >= 0 or bs_max >= _BF16_FINITE_LIMIT:
             use_blas = False
-        overflow_bound += a.shape[0] * bs_max * amag.max * 1.01
+        overflow_bound += a.shape[0] * bs_max * amag.max * (1.01 if prescaled else 1.01 * abs(float(s)))
         pairs_exact = pairs_exact and _pairs_exact(a.shape[0], bs_min, amag.min, overflow_bound)
 
     if not prepared:
-        if result is not w:
+        if fmt == "delta":
+            result.fill(0)
+        elif result is not w:
             np.copyto(result, w)
         return result if given_out else _like(result, weight)
 
@@ -361,12 +396,12 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, sum_rule,
         w_bytes, out_bytes = w.view(np.uint8), result.view(np.uint8)
         if dry_run:
             bad = _fuse.fuse_tiles(w_bytes, out_bytes, code, lora_a, lora_b, scales, depths,
-                                   mb, nb, run_threads, allow_fma, sum_rule, True, True,
+                                   mb, nb, run_threads, allow_fma, _fuse.RULES[rule], True, True,
                                    stochastic, key, False, plus_zero)
             _raise_nonfinite_result(bad, w.shape, fmt)
         pairs = pairs_exact and use_blas and allow_fma and _gemm.has_pairs_kernel()
         bad = _fuse.fuse_tiles(w_bytes, out_bytes, code, lora_a, lora_b, scales, depths, mb,
-                               nb, run_threads, allow_fma, sum_rule, check_finite, False,
+                               nb, run_threads, allow_fma, _fuse.RULES[rule], check_finite, False,
                                stochastic, key, pairs, plus_zero)
     if check_finite:
         _raise_nonfinite_result(bad, w.shape, fmt)

@@ -48,14 +48,48 @@ def fuse_lora(weight, lora_a, lora_b, strength=1.0):
     return bf16_round(bf16_widen(weight) + bf16_widen(delta))
 
 
-def fuse_loras(weight, adapters):
-    """Several adapters (spec §1): total = bf16(0.0 + delta_1 + delta_2 + ...) in f32, adapter
-    order, then W' = bf16(W + total).  ``adapters`` is a sequence of (lora_a, lora_b, strength)."""
-    weight = np.asarray(weight, dtype=np.uint16)
-    total = np.zeros(weight.shape, dtype=np.float32)
-    for lora_a, lora_b, strength in adapters:
-        total = total + bf16_widen(lora_delta(lora_a, lora_b, strength))
-    return bf16_round(bf16_widen(weight) + bf16_widen(bf16_round(total)))
+#: The several-adapter rules, by name: "addmm" is upstream LTX-2's today (the default), "sum"
+#: its first release.
+RULES = ("addmm", "sum")
+
+
+def lora_product(lora_a, lora_b):
+    """acc[o, i] = sum_k f32(B[o, k]) * f32(A[k, i]) in f32 from 0.0 in k order (B unscaled)."""
+    a = bf16_widen(lora_a)
+    b = bf16_widen(lora_b)
+    acc = np.zeros((b.shape[0], a.shape[1]), dtype=np.float32)
+    for k in range(a.shape[0]):
+        acc = acc + b[:, k][:, None] * a[k][None, :]
+    return acc
+
+
+def aggregate_delta(adapters, rule="addmm"):
+    """The bf16 delta of one or more adapters on one weight, by a named rule.
+
+    "sum":   total = bf16(0.0 + f32(delta_1) + f32(delta_2) + ...), f32, in adapter order.
+    "addmm": agg = delta_1; then for each later adapter i, in order,
+             agg = bf16(f32(agg) + f32(f32(s_i) * acc_i)), acc_i = lora_product(A_i, B_i).
+    Each delta_i is lora_delta's (strength rounded into B first)."""
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    adapters = list(adapters)
+    if rule == "sum":
+        total = np.float32(0.0)
+        for lora_a, lora_b, strength in adapters:
+            total = total + bf16_widen(lora_delta(lora_a, lora_b, strength))
+        return bf16_round(total)
+    agg = lora_delta(*adapters[0])
+    for lora_a, lora_b, strength in adapters[1:]:
+        scaled = np.float32(strength) * lora_product(lora_a, lora_b)
+        agg = bf16_round(bf16_widen(agg) + scaled)
+    return agg
+
+
+def fuse_loras(weight, adapters, rule="addmm"):
+    """Several adapters (spec §1): W' = bf16(f32(W) + f32(agg)), agg = aggregate_delta(adapters,
+    rule).  ``adapters`` is a sequence of (lora_a, lora_b, strength)."""
+    agg = aggregate_delta(adapters, rule)
+    return bf16_round(bf16_widen(weight) + bf16_widen(agg))
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,20 +157,227 @@ def _fp8_round(x, spec):
     return (code | sign).astype(np.uint8)
 
 
-def fuse_loras_fp8(weight, adapters, fmt):
+def fuse_loras_fp8(weight, adapters, fmt, rule="addmm"):
     """fp8 weight (spec §2): W' = fp8(bf16(f32(total) + f32(bf16(W)))), total the bf16 delta of
-    one adapter (fuse_lora's) or the several-adapter sum (fuse_loras's, when given a list of
-    more than one); nearest-even into fp8."""
+    one adapter (fuse_lora's) or aggregate_delta's of several; nearest-even into fp8."""
     weight = np.asarray(weight, dtype=np.uint8)
-    if len(adapters) == 1:
-        total = lora_delta(*adapters[0])
-    else:
-        acc = np.zeros(weight.shape, dtype=np.float32)
-        for lora_a, lora_b, strength in adapters:
-            acc = acc + bf16_widen(lora_delta(lora_a, lora_b, strength))
-        total = bf16_round(acc)
+    total = lora_delta(*adapters[0]) if len(adapters) == 1 else aggregate_delta(adapters, rule)
     w_bf16 = bf16_round(fp8_widen(weight, fmt))       # exact
     return fp8_round(bf16_widen(bf16_round(bf16_widen(total) + bf16_widen(w_bf16))), fmt)
+
+
+# --------------------------------------------------------------------------------------------
+# Scaled and quantised layouts (spec §2).  Each is fused as its owner fuses it: dequantise, add
+# the bf16 aggregate delta, requantise into the same layout, with new scales where the owner's
+# rule computes new ones.  Written as torch evaluates the owners' expressions: a Python number
+# divided by a tensor is the tensor's reciprocal times the number (two roundings), a tensor
+# divided by a number one division; every f32 operation rounds once.  Where the owner's rule
+# divides by a zero maximum (an all-zero tensor or block) and would write NaN codes with a zero
+# scale, the codes here are the zeros themselves and the scale the same zero.
+# --------------------------------------------------------------------------------------------
+
+E4M3_MAX = np.float32(448.0)
+E2M1_MAX = np.float32(6.0)
+FP6_SCALE_MAX = np.float32(0.1172)   # upstream's blockwise fp6: largest magnitude after scaling
+BLOCK = 128                          # blockwise fp8 / fp6: 128 x 128 blocks, one f32 scale each
+NVFP4_GROUP = 16                     # NVFP4: 16 consecutive elements of a row per block scale
+
+
+def _recip(x):
+    """torch's ``x.reciprocal()`` (and ``1 / x``) in f32: one correctly rounded division."""
+    with np.errstate(divide="ignore"):
+        return np.float32(1.0) / np.asarray(x, np.float32)
+
+
+def _max_abs(x):
+    return np.float32(np.max(np.abs(np.asarray(x, np.float32)))) if np.size(x) else np.float32(0)
+
+
+def fuse_scaled_fp8(codes, scale, delta, fmt="F8_E4M3", owner="ltx"):
+    """Per-tensor scaled fp8: codes [out, in] with one f32 ``scale``; returns (codes, scale).
+
+    Both owners merge in f32:  n = f32(f32(code) * scale) + f32(delta).
+    "ltx" (upstream LTX-2's fp8_scaled_mm rule, e4m3 only):
+        m = 448 * f32(1 / max|n|);  code' = fp8(clamp(f32(n * m), -448, 448));  scale' = f32(1 / m)
+    "comfy" (ComfyUI's requantisation with a recalculated scale, nearest rounding):
+        scale' = f32(max|n| / fmax);  code' = fp8(clamp(f32(n * f32(1 / scale')), -fmax, fmax))
+    fmax is the format's largest finite value (448, or 57344 for F8_E5M2)."""
+    fmax = np.float32(FP8_FORMATS[fmt]["largest"])
+    n = fp8_widen(codes, fmt) * np.float32(scale) + bf16_widen(delta)
+    amax = _max_abs(n)
+    if owner == "ltx":
+        mult = _recip(amax) * E4M3_MAX
+        new_scale = _recip(mult)
+    else:
+        new_scale = amax / fmax
+        mult = _recip(new_scale)
+    if amax == 0:
+        return fp8_round(n, fmt), np.float32(new_scale)
+    return fp8_round(np.clip(n * np.float32(mult), -fmax, fmax), fmt), np.float32(new_scale)
+
+
+def _blocks(x):
+    """[out, in] -> [out/128, in/128, 128, 128] view of 128 x 128 blocks."""
+    o, i = x.shape
+    return x.reshape(o // BLOCK, BLOCK, i // BLOCK, BLOCK).swapaxes(1, 2)
+
+
+def _unblocks(b):
+    ob, ib = b.shape[:2]
+    return b.swapaxes(1, 2).reshape(ob * BLOCK, ib * BLOCK)
+
+
+def fuse_block_fp8(codes, scales, delta, scale_max=E4M3_MAX):
+    """Blockwise fp8 (upstream's blockwise policy): e4m3 codes [out, in], f32 scales
+    [out/128, in/128]; returns (codes, scales).
+
+        w      = bf16(f32(code) * scale[block])            # dequantise
+        merged = bf16(f32(w) + f32(delta))
+        per block: m = scale_max * f32(1 / max|merged|)
+        code'  = e4m3(f32(merged * m));  scale'[block] = f32(1 / m)"""
+    s = np.asarray(scales, np.float32)
+    w = bf16_round(fp8_widen(codes, "F8_E4M3") * np.repeat(np.repeat(s, BLOCK, 0), BLOCK, 1))
+    merged = bf16_widen(bf16_round(bf16_widen(w) + bf16_widen(delta)))
+    blocks = _blocks(merged)
+    absmax = np.max(np.abs(blocks), axis=(2, 3))
+    mult = _recip(absmax) * np.float32(scale_max)
+    new_scales = _recip(mult)
+    with np.errstate(invalid="ignore"):
+        scaled = blocks * mult[:, :, None, None]
+    scaled = np.where((absmax == 0)[:, :, None, None], blocks, scaled)   # all-zero blocks
+    return fp8_round(_unblocks(scaled), "F8_E4M3"), new_scales
+
+
+def fp6_unpack(packed, cols):
+    """Upstream's fp6: each group of 4 six-bit codes s e e m m m (the e4m3 code's sign, its two
+    low exponent bits and its mantissa) packed big-endian into 3 bytes; unpacked to e4m3 codes
+    whose two high exponent bits are 0."""
+    p = np.asarray(packed, np.uint8).reshape(packed.shape[0], -1, 3).astype(np.uint32)
+    word = (p[..., 0] << 16) | (p[..., 1] << 8) | p[..., 2]
+    six = np.stack([(word >> s) & 0x3F for s in (18, 12, 6, 0)], axis=-1).reshape(p.shape[0], cols)
+    return (((six >> 5) << 7) | (six & 0x1F)).astype(np.uint8)
+
+
+def fp6_pack(codes):
+    """e4m3 codes [out, in] -> upstream's packed fp6 [out, in * 3 / 4] (drops bits 6 and 5)."""
+    c = np.asarray(codes, np.uint8).astype(np.uint32)
+    six = (((c >> 7) & 1) << 5) | (c & 0x1F)
+    six = six.reshape(c.shape[0], -1, 4)
+    word = (six[..., 0] << 18) | (six[..., 1] << 12) | (six[..., 2] << 6) | six[..., 3]
+    out = np.stack([(word >> 16) & 0xFF, (word >> 8) & 0xFF, word & 0xFF], axis=-1)
+    return out.reshape(c.shape[0], -1).astype(np.uint8)
+
+
+def fuse_block_fp6(packed, scales, delta):
+    """Blockwise fp6 (upstream): unpack to e4m3, fuse_block_fp8 with the fp6 scale maximum
+    (0.1172, so that no code needs the dropped exponent bits), pack again.  An all-zero block
+    quantises upstream to NaN codes, whose packed fp6 is 0x1F, with a zero scale: kept as is, it
+    dequantises to zero."""
+    cols = packed.shape[1] * 4 // 3
+    codes, new_scales = fuse_block_fp8(fp6_unpack(packed, cols), scales, delta, FP6_SCALE_MAX)
+    zero = np.repeat(np.repeat(new_scales == 0, BLOCK, 0), BLOCK, 1)
+    codes = np.where(zero, np.uint8(0x7F), codes)
+    return fp6_pack(codes), new_scales
+
+
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+
+
+def e2m1_round(x):
+    """f32 -> FP4 E2M1 codes (sign bit 8), nearest-even on the grid, saturating at +-6."""
+    x = np.asarray(x, np.float32)
+    a = np.abs(x).astype(np.float64)
+    code = np.zeros(x.shape, np.int64)
+    for c in range(1, 8):   # the nearest grid value, ties to the even code
+        lo, hi = E2M1_VALUES[c - 1], E2M1_VALUES[c]
+        mid = (lo + hi) / 2
+        code = np.where((a > mid) | ((a == mid) & (c % 2 == 0)), c, code)
+    return (code | np.where(np.signbit(x), 8, 0)).astype(np.uint8)
+
+
+def e2m1_widen(codes):
+    codes = np.asarray(codes, np.uint8)
+    v = E2M1_VALUES[codes & 7]
+    return np.where(codes & 8, -v, v).astype(np.float32)
+
+
+def nvfp4_scale_offset(row, col, padded_cols):
+    """Where block scale (row, col) lies in the cuBLAS 128 x 4 tiled layout of a
+    [roundup(rows, 128), padded_cols] array (padded_cols a multiple of 4)."""
+    tile = (row // 128) * (padded_cols // 4) + col // 4
+    r = row % 128
+    return tile * 512 + (r % 32) * 16 + (r // 32) * 4 + col % 4
+
+
+def nvfp4_unpack(packed):
+    p = np.asarray(packed, np.uint8)
+    return np.stack([p >> 4, p & 0xF], axis=-1).reshape(p.shape[0], -1)
+
+
+def nvfp4_pack(codes):
+    c = np.asarray(codes, np.uint8).reshape(codes.shape[0], -1, 2)
+    return ((c[..., 0] << 4) | c[..., 1]).astype(np.uint8)
+
+
+def _nvfp4_block_scales(swizzled, rows, cols):
+    """The [rows, cols / 16] block scales (f32) out of the tiled array."""
+    flat = np.asarray(swizzled, np.uint8).reshape(-1)
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols // NVFP4_GROUP), indexing="ij")
+    return fp8_widen(flat[nvfp4_scale_offset(r, c, swizzled.shape[1])], "F8_E4M3")
+
+
+def fuse_nvfp4(packed, block_scales, scale_2, delta):
+    """NVFP4 (upstream's rule, its CUDA kernels written out): packed E2M1 [out, in/2] (element
+    2j in the high nibble), E4M3 block scales in the tiled layout, one f32 ``scale_2``; returns
+    (packed, block scales (uint8 codes), scale_2).
+
+        w      = bf16(f32(e2m1) * f32(scale_2 * f32(block scale)))
+        merged = bf16(f32(w) + f32(delta))
+        t      = f32(max|merged| * f32(1 / 2688))                  # the new scale_2
+        block: s = e4m3(min(f32(f32(max|block| / 6) / t), 448)) if t > 0 else 0
+               total = f32(t * f32(s));  inv = f32(1 / total) if total > 0 else 0
+        code   = e2m1(f32(merged * inv))"""
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    groups = cols // NVFP4_GROUP
+    bs = _nvfp4_block_scales(block_scales, rows, cols)
+    total = np.float32(scale_2) * bs
+    w = bf16_round(e2m1_widen(nvfp4_unpack(packed)) * np.repeat(total, NVFP4_GROUP, 1))
+    merged = bf16_widen(bf16_round(bf16_widen(w) + bf16_widen(delta)))
+    t = np.float32(_max_abs(merged) * np.float32(1.0 / 2688.0))
+    g = merged.reshape(rows, groups, NVFP4_GROUP)
+    bmax = np.max(np.abs(g), axis=2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s = np.minimum((bmax / E2M1_MAX) / t, E4M3_MAX) if t > 0 else np.zeros_like(bmax)
+    s_codes = fp8_round(s, "F8_E4M3")
+    tot = t * fp8_widen(s_codes, "F8_E4M3")
+    inv = np.where(tot > 0, _recip(np.where(tot > 0, tot, 1)), 0).astype(np.float32)
+    codes = e2m1_round(g * inv[:, :, None]).reshape(rows, cols)
+    out_scales = np.zeros(block_scales.size, np.uint8)
+    r, c = np.meshgrid(np.arange(rows), np.arange(groups), indexing="ij")
+    out_scales[nvfp4_scale_offset(r, c, block_scales.shape[1])] = s_codes
+    return nvfp4_pack(codes), out_scales.reshape(block_scales.shape), t
+
+
+#: Layout name -> the rule above that fuses it.
+LAYOUTS = ("fp8_scaled", "comfy_fp8", "fp8_block", "fp6_block", "nvfp4")
+
+
+def fuse_quantized(layout, weight, scales, adapters, rule="addmm", fmt="F8_E4M3"):
+    """One of LAYOUTS fused with adapters [(A, B, strength)]: the aggregate delta of
+    aggregate_delta (one adapter: lora_delta), then the layout's rule.  ``scales`` is (scale,)
+    or, for nvfp4, (block scales, scale_2); returns (weight, *scales)."""
+    agg = lora_delta(*adapters[0]) if len(adapters) == 1 else aggregate_delta(adapters, rule)
+    if layout == "fp8_scaled":
+        return fuse_scaled_fp8(weight, scales[0], agg, fmt, "ltx")
+    if layout == "comfy_fp8":
+        return fuse_scaled_fp8(weight, scales[0], agg, fmt, "comfy")
+    if layout == "fp8_block":
+        return fuse_block_fp8(weight, scales[0], agg)
+    if layout == "fp6_block":
+        return fuse_block_fp6(weight, scales[0], agg)
+    if layout == "nvfp4":
+        return fuse_nvfp4(weight, scales[0], scales[1], agg)
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ def write(path, tensors, metadata=None):
             out[name] = value.view(ml_dtypes.bfloat16)
         elif dtype == "F8_E4M3":
             out[name] = value.view(ml_dtypes.float8_e4m3fn)
+        elif dtype == "F8_E5M2":
+            out[name] = value.view(ml_dtypes.float8_e5m2)
         else:
             out[name] = value
     save_file(out, str(path), metadata=metadata)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import ltx2blas
+import ltx2blas.quantized
 from ltx2blas import reference
 
 GOLDENS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "goldens")
@@ -24,7 +25,9 @@ def load(path):
 
 
 def test_goldens_exist():
-    assert len(FUSE_CASES) >= 9
+    assert len(FUSE_CASES) >= 11
+    rules = {str(load(p)[0]["rule"]) for p in FUSE_CASES}
+    assert rules == {"fuse_lora", "fuse_loras:sum", "fuse_loras:addmm"}
 
 
 @pytest.mark.parametrize("path", FUSE_CASES, ids=os.path.basename)
@@ -34,7 +37,8 @@ def test_fuse_reproduces_golden(path, threads, tile):
     if str(case["rule"]) == "fuse_lora":
         got = ltx2blas.fuse_lora(case["weight"], *adapters[0], threads=threads, tile=tile)
     else:
-        got = ltx2blas.fuse_loras(case["weight"], adapters, threads=threads, tile=tile)
+        rule = str(case["rule"]).split(":")[1]
+        got = ltx2blas.fuse_loras(case["weight"], adapters, rule=rule, threads=threads, tile=tile)
     assert np.array_equal(got, case["expected"])
 
 
@@ -44,8 +48,47 @@ def test_reference_reproduces_golden(path):
     if str(case["rule"]) == "fuse_lora":
         again = reference.fuse_lora(case["weight"], *adapters[0])
     else:
-        again = reference.fuse_loras(case["weight"], adapters)
+        again = reference.fuse_loras(case["weight"], adapters, str(case["rule"]).split(":")[1])
     assert np.array_equal(again, case["expected"])
+
+
+QUANT_CASES = sorted(glob.glob(os.path.join(GOLDENS, "quant_*.npz")))
+
+
+def test_quantized_goldens_exist():
+    layouts = {str(load(p)[0]["layout"]) for p in QUANT_CASES}
+    assert layouts == set(ltx2blas.quantized.LAYOUTS)
+
+
+def _quant_args(case):
+    scales = [case[k] for k in ("scale0", "scale1") if k in case]
+    expected = [case["expected"]] + [case[k] for k in ("expected_scale0", "expected_scale1")
+                                     if k in case]
+    return str(case["layout"]), str(case["fmt"]), scales, expected
+
+
+@pytest.mark.parametrize("path", QUANT_CASES, ids=os.path.basename)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_fuse_quantized_reproduces_golden(path, threads):
+    case, adapters = load(path)
+    layout, fmt, scales, expected = _quant_args(case)
+    got = ltx2blas.quantized.fuse_quantized(
+        layout, case["weight"], adapters, scale=scales[0],
+        scale_2=scales[1] if len(scales) > 1 else None, fmt=fmt if layout.endswith("fp8") or
+        layout == "fp8_scaled" else None, threads=threads)
+    for value, want in zip(got, expected):
+        assert np.array_equal(np.asarray(value).reshape(-1).view(np.uint8),
+                              np.asarray(want).reshape(-1).view(np.uint8))
+
+
+@pytest.mark.parametrize("path", QUANT_CASES, ids=os.path.basename)
+def test_reference_reproduces_quantized_golden(path):
+    case, adapters = load(path)
+    layout, fmt, scales, expected = _quant_args(case)
+    again = reference.fuse_quantized(layout, case["weight"], scales, adapters, "addmm", fmt)
+    for value, want in zip(again, expected):
+        assert np.array_equal(np.asarray(value).reshape(-1).view(np.uint8),
+                              np.asarray(want).reshape(-1).view(np.uint8))
 
 
 FEATURE_CASES = sorted(glob.glob(os.path.join(GOLDENS, "features_*.npz")))

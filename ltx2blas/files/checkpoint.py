@@ -26,14 +26,20 @@ from ..errors import (
     ShapeError,
 )
 from ..fuse import fuse_loras
+from ..quantized import fuse_quantized
 from . import keys as keymatch
+from . import layouts as layoutmod
 from .safetensors import (SafetensorsFile, SafetensorsWriter, open_regular, page_aligned,
                           pread_exact)
 
 _package = "ltx2blas"
 FUSED_KEY = "ltx2blas.fused"
-FUSABLE = ("BF16", "F8_E4M3", "F8_E5M2")
-_FORMAT = {"BF16": "bf16", "F8_E4M3": "F8_E4M3", "F8_E5M2": "F8_E5M2"}
+RULE_TEXT = {
+    "addmm": "W' = layout(W + agg); agg = delta_1, then agg = bf16(agg + f32(s_i * (B_i @ A_i))) "
+             "for each later adapter; delta = bf16(bf16(B*s) @ A), f32 textbook order",
+    "sum": "W' = layout(W + bf16(delta_1 + ... + delta_n)); delta = bf16(bf16(B*s) @ A), f32 "
+           "textbook order",
+}
 
 
 @dataclass
@@ -62,14 +68,18 @@ class FuseReport:
     adapters: list = field(default_factory=list)
     fused: list = field(default_factory=list)  # (model key, [adapter indices]) in file order
     metadata: dict = field(default_factory=dict)
+    rule: str = "addmm"
+    layouts: dict = field(default_factory=dict)  # layout kind -> modules fused in it
 
     @property
     def gflops(self):
         return self.gflop / self.seconds if self.seconds > 0 else 0.0
 
     def summary(self):
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.layouts.items()))
         lines = [("would fuse" if self.dry_run else "fused") +
-                 f" {self.modules_fused} modules, copied {self.tensors_copied} other tensors"
+                 f" {self.modules_fused} modules ({kinds or 'none'}; several adapters by the "
+                 f"{self.rule} rule), copied {self.tensors_copied} other tensors"
                  f" ({self.tensors_total} in all); {self.gflop:.1f} GFLOP"]
         if not self.dry_run:
             lines.append(f"{self.seconds:.1f} s, {self.gflops:.1f} GFLOP/s, peak memory "
@@ -194,15 +204,15 @@ def _hash_all(sources, out):
             out[i] = exc
 
 
-def _fused_metadata(base, reports, dtypes, plan, fp8_rounding, seed):
+def _fused_metadata(base, reports, dtypes, plan, fp8_rounding, seed, rule, layout_counts):
     metadata = dict(base)
     metadata[FUSED_KEY] = json.dumps(
         [{"file": os.path.basename(r.path), "sha256": r.sha256, "strength": r.strength,
           "pairs": r.pairs_used, "alpha_scaled": r.alpha_scaled} for r in reports])
     metadata["ltx2blas.version"] = _version()
-    metadata["ltx2blas.rule"] = ("W' = round(W + bf16(delta_1 + ... + delta_n)), delta = "
-                                 "bf16(bf16(B*s) @ A), f32 textbook order")
-    if any(dtypes[n] != "BF16" for n in plan):
+    metadata["ltx2blas.rule"] = f"{rule}: {RULE_TEXT[rule]}"
+    metadata["ltx2blas.layouts"] = json.dumps(dict(sorted(layout_counts.items())))
+    if any(dtypes[n] in ("F8_E4M3", "F8_E5M2") for n in plan):
         metadata["ltx2blas.fp8_rounding"] = fp8_rounding + (
             f" (seed {seed})" if fp8_rounding == "stochastic" else "")
     return metadata
@@ -439,8 +449,9 @@ def _factor_bf16(source, key, report, space=None):
     raise DTypeError(f"{source.name}: adapter factor {key!r} is {dtype}; expected BF16 (or F32/F16)")
 
 
-def _plan(model_shapes, model_dtypes, sources, strengths):
-    """{model key: [(source index, Pair, scale)]} and the adapter reports."""
+def _plan(model_shapes, layout_of, sources, strengths):
+    """{model key: [(source index, Pair, scale)]} and the adapter reports; ``layout_of(key)``
+    gives a weight's Layout (or raises for one that cannot be fused)."""
     plan, reports = {}, []
     for index, (source, strength) in enumerate(zip(sources, strengths)):
         report = AdapterReport(path=source.name, strength=strength)
@@ -448,15 +459,15 @@ def _plan(model_shapes, model_dtypes, sources, strengths):
         report.unused_keys = matched.unused
         report.unmatched_modules = [p.module for p in matched.unmatched]
         for pair in matched.pairs:
-            out_f, in_f = _weight_shape(model_shapes[pair.target], pair.target)
+            layout = layout_of(pair.target)
+            out_f, in_f = layout.shape
             a_shape, b_shape = source.shape(pair.a), source.shape(pair.b)
             if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != in_f or \
                     b_shape[0] != out_f or a_shape[0] != b_shape[1]:
+                where = "" if not layout.quantized else f" ({layout.kind}, stored {list(model_shapes[pair.target])})"
                 raise ShapeError(f"{source.name}: {pair.module}: lora_A {a_shape} and lora_B "
-                                 f"{b_shape} do not fit weight {pair.target} [{out_f}, {in_f}]")
-            if model_dtypes[pair.target] not in FUSABLE:
-                raise DTypeError(f"weight {pair.target} is {model_dtypes[pair.target]}; ltx2blas "
-                                 f"fuses into {', '.join(FUSABLE)} weights")
+                                 f"{b_shape} do not fit weight {pair.target} [{out_f}, {in_f}]"
+                                 f"{where}")
             scale = strength
             if pair.alpha is not None and a_shape[0] > 0:
                 scale = strength * _alpha_value(source, pair.alpha) / a_shape[0]
@@ -466,12 +477,6 @@ def _plan(model_shapes, model_dtypes, sources, strengths):
             report.keys_used += 2 + (pair.alpha is not None)
         reports.append(report)
     return plan, reports
-
-
-def _weight_shape(shape, key):
-    if len(shape) != 2:
-        raise ShapeError(f"weight {key} has shape {list(shape)}; LoRA fuses into 2-D weights")
-    return shape
 
 
 def _round_up(n, to):
@@ -502,11 +507,61 @@ def _factors(adapters, sources, reports, space=None):
     return pairs
 
 
-def _fuse_one(weight, pairs, dtype, name, threads, check_finite, fp8_rounding, seed):
-    """Fuse the adapters' factors ``pairs`` into ``weight`` (bits, in place)."""
-    fuse_loras(weight, pairs, threads=threads, out=weight, check_finite=check_finite,
-               weight_format=_FORMAT[dtype],
-               fp8_rounding=fp8_rounding if dtype != "BF16" else "nearest", seed=seed, name=name)
+def _fuse_one(weight, pairs, layout, name, options, scales=(), delta=None):
+    """Fuse the adapters' factors ``pairs`` into ``weight`` (bits, in place); for a quantised
+    layout also into its ``scales`` arrays (in place), the delta held in ``delta`` memory."""
+    if layout.quantized:
+        fuse_quantized(layout.kind, weight, pairs, scale=scales[0],
+                       scale_2=scales[1] if len(scales) > 1 else None,
+                       fmt=layout.fmt if layout.fmt != "packed" else None, rule=options.rule,
+                       threads=options.threads, in_place=True, delta_buffer=delta)
+        return
+    fuse_loras(weight, pairs, rule=options.rule, threads=options.threads, out=weight,
+               check_finite=options.check_finite, weight_format=layout.fmt,
+               fp8_rounding=options.fp8_rounding if layout.kind == "fp8" else "nearest",
+               seed=options.seed, name=name)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What every fused weight of one call is fused with."""
+    rule: str
+    threads: object
+    check_finite: bool
+    fp8_rounding: str
+    seed: int
+
+
+def _check_options(rule, fp8_rounding, layouts):
+    if rule not in RULE_TEXT:
+        raise ValueError(f"rule must be 'addmm' or 'sum', got {rule!r}")
+    if fp8_rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"fp8_rounding must be 'nearest' or 'stochastic', got {fp8_rounding!r}")
+    if fp8_rounding == "stochastic":
+        scaled = [n for n, lay in layouts.items() if lay.quantized]
+        if scaled:
+            raise ValueError(f"stochastic rounding applies to plain fp8 weights; {scaled[0]} is "
+                             f"{layouts[scaled[0]].kind}, fused by its layout's own rounding")
+
+
+def _layout_counts(layouts):
+    counts = {}
+    for lay in layouts.values():
+        name = lay.kind if lay.kind != "fp8" else f"fp8 ({lay.fmt})"
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _delta_buffer(layouts):
+    """One reused bf16 buffer for the largest quantised weight's delta (None if there is none)."""
+    sizes = [lay.shape[0] * lay.shape[1] for lay in layouts.values() if lay.quantized]
+    return np.empty(max(sizes), np.uint16) if sizes else None
+
+
+def _delta_view(buffer, layout):
+    if buffer is None or not layout.quantized:
+        return None
+    return buffer[: layout.shape[0] * layout.shape[1]].reshape(layout.shape)
 
 
 def _gflop(shape, adapters, sources):
@@ -526,8 +581,37 @@ def _check_output_is_not_an_input(output, inputs):
             raise Ltx2IOError(22, f"output {output} is an input file ({path}); write elsewhere")
 
 
-def fuse_checkpoint(model, loras, output, *, threads=None, progress=None, check_finite=False,
-                    force=False, fp8_rounding="nearest", seed=0, dry_run=False):
+def _prepare(entries, metadata, read_bytes, sources, loras, rule, fp8_rounding, retry_dtype=None):
+    """(plan, reports, {fused weight: Layout}) for a model of ``entries`` (name -> (dtype,
+    shape)); every weight's layout is settled here, before anything is written.
+    ``retry_dtype``: the fp8 format that U8 weights hold when no quantised layout claims them
+    (fuse_state_dict's ``weight_format``)."""
+    if rule not in RULE_TEXT:
+        raise ValueError(f"rule must be 'addmm' or 'sum', got {rule!r}")
+    configs, marker = layoutmod.comfy_configs(metadata, entries, read_bytes)
+    cache = {}
+
+    def layout_of(key):
+        if key not in cache:
+            try:
+                cache[key] = layoutmod.detect(key, entries, configs, marker)
+            except (DTypeError, FormatError):
+                if not (retry_dtype and entries[key][0] == "U8"):
+                    raise
+                cache[key] = layoutmod.detect(key, {**entries, key: (retry_dtype, entries[key][1])},
+                                              configs, marker)
+        return cache[key]
+
+    shapes = {n: shape for n, (_, shape) in entries.items()}
+    plan, reports = _plan(shapes, layout_of, sources, [s for _, s in loras])
+    layouts = {n: layout_of(n) for n in plan}
+    _check_options(rule, fp8_rounding, layouts)
+    return plan, reports, layouts
+
+
+def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progress=None,
+                    check_finite=False, force=False, fp8_rounding="nearest", seed=0,
+                    dry_run=False):
     """Fuse adapter files into a safetensors checkpoint, writing a new one.
 
     Parameters
@@ -539,15 +623,20 @@ def fuse_checkpoint(model, loras, output, *, threads=None, progress=None, check_
     output : path
         Written through a temporary file in its folder, fsynced and renamed into place; never an
         input path.  On any error nothing is left behind and an existing output is untouched.
+    rule : "addmm" (default) or "sum"
+        How several adapters on one weight combine (see :func:`ltx2blas.fuse_loras`).
     threads, check_finite : as for :func:`ltx2blas.fuse_lora`
     progress : callable, optional
         Called with a :class:`Progress` after each tensor.
     force : bool
         Fuse even if the checkpoint's metadata says an adapter is already fused into it.
-    fp8_rounding, seed : "nearest" (default) or "stochastic" rounding into fp8 weights,
+    fp8_rounding, seed : "nearest" (default) or "stochastic" rounding into plain fp8 weights,
         the stochastic bits seeded per tensor name.
     dry_run : bool
         Validate and match everything, write nothing.
+
+    Weights stored in a scaled or quantised layout (:mod:`ltx2blas.files.layouts`) are fused
+    by their layout's rule, their rewritten scales written right after them.
 
     Returns
     -------
@@ -566,16 +655,20 @@ def fuse_checkpoint(model, loras, output, *, threads=None, progress=None, check_
             raise AlreadyFusedError(f"{model}: its metadata says adapters are already fused into "
                                     f"it ({ckpt.metadata[FUSED_KEY][:200]}); pass force=True "
                                     "(--force) to fuse again")
-        shapes = {n: info.shape for n, (_, info) in ckpt.entries.items()}
-        dtypes = {n: info.dtype for n, (_, info) in ckpt.entries.items()}
-        plan, reports = _plan(shapes, dtypes, sources, [s for _, s in loras])
+        entries_of = {n: (info.dtype, info.shape) for n, (_, info) in ckpt.entries.items()}
+        dtypes = {n: dtype for n, (dtype, _) in entries_of.items()}
+        plan, reports, layouts = _prepare(entries_of, ckpt.metadata,
+                                          lambda n: _read_tensor(ckpt, n), sources, loras, rule,
+                                          fp8_rounding)
         report = FuseReport(output=os.fspath(output), dry_run=dry_run, adapters=reports,
-                            tensors_total=len(ckpt.entries))
-        order = list(ckpt.entries)
+                            tensors_total=len(ckpt.entries), rule=rule,
+                            layouts=_layout_counts(layouts))
+        order = layoutmod.output_order(list(ckpt.entries), layouts)
         report.fused = [(n, [i for i, _, _ in plan[n]]) for n in order if n in plan]
         report.modules_fused = len(report.fused)
-        report.tensors_copied = report.tensors_total - report.modules_fused
-        report.gflop = sum(_gflop(shapes[n], plan[n], sources) for n in plan)
+        report.tensors_copied = report.tensors_total - report.modules_fused - sum(
+            len(lay.rewritten) for lay in layouts.values())
+        report.gflop = sum(_gflop(layouts[n].shape, plan[n], sources) for n in plan)
         _check_output_is_not_an_input(os.fspath(output), ckpt.paths() + [s.name for s in sources])
         if dry_run:
             report.seconds = time.perf_counter() - t0
@@ -588,11 +681,16 @@ def fuse_checkpoint(model, loras, output, *, threads=None, progress=None, check_
         hasher.start()
         for r in reports:
             r.sha256 = "0" * 64
-        metadata = _fused_metadata(ckpt.metadata, reports, dtypes, plan, fp8_rounding, seed)
+        counts = _layout_counts(layouts)
+        metadata = _fused_metadata(ckpt.metadata, reports, dtypes, plan, fp8_rounding, seed, rule,
+                                   counts)
 
         entries = [(n, ckpt.entries[n][1].dtype, ckpt.entries[n][1].shape,
                     ckpt.entries[n][1].nbytes) for n in order]
         fused_order = [n for n in order if n in plan]
+        options = _Options(rule, threads, check_finite, fp8_rounding, seed)
+        delta = _delta_buffer(layouts)
+        pending = {}  # rewritten scales, written right after their weight
         done_gflop = 0.0
         with SafetensorsWriter(output, entries, metadata) as writer:
             reader = _Prefetcher(ckpt, fused_order,
@@ -603,12 +701,17 @@ def fuse_checkpoint(model, loras, output, *, threads=None, progress=None, check_
                 for count, name in enumerate(order, 1):
                     f, info = ckpt.entries[name]
                     if name in plan:
+                        layout = layouts[name]
                         weight, pairs = reader.take(name)
-                        _fuse_one(weight, pairs, info.dtype, name, threads, check_finite,
-                                  fp8_rounding, seed)
+                        scales = [_read_tensor(ckpt, c) for c in layout.rewritten]
+                        _fuse_one(weight, pairs, layout, name, options, scales,
+                                  _delta_view(delta, layout))
+                        pending.update(zip(layout.rewritten, scales))
                         # Written from the read buffer, which is reused once the write is done.
                         writer.write(name, weight, release=functools.partial(reader.release, weight))
-                        done_gflop += _gflop(info.shape, plan[name], sources)
+                        done_gflop += _gflop(layout.shape, plan[name], sources)
+                    elif name in pending:
+                        writer.write(name, pending.pop(name))
                     else:
                         writer.copy(name, f.fileno(), info.begin, info.nbytes, f.path)
                     if progress is not None:
@@ -619,7 +722,8 @@ def fuse_checkpoint(model, loras, output, *, threads=None, progress=None, check_
                     if isinstance(h, BaseException):
                         raise Ltx2IOError(5, f"hashing {r.path} failed: {h}") from h
                     r.sha256 = h
-                metadata = _fused_metadata(ckpt.metadata, reports, dtypes, plan, fp8_rounding, seed)
+                metadata = _fused_metadata(ckpt.metadata, reports, dtypes, plan, fp8_rounding,
+                                           seed, rule, counts)
                 writer.set_metadata(metadata)
                 writer.commit()
             finally:
@@ -634,15 +738,22 @@ def fuse_checkpoint(model, loras, output, *, threads=None, progress=None, check_
         ckpt.close()
 
 
-def fuse_state_dict(state_dict, loras, *, threads=None, progress=None, check_finite=False,
-                    fp8_rounding="nearest", seed=0, weight_format=None):
+def _read_tensor(ckpt, name):
+    f, _ = ckpt.entries[name]
+    return f.read(name)
+
+
+def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=None,
+                    check_finite=False, fp8_rounding="nearest", seed=0, weight_format=None):
     """Fuse adapters into tensors a loader already holds, in place.
 
     ``state_dict`` maps names to numpy arrays (bf16 as uint16 or ml_dtypes.bfloat16; fp8 as
     ml_dtypes float8 arrays, or uint8 codes with ``weight_format``) or CPU torch tensors
-    (bfloat16, float8_e4m3fn, float8_e5m2; viewed without a copy, torch itself is not needed to
-    use the rest of ltx2blas).  ``loras``: (path or mapping of adapter tensors, strength) pairs.
-    Names and rules as for :func:`fuse_checkpoint`.  Returns a FuseReport."""
+    (bfloat16, float8_e4m3fn, float8_e5m2, uint8; viewed without a copy, torch itself is not
+    needed to use the rest of ltx2blas).  Scaled and quantised layouts are recognised from the
+    tensors beside each weight, as in a checkpoint, and their scales rewritten in place.
+    ``loras``: (path or mapping of adapter tensors, strength) pairs.  Names and rules as for
+    :func:`fuse_checkpoint`.  Returns a FuseReport."""
     loras = _parse_loras(loras)
     t0 = time.perf_counter()
     views = {}
@@ -650,28 +761,29 @@ def fuse_state_dict(state_dict, loras, *, threads=None, progress=None, check_fin
         views[name] = _as_numpy(tensor)
     sources = [_Source(src) for src, _ in loras]
     try:
-        shapes = {n: tuple(v.shape) for n, v in views.items()}
-        dtypes = {}
-        for n, v in views.items():
-            dtypes[n] = weight_format if (weight_format and v.dtype == np.uint8
-                                          and not isinstance(v, _FP8View)) else _dtype_name(v)
-        plan, reports = _plan(shapes, dtypes, sources, [s for _, s in loras])
+        entries_of = {n: (_dtype_name(v), tuple(v.shape)) for n, v in views.items()}
+        plan, reports, layouts = _prepare(entries_of, {}, lambda n: views[n].tobytes(), sources,
+                                          loras, rule, fp8_rounding, retry_dtype=weight_format)
         report = FuseReport(output="<in place>", dry_run=False, adapters=reports,
-                            tensors_total=len(views))
+                            tensors_total=len(views), rule=rule, layouts=_layout_counts(layouts))
         report.fused = [(n, [i for i, _, _ in plan[n]]) for n in views if n in plan]
         report.modules_fused = len(report.fused)
         report.tensors_copied = 0
-        report.gflop = sum(_gflop(shapes[n], plan[n], sources) for n in plan)
+        report.gflop = sum(_gflop(layouts[n].shape, plan[n], sources) for n in plan)
+        options = _Options(rule, threads, check_finite, fp8_rounding, seed)
+        delta = _delta_buffer(layouts)
         done_gflop = 0.0
         for count, (name, _) in enumerate(report.fused, 1):
-            weight = views[name]
-            if isinstance(weight, _FP8View):
-                weight = weight.view(np.ndarray)
-            if not weight.flags.c_contiguous or not weight.flags.writeable:
-                raise DTypeError(f"weight {name} must be contiguous and writeable to fuse in place")
+            layout = layouts[name]
+            weight = _plain(views[name])
+            scales = [_plain(views[c]) for c in layout.rewritten]
+            for what, arr in [(name, weight)] + list(zip(layout.rewritten, scales)):
+                if not arr.flags.c_contiguous or not arr.flags.writeable:
+                    raise DTypeError(f"tensor {what} must be contiguous and writeable to fuse in "
+                                     "place")
             pairs = _factors(plan[name], sources, reports)
-            _fuse_one(weight, pairs, dtypes[name], name, threads, check_finite, fp8_rounding, seed)
-            done_gflop += _gflop(shapes[name], plan[name], sources)
+            _fuse_one(weight, pairs, layout, name, options, scales, _delta_view(delta, layout))
+            done_gflop += _gflop(layout.shape, plan[name], sources)
             if progress is not None:
                 progress(Progress(count, report.modules_fused, done_gflop, report.gflop,
                                   time.perf_counter() - t0, name))
@@ -681,6 +793,10 @@ def fuse_state_dict(state_dict, loras, *, threads=None, progress=None, check_fin
     finally:
         for s in sources:
             s.close()
+
+
+def _plain(array):
+    return array.view(np.ndarray) if isinstance(array, _FP8View) else array
 
 
 def _version():

@@ -64,6 +64,19 @@ typedef uint32_t u32a __attribute__((may_alias));
 #define LOADV(p) (*(const vfu *)(p))
 #define STOREV(p, v) (*(vfu *)(p) = (v))
 
+/* Hides a value's origin from the compiler, so that a product is rounded on its own before it
+ * is added (no contraction into an FMA), whatever -ffp-contract the table is built with. */
+#if defined(__x86_64__) || defined(__i386__)
+#define NOT_CONTRACTED(v) __asm__("" : "+v"(v))
+#define NOT_CONTRACTED_SCALAR(v) __asm__("" : "+x"(v))
+#elif defined(__aarch64__)
+#define NOT_CONTRACTED(v) __asm__("" : "+w"(v))
+#define NOT_CONTRACTED_SCALAR(v) __asm__("" : "+w"(v))
+#else
+#define NOT_CONTRACTED(v) do { volatile vf keep_ = (v); (v) = keep_; } while (0)
+#define NOT_CONTRACTED_SCALAR(v) do { volatile float keep_ = (v); (v) = keep_; } while (0)
+#endif
+
 /* MR x NR register tile, k sequential per element. */
 static inline void seq_tile(ltx_idx k, const float *x, ltx_idx ldx, const float *y, ltx_idx ldy,
                             float *c, ltx_idx ldc)
@@ -849,6 +862,44 @@ static void clear_negative_zero_bf16(uint16_t *p, ltx_idx ldp, ltx_idx rows, ltx
     }
 }
 
+static void round_bf16_f32(const float *restrict src, float *restrict dst, ltx_idx n)
+{
+    u32a *d = (u32a *)dst;
+    for (ltx_idx i = 0; i < n; i++)
+        d[i] = bf16_high(src[i]);
+}
+
+/* The product is kept out of the add's reach (NOT_CONTRACTED) so that tables built with
+ * contraction do not fuse s * acc + agg into one rounding. */
+static void accumulate_addmm(const float *restrict acc, float *restrict agg, float s, ltx_idx n)
+{
+    ltx_idx i = 0;
+    for (; i + VW <= n; i += VW) {
+        vf p = LOADV(acc + i) * s;
+        NOT_CONTRACTED(p);
+        STOREV(agg + i, (vf)bf16_high_vec(LOADV(agg + i) + p));
+    }
+    for (; i < n; i++) {
+        float p = acc[i] * s;
+        NOT_CONTRACTED_SCALAR(p);
+        ((u32a *)agg)[i] = bf16_high(agg[i] + p);
+    }
+}
+
+static void store_rounded(const float *acc, uint16_t *out, ltx_idx ldo, ltx_idx rows,
+                          ltx_idx cols)
+{
+    for (ltx_idx r = 0; r < rows; r++) {
+        const float *a = acc + r * cols;
+        uint16_t *o = out + r * ldo;
+        ltx_idx i = 0;
+        for (; i + VW <= cols; i += VW)
+            store_low16(o + i, bf16_high_vec(LOADV(a + i)) >> 16);
+        for (; i < cols; i++)
+            o[i] = (uint16_t)(bf16_high(a[i]) >> 16);
+    }
+}
+
 static ltx_idx first_nonfinite_bf16(const uint16_t *src, ltx_idx n)
 {
     for (ltx_idx i = 0; i < n; i++)
@@ -886,5 +937,6 @@ const ltx_kernels TABLE = {
 #else
     NULL,
 #endif
-    pack_pairs_rows,    pack_pairs_cols,    clear_negative_zero_bf16,
+    pack_pairs_rows,    pack_pairs_cols,    clear_negative_zero_bf16, round_bf16_f32,
+    accumulate_addmm,   store_rounded,
 };

@@ -88,6 +88,15 @@ typedef struct {
                             ltx_idx rows, ltx_idx cols);
     /* p[r, i] = +0.0 where it is -0.0 (bits 0x8000), over rows x cols (row stride ldp) */
     void (*clear_negative_zero_bf16)(uint16_t *p, ltx_idx ldp, ltx_idx rows, ltx_idx cols);
+    /* dst[i] = f32(bf16(src[i])) */
+    void (*round_bf16_f32)(const float *src, float *dst, ltx_idx n);
+    /* agg[i] = f32(bf16(agg[i] + f32(s * acc[i]))): the product rounded to f32 before the add,
+     * never contracted into an FMA (upstream's addmm_(B, A, alpha=s) into a bf16 aggregate) */
+    void (*accumulate_addmm)(const float *acc, float *agg, float s, ltx_idx n);
+    /* out[r, i] = bf16(acc[r, i]) over a rows x cols tile; acc packed (row stride cols), out
+     * with row stride ldo: a bare delta, for layouts whose rule needs all of it first */
+    void (*store_rounded)(const float *acc, uint16_t *out, ltx_idx ldo, ltx_idx rows,
+                          ltx_idx cols);
 } ltx_kernels;
 
 /* The fastest table this CPU runs (may contract into FMA). */

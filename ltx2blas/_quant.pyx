@@ -1,0 +1,138 @@
+"""Driver of the scaled and quantised layouts' element passes (kernels/quant.c): each pass
+shares rows (or blocks) of one weight out among threads with the GIL released.
+
+The passes only read what earlier passes finished, and each element's result depends on its
+inputs alone, so the bytes are the same for any thread count.  Validation happens in
+:mod:`ltx2blas.quantized`; these trust shapes, dtypes and contiguity.
+"""
+from cython.parallel cimport prange
+from libc.stdint cimport uint8_t, uint16_t
+
+cdef extern from "quant.h" nogil:
+    ctypedef Py_ssize_t ltx_idx
+    float ltx_fp8_value(unsigned int code, int e5m2)
+    float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx count,
+                             float scale, int e5m2)
+    void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, float scale,
+                              float mult, float fmax, int e5m2)
+    float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales,
+                               uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1)
+    void ltx_block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj,
+                            int fp6, uint8_t *codes, float *scales)
+    float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales,
+                               ltx_idx padded_cols, float scale_2, uint16_t *delta,
+                               ltx_idx cols, ltx_idx r0, ltx_idx r1)
+    void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed,
+                                 uint8_t *scales, ltx_idx padded_cols, ltx_idx cols, ltx_idx r0,
+                                 ltx_idx r1)
+
+import numpy as np
+
+# Rows per task: enough work per task to hide the scheduling, and hundreds of tasks for a
+# weight of LTX-2's sizes, so that many cores share it evenly.
+cdef enum:
+    ROWS_PER_TASK = 16
+
+
+cdef inline float fmax_nan(float a, float b) noexcept nogil:
+    """max that lets a NaN through (a NaN anywhere must show in the result)."""
+    if a != a or b != b:
+        return a + b
+    return a if a > b else b
+
+
+def scaled_fp8_max(const uint8_t[::1] codes, const uint16_t[::1] delta, float scale, bint e5m2,
+                   int threads):
+    """max |f32(f32(code) * scale) + f32(delta)| over the tensor."""
+    cdef Py_ssize_t n = codes.shape[0], chunk = 1 << 16, tasks = (n + chunk - 1) // chunk, t
+    cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
+    cdef Py_ssize_t a
+    with nogil:
+        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+            a = t * chunk
+            tops[t] = ltx_scaled_fp8_max(&codes[a], &delta[a], min(chunk, n - a), scale, e5m2)
+    return _max(tops)
+
+
+def scaled_fp8_store(uint8_t[::1] codes, const uint16_t[::1] delta, float scale, float mult,
+                     float fmax, bint e5m2, int threads):
+    """codes = fp8(clamp(f32(n * mult), -fmax, fmax)) in place (fp8(n) for an infinite mult)."""
+    cdef Py_ssize_t n = codes.shape[0], chunk = 1 << 16, tasks = (n + chunk - 1) // chunk, t, a
+    with nogil:
+        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+            a = t * chunk
+            ltx_scaled_fp8_store(&codes[a], &delta[a], min(chunk, n - a), scale, mult, fmax,
+                                 e5m2)
+
+
+def block_merge(const uint8_t[:, ::1] codes, bint fp6, const float[:, ::1] scales,
+                uint16_t[:, ::1] delta, int threads):
+    """delta = bf16(bf16(code * scale) + delta) in place; returns max |merged|."""
+    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0
+    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
+    with nogil:
+        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+            r0 = t * ROWS_PER_TASK
+            tops[t] = ltx_block_merge_rows(&codes[0, 0], fp6, &scales[0, 0], &delta[0, 0], cols,
+                                           r0, min(r0 + ROWS_PER_TASK, rows))
+    return _max(tops)
+
+
+def block_quantize(const uint16_t[:, ::1] merged, bint fp6, uint8_t[:, ::1] codes,
+                   float[:, ::1] scales, int threads):
+    """Each 128 x 128 block of merged requantised into codes and its scale."""
+    cdef Py_ssize_t cols = merged.shape[1], nb = scales.shape[1], blocks = scales.size, b
+    with nogil:
+        for b in prange(blocks, num_threads=threads, schedule="dynamic"):
+            ltx_block_quantize(&merged[0, 0], cols, b // nb, b % nb, fp6, &codes[0, 0],
+                               &scales[0, 0])
+
+
+def nvfp4_merge(const uint8_t[:, ::1] packed, const uint8_t[:, ::1] scales, float scale_2,
+                uint16_t[:, ::1] delta, int threads):
+    """delta = bf16(bf16(e2m1 * f32(scale_2 * block scale)) + delta) in place; returns
+    max |merged|."""
+    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0
+    cdef Py_ssize_t padded = scales.shape[1]
+    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
+    with nogil:
+        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+            r0 = t * ROWS_PER_TASK
+            tops[t] = ltx_nvfp4_merge_rows(&packed[0, 0], &scales[0, 0], padded, scale_2,
+                                           &delta[0, 0], cols, r0, min(r0 + ROWS_PER_TASK, rows))
+    return _max(tops)
+
+
+def nvfp4_quantize(const uint16_t[:, ::1] merged, float t, uint8_t[:, ::1] packed,
+                   uint8_t[:, ::1] scales, int threads):
+    """merged requantised with the new scale_2 ``t``: packed codes and block scales (padding
+    zeroed)."""
+    cdef Py_ssize_t rows = merged.shape[0], cols = merged.shape[1], task, r0
+    cdef Py_ssize_t padded = scales.shape[1]
+    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    scales[:, :] = 0
+    with nogil:
+        for task in prange(tasks, num_threads=threads, schedule="dynamic"):
+            r0 = task * ROWS_PER_TASK
+            ltx_nvfp4_quantize_rows(&merged[0, 0], t, &packed[0, 0], &scales[0, 0], padded,
+                                    cols, r0, min(r0 + ROWS_PER_TASK, rows))
+
+
+def fp8_values(bint e5m2):
+    """The 256 values of an fp8 format's codes (f32)."""
+    out = np.empty(256, np.float32)
+    cdef float[::1] o = out
+    cdef int c
+    for c in range(256):
+        o[c] = ltx_fp8_value(c, e5m2)
+    return out
+
+
+def _max(float[::1] tops):
+    cdef float top = 0.0
+    cdef Py_ssize_t i
+    for i in range(tops.shape[0]):
+        top = fmax_nan(top, tops[i])
+    return top

@@ -1,0 +1,174 @@
+"""Which stored layout a checkpoint's weight is in, read from the tensors beside it.
+
+A module's weight ``<m>.weight`` is plain when nothing quantises it (BF16, or F8_E4M3/F8_E5M2
+cast codes) and otherwise takes the layout its companions say:
+
+=============  ==========================================================================
+``fp8_scaled``  F8_E4M3 weight with an F32 one-value ``<m>.weight_scale`` (LTX-2.3's fp8
+                checkpoints; upstream's fp8_scaled_mm policy).  ``<m>.input_scale`` is kept.
+``fp8_block``   F8_E4M3 weight [out, in] with an F32 ``<m>.weight_scale`` [out/128, in/128].
+``fp6_block``   U8 packed fp6 [out, in*3/4] with an F32 ``<m>.weight_scale`` [out/128, in/128].
+``nvfp4``       U8 packed E2M1 [out, in/2], ``<m>.weight_scale`` E4M3 (or U8) block scales in
+                the cuBLAS tiled layout, F32 one-value ``<m>.weight_scale_2``.
+``comfy_fp8``   ComfyUI's scaled fp8: a ``<m>.comfy_quant`` tensor (JSON bytes) or an entry of
+                the ``_quantization_metadata`` metadata naming format ``float8_e4m3fn`` or
+                ``float8_e5m2``, with ``<m>.weight_scale``; or the older layout marked by a
+                ``scaled_fp8`` tensor, with ``<m>.scale_weight``.
+=============  ==========================================================================
+
+Anything else that carries a scale, or a ComfyUI format other than per-tensor fp8 (nvfp4,
+mxfp8, int8, ...), is refused, naming the tensor, before anything is written.
+"""
+import json
+import math
+from dataclasses import dataclass
+
+from ..errors import DTypeError, FormatError, ShapeError
+
+PLAIN = {"BF16": "bf16", "F8_E4M3": "F8_E4M3", "F8_E5M2": "F8_E5M2"}
+COMFY_FORMATS = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+COMPANIONS = (".weight_scale", ".weight_scale_2", ".scale_weight", ".comfy_quant")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one weight is stored and fused."""
+    kind: str            # "bf16", "fp8" (cast codes) or a quantized.LAYOUTS name
+    fmt: str             # the codes' format: "bf16", "F8_E4M3", "F8_E5M2", or "packed"
+    shape: tuple         # the logical [out, in] an adapter must fit
+    scale: str = None    # the tensor names of the scales the rule rewrites
+    scale_2: str = None
+
+    @property
+    def quantized(self):
+        return self.kind not in ("bf16", "fp8")
+
+    @property
+    def rewritten(self):
+        """The companion tensors written anew with the weight."""
+        return tuple(n for n in (self.scale, self.scale_2) if n)
+
+
+def module_of(key):
+    return key[: -len(".weight")] if key.endswith(".weight") else None
+
+
+def comfy_configs(metadata, entries, read_bytes):
+    """{module: config} from ComfyUI's markers: ``<m>.comfy_quant`` tensors (``read_bytes(name)``
+    gives their bytes) and the ``_quantization_metadata`` metadata entry.  Also whether the
+    older ``scaled_fp8`` marker tensor is present."""
+    configs = {}
+    raw = (metadata or {}).get("_quantization_metadata")
+    if raw is not None:
+        try:
+            layers = json.loads(raw)["layers"]
+            if not isinstance(layers, dict):
+                raise TypeError
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FormatError(f"__metadata__ _quantization_metadata is not ComfyUI's "
+                              f"{{\"layers\": {{...}}}} JSON ({exc})") from None
+        for name, conf in layers.items():
+            configs[name] = conf
+    for name, (dtype, shape) in entries.items():
+        if name.endswith(".comfy_quant"):
+            if dtype != "U8" or len(shape) != 1:
+                raise FormatError(f"tensor {name!r}: a comfy_quant marker is U8 JSON bytes, got "
+                                  f"{dtype} {list(shape)}")
+            try:
+                configs[name[: -len(".comfy_quant")]] = json.loads(bytes(read_bytes(name)))
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise FormatError(f"tensor {name!r} is not JSON ({exc})") from None
+    marker = any(n == "scaled_fp8" or n.endswith(".scaled_fp8") for n in entries)
+    return configs, marker
+
+
+def _one_f32(entries, name, key):
+    dtype, shape = entries[name]
+    if dtype != "F32" or math.prod(shape) != 1:
+        raise FormatError(f"weight {key}: {name} is {dtype} {list(shape)}; a per-tensor scale is "
+                          "one F32 value")
+
+
+def detect(key, entries, configs, marker):
+    """The Layout of weight ``key``; ``entries`` maps every tensor name to (dtype, shape)."""
+    dtype, shape = entries[key]
+    module = module_of(key)
+    has = {s: (module + s) in entries for s in COMPANIONS} if module else {}
+    conf = _comfy_conf(module, configs)
+    if len(shape) != 2:
+        raise ShapeError(f"weight {key} has shape {list(shape)}; LoRA fuses into 2-D weights")
+    rows, cols = shape
+    refuse = f"weight {key} ({dtype} {list(shape)})"
+    if conf is not None or (marker and has.get(".scale_weight")):
+        if conf is None:  # the older layout: the weight's own fp8 dtype says the format
+            fmt_name = {v: k for k, v in COMFY_FORMATS.items()}.get(dtype)
+        else:
+            fmt_name = conf.get("format") if isinstance(conf, dict) else None
+        if fmt_name not in COMFY_FORMATS:
+            raise FormatError(f"{refuse}: ComfyUI quantisation format {fmt_name!r} is not one "
+                              "ltx2blas fuses (per-tensor float8_e4m3fn / float8_e5m2 only)")
+        fmt = COMFY_FORMATS[fmt_name]
+        if dtype != fmt:
+            raise FormatError(f"{refuse}: ComfyUI says {fmt_name} but the weight is {dtype}")
+        scale = module + (".weight_scale" if has[".weight_scale"] else ".scale_weight")
+        if scale not in entries:
+            raise FormatError(f"{refuse}: ComfyUI fp8 without its weight_scale / scale_weight")
+        _one_f32(entries, scale, key)
+        return Layout("comfy_fp8", fmt, (rows, cols), scale)
+    if module and has[".scale_weight"]:
+        raise FormatError(f"{refuse}: {module}.scale_weight without ComfyUI's scaled_fp8 marker "
+                          "tensor; layout not handled")
+    if module and has[".weight_scale_2"]:
+        scale, scale_2 = module + ".weight_scale", module + ".weight_scale_2"
+        if dtype != "U8" or scale not in entries:
+            raise FormatError(f"{refuse}: weight_scale_2 marks NVFP4, which stores U8 codes "
+                              "with a weight_scale")
+        s_dtype, s_shape = entries[scale]
+        logical = (rows, cols * 2)
+        want = (-(-rows // 128) * 128, -(-(logical[1] // 16) // 4) * 4)
+        if s_dtype not in ("F8_E4M3", "U8") or tuple(s_shape) != want:
+            raise FormatError(f"{refuse}: NVFP4 block scales {scale} are {s_dtype} {list(s_shape)}; "
+                              f"expected F8_E4M3 {list(want)} (the cuBLAS tiled layout)")
+        _one_f32(entries, scale_2, key)
+        return Layout("nvfp4", "packed", logical, scale, scale_2)
+    if module and has[".weight_scale"]:
+        scale = module + ".weight_scale"
+        s_dtype, s_shape = entries[scale]
+        if dtype == "F8_E4M3" and s_dtype == "F32" and math.prod(s_shape) == 1:
+            return Layout("fp8_scaled", "F8_E4M3", (rows, cols), scale)
+        if dtype == "F8_E4M3" and s_dtype == "F32" and tuple(s_shape) == (rows / 128, cols / 128):
+            return Layout("fp8_block", "F8_E4M3", (rows, cols), scale)
+        if dtype == "U8" and cols % 3 == 0 and s_dtype == "F32" and \
+                tuple(s_shape) == (rows / 128, cols * 4 / 3 / 128):
+            return Layout("fp6_block", "packed", (rows, cols * 4 // 3), scale)
+        raise FormatError(f"{refuse}: its weight_scale is {s_dtype} {list(s_shape)}, which is no "
+                          "layout ltx2blas fuses (per-tensor fp8, blockwise fp8/fp6, NVFP4)")
+    if dtype not in PLAIN:
+        raise DTypeError(f"weight {key} is {dtype}; ltx2blas fuses into BF16, F8_E4M3 and "
+                         "F8_E5M2 weights and the scaled layouts of ltx2blas.quantized")
+    return Layout("bf16" if dtype == "BF16" else "fp8", PLAIN[dtype], (rows, cols))
+
+
+def _comfy_conf(module, configs):
+    if module is None:
+        return None
+    if module in configs:
+        return configs[module]
+    for prefix in ("model.diffusion_model.", "diffusion_model."):
+        if module.startswith(prefix) and module[len(prefix):] in configs:
+            return configs[module[len(prefix):]]
+    return None
+
+
+def output_order(names, layouts):
+    """The checkpoint's tensor names in file order, with every rewritten companion moved to
+    just after its weight (it is written from memory once the weight is fused)."""
+    moved = {c for lay in layouts.values() for c in lay.rewritten}
+    order = []
+    for name in names:
+        if name in moved:
+            continue
+        order.append(name)
+        if name in layouts:
+            order.extend(layouts[name].rewritten)
+    return order

@@ -1,0 +1,264 @@
+/* The scaled and quantised layouts' element kernels (quant.h). Built with no contraction: each
+ * operation written is one IEEE f32 operation, rounded once. */
+#include <string.h>
+
+#include "quant.h"
+
+static inline uint32_t f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float bf16_value(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+/* bf16 bits of f, nearest-even; NaN to the quiet NaN with its sign (the library's one rule,
+ * as kernels.c and reference.bf16_round write it). */
+static inline uint16_t bf16_of(float f)
+{
+    const uint32_t u = f32_bits(f);
+    if (f != f)
+        return (uint16_t)(((u >> 16) & 0x8000u) | 0x7FC0u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_round(float f) { return bf16_value(bf16_of(f)); }
+
+static inline float absf(float f) { return bits_f32(f32_bits(f) & 0x7FFFFFFFu); }
+
+float ltx_fp8_value(uint32_t code, int e5m2)
+{
+    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    const uint32_t e = (code & 0x7Fu) >> mant, m = code & ((1u << mant) - 1u);
+    float v;
+    if (!e5m2 && (code & 0x7Fu) == 0x7Fu)
+        v = __builtin_nanf("");
+    else if (e5m2 && e == 31)
+        v = m ? __builtin_nanf("") : __builtin_inff();
+    else if (e == 0)
+        v = (float)m * __builtin_ldexpf(1.0f, 1 - bias - mant);
+    else
+        v = (1.0f + (float)m / (float)(1u << mant)) * __builtin_ldexpf(1.0f, (int)e - bias);
+    return (code & 0x80u) ? -v : v;
+}
+
+uint32_t ltx_fp8_from_f32(float x, int e5m2)
+{
+    const uint32_t u = f32_bits(x), sign = (u >> 24) & 0x80u, a = u & 0x7FFFFFFFu;
+    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    const uint32_t largest = e5m2 ? 0x7Bu : 0x7Eu, over = e5m2 ? 0x7Cu : 0x7Eu;
+    if (a > 0x7F800000u)
+        return 0x7Fu | sign;
+    if (a == 0x7F800000u)
+        return over | sign;
+    if (a == 0)
+        return sign;
+    const int E = (int)(a >> 23);
+    const uint32_t S = E ? ((a & 0x7FFFFFu) | 0x800000u) : (a & 0x7FFFFFu); /* 23 fraction bits */
+    const int f = (E ? E : 1) - 127 + bias;                                 /* field if normal */
+    int shift = 23 - mant + (f < 1 ? 1 - f : 0);
+    if (shift > 25) /* below half the smallest subnormal: rounds to zero */
+        return sign;
+    const uint32_t R = (S + (1u << (shift - 1)) - 1u + ((S >> shift) & 1u)) >> shift;
+    uint32_t code = f < 1 ? R : (uint32_t)((f - 1) << mant) + R;
+    if (code > largest)
+        code = over;
+    return code | sign;
+}
+
+uint32_t ltx_e2m1_from_f32(float x)
+{
+    /* the grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0-7); a midpoint goes to the even code */
+    static const float mid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+    const float a = absf(x);
+    uint32_t code = 0;
+    for (uint32_t c = 1; c < 8; c++)
+        if (a > mid[c - 1] || (a == mid[c - 1] && (c & 1u) == 0))
+            code = c;
+    return code | ((f32_bits(x) >> 28) & 0x8u);
+}
+
+/* ---- per-tensor scaled fp8 ---- */
+
+float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx count,
+                         float scale, int e5m2)
+{
+    float table[256], top = 0.0f;
+    for (int c = 0; c < 256; c++)
+        table[c] = ltx_fp8_value((uint32_t)c, e5m2) * scale;
+    for (ltx_idx i = 0; i < count; i++) {
+        const float n = absf(table[codes[i]] + bf16_value(delta[i]));
+        if (n > top || n != n)
+            top = n;
+    }
+    return top;
+}
+
+void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, float scale,
+                          float mult, float fmax, int e5m2)
+{
+    float table[256];
+    const int finite = mult - mult == 0.0f;
+    for (int c = 0; c < 256; c++)
+        table[c] = ltx_fp8_value((uint32_t)c, e5m2) * scale;
+    for (ltx_idx i = 0; i < count; i++) {
+        float n = table[codes[i]] + bf16_value(delta[i]);
+        if (finite) {
+            n = n * mult;
+            n = n < -fmax ? -fmax : n > fmax ? fmax : n;
+        }
+        codes[i] = (uint8_t)ltx_fp8_from_f32(n, e5m2);
+    }
+}
+
+/* ---- blockwise fp8 / fp6 ---- */
+
+#define BLOCK 128
+
+static inline uint32_t fp6_code(const uint8_t *row, ltx_idx i)
+{
+    /* 4 six-bit codes in 3 bytes, big-endian; e4m3's bits 6 and 5 are 0 */
+    const uint8_t *p = row + (i / 4) * 3;
+    const uint32_t word = (uint32_t)p[0] << 16 | (uint32_t)p[1] << 8 | p[2];
+    const uint32_t six = (word >> (18 - 6 * (i % 4))) & 0x3Fu;
+    return ((six >> 5) << 7) | (six & 0x1Fu);
+}
+
+float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales, uint16_t *delta,
+                           ltx_idx cols, ltx_idx r0, ltx_idx r1)
+{
+    const ltx_idx ldc = fp6 ? cols / 4 * 3 : cols, blocks = cols / BLOCK;
+    float top = 0.0f;
+    for (ltx_idx r = r0; r < r1; r++) {
+        const uint8_t *row = codes + r * ldc;
+        uint16_t *d = delta + r * cols;
+        for (ltx_idx i = 0; i < cols; i++) {
+            const uint32_t code = fp6 ? fp6_code(row, i) : row[i];
+            const float scale = scales[(r / BLOCK) * blocks + i / BLOCK];
+            const float w = bf16_round(ltx_fp8_value(code, 0) * scale);
+            const uint16_t m = bf16_of(w + bf16_value(d[i]));
+            d[i] = m;
+            const float a = absf(bf16_value(m));
+            if (a > top || a != a)
+                top = a;
+        }
+    }
+    return top;
+}
+
+void ltx_block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj, int fp6,
+                        uint8_t *codes, float *scales)
+{
+    const ltx_idx ldc = fp6 ? cols / 4 * 3 : cols;
+    const uint16_t *m = merged + bi * BLOCK * cols + bj * BLOCK;
+    float top = 0.0f;
+    for (ltx_idx r = 0; r < BLOCK; r++)
+        for (ltx_idx i = 0; i < BLOCK; i++) {
+            const float a = absf(bf16_value(m[r * cols + i]));
+            top = a > top ? a : top;
+        }
+    const float mult = (1.0f / top) * (fp6 ? 0.1172f : 448.0f); /* inf for an all-zero block */
+    const int zero = top == 0.0f;
+    scales[bi * (cols / BLOCK) + bj] = 1.0f / mult;
+    for (ltx_idx r = 0; r < BLOCK; r++) {
+        uint8_t *row = codes + (bi * BLOCK + r) * ldc + (fp6 ? bj * BLOCK / 4 * 3 : bj * BLOCK);
+        for (ltx_idx i = 0; i < BLOCK; i += 4) {
+            uint32_t c[4];
+            for (int j = 0; j < 4; j++) {
+                const float v = bf16_value(m[r * cols + i + j]);
+                /* upstream's all-zero block quantises to NaN (0x7F): kept for fp6, whose
+                 * packed 0x1F then dequantises to zero; the zeros themselves for fp8 */
+                c[j] = zero ? (fp6 ? 0x7Fu : ltx_fp8_from_f32(v, 0)) : ltx_fp8_from_f32(v * mult, 0);
+            }
+            if (fp6) {
+                uint32_t word = 0;
+                for (int j = 0; j < 4; j++)
+                    word |= ((((c[j] >> 7) & 1u) << 5) | (c[j] & 0x1Fu)) << (18 - 6 * j);
+                uint8_t *p = row + i / 4 * 3;
+                p[0] = (uint8_t)(word >> 16);
+                p[1] = (uint8_t)(word >> 8);
+                p[2] = (uint8_t)word;
+            } else {
+                for (int j = 0; j < 4; j++)
+                    row[i + j] = (uint8_t)c[j];
+            }
+        }
+    }
+}
+
+/* ---- NVFP4 ---- */
+
+#define GROUP 16
+
+ltx_idx ltx_nvfp4_scale_offset(ltx_idx row, ltx_idx col, ltx_idx padded_cols)
+{
+    const ltx_idx tile = (row / 128) * (padded_cols / 4) + col / 4, r = row % 128;
+    return tile * 512 + (r % 32) * 16 + (r / 32) * 4 + col % 4;
+}
+
+static const float e2m1_value[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx padded_cols,
+                           float scale_2, uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1)
+{
+    float top = 0.0f;
+    for (ltx_idx r = r0; r < r1; r++) {
+        const uint8_t *row = packed + r * (cols / 2);
+        uint16_t *d = delta + r * cols;
+        for (ltx_idx g = 0; g < cols / GROUP; g++) {
+            const float total =
+                scale_2 * ltx_fp8_value(scales[ltx_nvfp4_scale_offset(r, g, padded_cols)], 0);
+            for (ltx_idx j = 0; j < GROUP; j++) {
+                const ltx_idx i = g * GROUP + j;
+                const uint8_t byte = row[i / 2];
+                const float v = e2m1_value[(i % 2) ? (byte & 0xFu) : (byte >> 4)];
+                const float w = bf16_round(v * total);
+                const uint16_t m = bf16_of(w + bf16_value(d[i]));
+                d[i] = m;
+                const float a = absf(bf16_value(m));
+                if (a > top || a != a)
+                    top = a;
+            }
+        }
+    }
+    return top;
+}
+
+void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, uint8_t *scales,
+                             ltx_idx padded_cols, ltx_idx cols, ltx_idx r0, ltx_idx r1)
+{
+    for (ltx_idx r = r0; r < r1; r++) {
+        const uint16_t *m = merged + r * cols;
+        uint8_t *row = packed + r * (cols / 2);
+        for (ltx_idx g = 0; g < cols / GROUP; g++) {
+            float top = 0.0f;
+            for (ltx_idx j = 0; j < GROUP; j++) {
+                const float a = absf(bf16_value(m[g * GROUP + j]));
+                top = a > top ? a : top;
+            }
+            float s = 0.0f;
+            if (t > 0.0f) {
+                s = (top / 6.0f) / t;
+                s = s < 448.0f ? s : 448.0f;
+            }
+            const uint32_t sf = ltx_fp8_from_f32(s, 0);
+            scales[ltx_nvfp4_scale_offset(r, g, padded_cols)] = (uint8_t)sf;
+            const float total = t * ltx_fp8_value(sf, 0);
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+            for (ltx_idx j = 0; j < GROUP; j += 2) {
+                const uint32_t hi = ltx_e2m1_from_f32(bf16_value(m[g * GROUP + j]) * inv);
+                const uint32_t lo = ltx_e2m1_from_f32(bf16_value(m[g * GROUP + j + 1]) * inv);
+                row[(g * GROUP + j) / 2] = (uint8_t)(hi << 4 | lo);
+            }
+        }
+    }
+}

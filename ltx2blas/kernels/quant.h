@@ -1,0 +1,61 @@
+/*
+ * Element kernels of the scaled and quantised weight layouts: dequantise, add a bf16 delta,
+ * requantise, by the rules of ltx2blas.reference (its "Scaled and quantised layouts" section).
+ * Plain C, built once for the baseline instruction set with no contraction: these passes cost
+ * a few operations per element beside the rank-r product, and the rounding is the contract.
+ * Every function works on a range of rows (or one block) so that a driver can share a weight
+ * out among threads; none allocates.
+ */
+#ifndef LTX2BLAS_QUANT_H
+#define LTX2BLAS_QUANT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef ptrdiff_t ltx_idx;
+
+/* Value of an fp8 code: F8_E4M3 (e5m2 = 0) or F8_E5M2, exactly. */
+float ltx_fp8_value(uint32_t code, int e5m2);
+/* f32 -> fp8 code, nearest-even; e4m3 saturates at +-448 (inf too), e5m2 overflows to inf; NaN
+ * to 0x7F with its sign (torch's cast on the CPU). */
+uint32_t ltx_fp8_from_f32(float x, int e5m2);
+/* f32 -> FP4 E2M1 code (sign in bit 3), nearest-even on the grid, saturating at +-6. */
+uint32_t ltx_e2m1_from_f32(float x);
+
+/* ---- per-tensor scaled fp8: n = f32(f32(code) * scale) + f32(delta) ---- */
+
+/* max |n| over n elements (codes and delta of one run of the weight). */
+float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx count,
+                         float scale, int e5m2);
+/* codes[i] = fp8(clamp(f32(n * mult), -fmax, fmax)), in place; fp8(n) when mult is infinite
+ * (the whole tensor is zero). */
+void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, float scale,
+                          float mult, float fmax, int e5m2);
+
+/* ---- blockwise fp8 / fp6: 128 x 128 blocks, one f32 scale each ([rows/128, cols/128]) ----
+ * fp8: e4m3 codes [rows, cols]; fp6: packed [rows, cols * 3 / 4] (4 six-bit codes in 3 bytes). */
+
+/* Rows r0..r1: delta[r, i] = bf16(bf16(f32(code) * scale[block]) + delta), in place; returns
+ * max |merged| over the rows. */
+float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales, uint16_t *delta,
+                           ltx_idx cols, ltx_idx r0, ltx_idx r1);
+/* Block (bi, bj) of merged bf16 [rows, cols]: m = scale_max * f32(1 / max|merged|) (448, or
+ * 0.1172 for fp6), code = e4m3(f32(merged * m)), scale = f32(1 / m). */
+void ltx_block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj, int fp6,
+                        uint8_t *codes, float *scales);
+
+/* ---- NVFP4: packed E2M1 rows (element 2j in the high nibble), E4M3 block scales of 16
+ * elements in the cuBLAS 128 x 4 tiled layout of `padded_cols` columns, one f32 scale_2 ---- */
+
+/* Offset of block scale (row, col) in the tiled layout. */
+ltx_idx ltx_nvfp4_scale_offset(ltx_idx row, ltx_idx col, ltx_idx padded_cols);
+/* Rows r0..r1: delta[r, :] = bf16(bf16(e2m1 * f32(scale_2 * block scale)) + delta), in place;
+ * returns max |merged| over the rows. */
+float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx padded_cols,
+                           float scale_2, uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1);
+/* Rows r0..r1 of merged bf16 quantised with the new scale_2 `t`: packed codes and their block
+ * scales (the caller zeroes the scale array's padding). */
+void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, uint8_t *scales,
+                             ltx_idx padded_cols, ltx_idx cols, ltx_idx r0, ltx_idx r1);
+
+#endif

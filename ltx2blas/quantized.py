@@ -1,0 +1,253 @@
+"""LoRA fusion into scaled and quantised weights: validation and the passes around the delta.
+
+Each layout is fused as its owner fuses it (the rules are written out in
+:mod:`ltx2blas.reference`, "Scaled and quantised layouts"): the adapters' bf16 aggregate delta
+comes from the GEMM seam (:func:`ltx2blas.fuse.aggregate_delta`), then the weight is
+dequantised, the delta added and the sum requantised into the same layout, with new scales
+where the owner's rule computes them.  Results are byte-identical to
+:func:`ltx2blas.reference.fuse_quantized` for any thread count.
+
+Layouts:
+
+``fp8_scaled``  F8_E4M3 codes [out, in] and one f32 ``scale``: upstream LTX-2's fp8_scaled_mm
+                rule (new per-tensor scale).
+``comfy_fp8``   F8_E4M3 or F8_E5M2 codes and one f32 ``scale``: ComfyUI's requantisation
+                with a recalculated scale, nearest rounding.
+``fp8_block``   F8_E4M3 codes [out, in] and f32 ``scale`` [out/128, in/128]: upstream's
+                blockwise fp8 (new block scales).
+``fp6_block``   packed fp6 [out, in*3/4] and f32 ``scale`` [out/128, in/128]: upstream's
+                blockwise fp6.
+``nvfp4``       packed E2M1 [out, in/2], E4M3 block scales ``scale`` in the cuBLAS 128 x 4
+                tiled layout [roundup(out, 128), roundup(in/16, 4)] and one f32 ``scale_2``:
+                upstream's NVFP4 rule (new block scales and scale_2).
+
+The rules need every value of the merged weight before they requantise (its largest magnitude
+sets the scale), so the delta is held whole: 2 bytes per weight element of extra memory.
+"""
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from . import _gemm, _quant
+from ._dtypes import ml_fp8_format
+from ._threads import resolve_threads
+from .errors import (DTypeError, LayoutError, NonFiniteInputError, NonFiniteResultError,
+                     NonFiniteWeightError, ShapeError)
+from .fuse import aggregate_delta
+
+__all__ = ["fuse_quantized", "QuantizedWeight", "LAYOUTS", "logical_shape"]
+
+LAYOUTS = ("fp8_scaled", "comfy_fp8", "fp8_block", "fp6_block", "nvfp4")
+
+BLOCK = 128
+NVFP4_GROUP = 16
+_FP8_LARGEST = {"F8_E4M3": np.float32(448.0), "F8_E5M2": np.float32(57344.0)}
+
+
+class QuantizedWeight(NamedTuple):
+    """A fused quantised weight: its codes and its scales (``scale_2`` for nvfp4 only)."""
+    weight: np.ndarray
+    scale: np.ndarray
+    scale_2: Optional[np.ndarray] = None
+
+
+def logical_shape(layout, stored_shape):
+    """(out, in) of a weight stored as ``stored_shape`` in ``layout``."""
+    rows, cols = stored_shape
+    if layout == "fp6_block":
+        return rows, cols * 4 // 3
+    if layout == "nvfp4":
+        return rows, cols * 2
+    return rows, cols
+
+
+def _round_up(n, to):
+    return -(-n // to) * to
+
+
+def _array(x, name):
+    if not isinstance(x, np.ndarray):
+        raise DTypeError(f"{name} must be a numpy array, got {type(x).__name__}")
+    if not x.flags.c_contiguous:
+        raise LayoutError(f"{name} must be C-contiguous; pass np.ascontiguousarray({name})")
+    return x
+
+
+def _codes(weight, layout, fmt):
+    """(uint8 view of the weight's codes, fp8 format)."""
+    w = _array(weight, "weight")
+    inferred = ml_fp8_format(w.dtype)
+    if inferred is None and w.dtype != np.uint8:
+        raise DTypeError(f"weight must hold uint8 codes (or an ml_dtypes fp8 dtype), got {w.dtype}")
+    if layout in ("fp6_block", "nvfp4"):
+        if inferred:
+            raise DTypeError(f"a {layout} weight is packed uint8, got {w.dtype}")
+        fmt = None
+    else:
+        fmt = inferred or fmt or "F8_E4M3"
+        if inferred and fmt != inferred:
+            raise DTypeError(f"weight is {w.dtype} but fmt is {fmt!r}")
+        allowed = ("F8_E4M3", "F8_E5M2") if layout == "comfy_fp8" else ("F8_E4M3",)
+        if fmt not in allowed:
+            raise DTypeError(f"a {layout} weight holds {' or '.join(allowed)} codes, not {fmt}")
+    if w.ndim != 2:
+        raise ShapeError(f"weight must be 2-D, got shape {w.shape}")
+    return w.view(np.uint8), fmt
+
+
+def _f32(x, name, shape=None):
+    x = _array(x, name)
+    if x.dtype != np.float32:
+        raise DTypeError(f"{name} must be float32, got {x.dtype}")
+    if shape is None and x.size != 1:
+        raise ShapeError(f"{name} must hold one value (a per-tensor scale), got shape {x.shape}")
+    if shape is not None and x.shape != shape:
+        raise ShapeError(f"{name} has shape {x.shape}, expected {shape}")
+    if not np.all(np.isfinite(x)):
+        raise NonFiniteWeightError(f"{name} is not finite")
+    return x
+
+
+def _check_shapes(layout, w, rows, cols):
+    if layout in ("fp8_block", "fp6_block") and (rows % BLOCK or cols % BLOCK):
+        raise ShapeError(f"a {layout} weight of [{rows}, {cols}] is not made of 128 x 128 blocks")
+    if layout == "fp6_block" and w.shape[1] * 4 != cols * 3:
+        raise ShapeError(f"packed fp6 weight {w.shape}: columns not a multiple of 3")
+    if layout == "nvfp4" and cols % NVFP4_GROUP:
+        raise ShapeError(f"an nvfp4 weight of {cols} columns is not made of 16-element blocks")
+
+
+def _nonfinite_codes(codes, fmt):
+    """Index of the first fp8 code that is inf or NaN, or -1."""
+    nan = (codes & 0x7F) == 0x7F if fmt == "F8_E4M3" else (codes & 0x7C) == 0x7C
+    hits = np.flatnonzero(nan)
+    return int(hits[0]) if hits.size else -1
+
+
+def _delta(rows, cols, adapters, rule, threads, tile, out):
+    delta = aggregate_delta(rows, cols, adapters, rule=rule, threads=threads, tile=tile, out=out)
+    _, _, first = _gemm.scan_bf16(delta.reshape(-1))
+    if first < 0:
+        return delta
+    for i, (a, b, _) in enumerate(adapters):
+        for what, factor in (("lora_a", a), ("lora_b", b)):
+            _, _, bad = _gemm.scan_bf16(np.ascontiguousarray(factor).view(np.uint16).reshape(-1))
+            if bad >= 0:
+                at = tuple(int(v) for v in np.unravel_index(bad, np.shape(factor)))
+                raise NonFiniteInputError(f"adapter {i} {what} is non-finite at {at}")
+    at = tuple(int(v) for v in np.unravel_index(first, (rows, cols)))
+    raise NonFiniteResultError(f"the adapters' delta overflows bf16 at {at}")
+
+
+def fuse_quantized(layout, weight, adapters, *, scale, scale_2=None, fmt=None, rule="addmm",
+                   threads=None, in_place=False, tile=None, delta_buffer=None):
+    """Fold adapters into a scaled or quantised weight, by the layout owner's rule.
+
+    Parameters
+    ----------
+    layout : str
+        One of ``LAYOUTS`` (see the module docstring).
+    weight : uint8 array
+        The stored codes (an ml_dtypes fp8 array is taken as its codes).
+    adapters : sequence of (lora_a, lora_b, strength)
+        bf16 factors as for :func:`ltx2blas.fuse_loras`; ``rule`` names how several combine.
+    scale, scale_2 : arrays
+        The layout's scales (f32; nvfp4's block scales uint8 E4M3 codes, its ``scale_2`` f32).
+    fmt : "F8_E4M3" or "F8_E5M2", optional
+        The codes' fp8 format (``comfy_fp8`` takes both; default F8_E4M3 or the dtype's).
+    in_place : bool
+        Write the results into ``weight``, ``scale`` and ``scale_2``; else into copies.
+    delta_buffer : uint16 array [out, in], optional
+        Memory for the delta (reused across calls by the checkpoint fuse).
+
+    Returns
+    -------
+    QuantizedWeight
+        Byte-identical to :func:`ltx2blas.reference.fuse_quantized`.
+
+    Raises
+    ------
+    NonFiniteWeightError, NonFiniteResultError
+        inf or NaN in the codes, scales or delta, or a merged weight that overflows: the scales
+        derive from the values, so these cannot be fused.  Nothing is written then.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    codes, fmt = _codes(weight, layout, fmt)
+    rows, cols = logical_shape(layout, codes.shape)
+    _check_shapes(layout, codes, rows, cols)
+    if layout == "nvfp4":
+        block = _array(scale, "scale")
+        if block.dtype.itemsize != 1 or block.dtype.kind not in "uV":
+            raise DTypeError(f"nvfp4 block scales are E4M3 codes (uint8), got {block.dtype}")
+        block = block.view(np.uint8)
+        want = (_round_up(rows, 128), _round_up(cols // NVFP4_GROUP, 4))
+        if block.shape != want:
+            raise ShapeError(f"nvfp4 block scales have shape {block.shape}; the tiled layout of a "
+                             f"[{rows}, {cols}] weight is {want}")
+        if _nonfinite_codes(block, "F8_E4M3") >= 0:
+            raise NonFiniteWeightError("nvfp4 block scales hold a NaN code")
+        if scale_2 is None:
+            raise ValueError("nvfp4 needs scale_2, the per-tensor f32 scale")
+        second = _f32(scale_2, "scale_2")
+    else:
+        block = _f32(scale, "scale", (rows // BLOCK, cols // BLOCK) if layout.endswith("_block")
+                     else None)
+        second = None
+        if scale_2 is not None:
+            raise ValueError(f"scale_2 belongs to nvfp4, not {layout}")
+    if fmt is not None:
+        first = _nonfinite_codes(codes, fmt)
+        if first >= 0:
+            at = tuple(int(v) for v in np.unravel_index(first, codes.shape))
+            raise NonFiniteWeightError(f"weight ({fmt}) is inf or NaN at {at} (code "
+                                       f"{int(codes[at]):#x}) before fusing")
+    if in_place and not (codes.flags.writeable and block.flags.writeable and
+                         (second is None or second.flags.writeable)):
+        raise LayoutError("in_place needs writeable weight and scales")
+    threads = resolve_threads(threads)
+    adapters = [tuple(item) for item in adapters]
+    if rows == 0 or cols == 0:
+        copies = (codes, block, second) if in_place else (
+            codes.copy(), block.copy(), None if second is None else second.copy())
+        return QuantizedWeight(*copies)
+    delta = _delta(rows, cols, adapters, rule, threads, tile, delta_buffer)
+
+    out_codes = codes if in_place else codes.copy()
+    out_scale = block if in_place else block.copy()
+    out_second = second if (in_place or second is None) else second.copy()
+    with np.errstate(divide="ignore", over="ignore"):
+        if layout in ("fp8_scaled", "comfy_fp8"):
+            s = np.float32(block.reshape(-1)[0])
+            e5m2 = fmt == "F8_E5M2"
+            top = np.float32(_quant.scaled_fp8_max(codes.reshape(-1), delta.reshape(-1), s, e5m2,
+                                                   threads))
+            _check_merged(top)
+            if layout == "fp8_scaled":   # upstream: scale = 448 / amax; weight_scale = 1 / scale
+                mult = (np.float32(1.0) / top) * np.float32(448.0)
+                new_scale = np.float32(1.0) / mult
+            else:                         # ComfyUI: scale = amax / fmax; codes = x * (1 / scale)
+                new_scale = top / _FP8_LARGEST[fmt]
+                mult = np.float32(1.0) / new_scale
+            _quant.scaled_fp8_store(out_codes.reshape(-1), delta.reshape(-1), s, mult,
+                                    _FP8_LARGEST[fmt], e5m2, threads)
+            out_scale.reshape(-1)[0] = new_scale
+        elif layout in ("fp8_block", "fp6_block"):
+            fp6 = layout == "fp6_block"
+            _check_merged(np.float32(_quant.block_merge(codes, fp6, block, delta, threads)))
+            _quant.block_quantize(delta, fp6, out_codes, out_scale, threads)
+        else:
+            top = np.float32(_quant.nvfp4_merge(codes, block, np.float32(second.reshape(-1)[0]),
+                                                delta, threads))
+            _check_merged(top)
+            t = np.float32(top * np.float32(1.0 / 2688.0))
+            _quant.nvfp4_quantize(delta, t, out_codes, out_scale, threads)
+            out_second.reshape(-1)[0] = t
+    weight_out = out_codes if weight.dtype == np.uint8 else out_codes.view(weight.dtype)
+    scale_out = out_scale if scale.dtype == out_scale.dtype else out_scale.view(scale.dtype)
+    return QuantizedWeight(weight_out, scale_out, out_second)
+
+
+def _check_merged(top):
+    if not np.isfinite(top):
+        raise NonFiniteResultError("the merged weight overflows: its scales cannot be computed")

@@ -1,0 +1,209 @@
+"""Scaled and quantised layouts: fuse_quantized is byte-identical to reference.fuse_quantized
+(the owners' rules written as plain loops) for every layout, rule and thread count, and refuses
+what its rules cannot compute before writing anything."""
+import numpy as np
+import pytest
+
+from ltx2blas import errors, quantized, reference
+
+from helpers import random_bf16
+
+ROWS, COLS = 256, 384
+
+
+def adapters(rng, rows, cols, ranks=(16, 140, 3), strengths=(0.8, -0.5, 1.7), scale=0.02):
+    return [(random_bf16(rng, (r, cols), scale), random_bf16(rng, (rows, r), scale), s)
+            for r, s in zip(ranks, strengths)]
+
+
+def per_tensor_case(rng, fmt="F8_E4M3", rows=ROWS, cols=COLS):
+    scale = np.array(0.0005 if fmt == "F8_E4M3" else 0.00002, np.float32)
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * np.float32(0.02)
+    return reference.fp8_round(w / scale, fmt), scale
+
+
+def block_case(rng, fp6=False, rows=ROWS, cols=COLS):
+    scales = rng.uniform(1e-5, 1e-4, (rows // 128, cols // 128)).astype(np.float32)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    if fp6:
+        codes = reference.fp8_round(np.clip(w * np.float32(0.03), -0.117, 0.117), "F8_E4M3")
+        return reference.fp6_pack(codes), scales
+    return reference.fp8_round(w * np.float32(60), "F8_E4M3"), scales
+
+
+def nvfp4_case(rng, rows=ROWS, cols=COLS):
+    padded = (-(-rows // 128) * 128, -(-(cols // 16) // 4) * 4)
+    scales = np.zeros(padded, np.uint8)
+    r, c = np.meshgrid(np.arange(rows), np.arange(cols // 16), indexing="ij")
+    scales.reshape(-1)[reference.nvfp4_scale_offset(r, c, padded[1])] = rng.integers(
+        0x28, 0x60, (rows, cols // 16))
+    packed = rng.integers(0, 256, (rows, cols // 2)).astype(np.uint8)
+    return packed, scales, np.array(0.0007, np.float32)
+
+
+def case(rng, layout, fmt="F8_E4M3"):
+    """(weight, scales tuple, keyword arguments) of a random weight in ``layout``."""
+    if layout in ("fp8_scaled", "comfy_fp8"):
+        w, s = per_tensor_case(rng, fmt)
+        return w, (s,), {"scale": s, "fmt": fmt}
+    if layout in ("fp8_block", "fp6_block"):
+        w, s = block_case(rng, layout == "fp6_block")
+        return w, (s,), {"scale": s}
+    w, s, s2 = nvfp4_case(rng)
+    return w, (s, s2), {"scale": s, "scale_2": s2}
+
+
+def same(got, expected):
+    assert np.array_equal(np.asarray(got.weight).view(np.uint8), expected[0])
+    assert np.array_equal(np.asarray(got.scale).reshape(-1).view(np.uint8),
+                          np.asarray(expected[1], got.scale.dtype).reshape(-1).view(np.uint8))
+    if len(expected) > 2:
+        assert np.float32(got.scale_2.reshape(-1)[0]).view(np.uint32) == \
+            np.float32(expected[2]).view(np.uint32)
+
+
+LAYOUT_FORMATS = [("fp8_scaled", "F8_E4M3"), ("comfy_fp8", "F8_E4M3"), ("comfy_fp8", "F8_E5M2"),
+                  ("fp8_block", "F8_E4M3"), ("fp6_block", None), ("nvfp4", None)]
+
+
+@pytest.mark.parametrize("layout, fmt", LAYOUT_FORMATS)
+@pytest.mark.parametrize("count, rule", [(1, "addmm"), (2, "addmm"), (3, "addmm"), (3, "sum")])
+def test_matches_reference(rng, layout, fmt, count, rule):
+    weight, scales, kwargs = case(rng, layout, fmt or "F8_E4M3")
+    ads = adapters(rng, ROWS, COLS)[:count]
+    expected = reference.fuse_quantized(layout, weight, scales, ads, rule, fmt or "F8_E4M3")
+    before = [weight.copy()] + [s.copy() for s in scales]
+    for threads in (1, 2, 3):
+        got = quantized.fuse_quantized(layout, weight, ads, rule=rule, threads=threads, **kwargs)
+        same(got, expected)
+    assert all(np.array_equal(b, a) for b, a in zip(before, [weight, *scales]))  # not in place
+
+
+@pytest.mark.parametrize("layout, fmt", LAYOUT_FORMATS)
+def test_in_place_and_tiles(rng, layout, fmt):
+    weight, scales, kwargs = case(rng, layout, fmt or "F8_E4M3")
+    ads = adapters(rng, ROWS, COLS)[:2]
+    expected = reference.fuse_quantized(layout, weight, scales, ads, "addmm", fmt or "F8_E4M3")
+    got = quantized.fuse_quantized(layout, weight, ads, in_place=True, tile=(32, 48), **kwargs)
+    assert got.weight is weight or np.shares_memory(got.weight, weight)
+    same(got, expected)
+    assert np.array_equal(weight, expected[0])
+
+
+def test_rules_differ_on_quantised_layouts(rng):
+    weight, scales, kwargs = case(rng, "fp8_block")
+    ads = adapters(rng, ROWS, COLS, ranks=(384, 32), scale=0.05)
+    a = reference.fuse_quantized("fp8_block", weight, scales, ads, "addmm")[0]
+    b = reference.fuse_quantized("fp8_block", weight, scales, ads, "sum")[0]
+    assert np.any(a != b)
+    same(quantized.fuse_quantized("fp8_block", weight, ads, rule="sum", **kwargs),
+         reference.fuse_quantized("fp8_block", weight, scales, ads, "sum"))
+
+
+@pytest.mark.parametrize("layout", ["fp8_scaled", "comfy_fp8"])
+def test_all_zero_tensor_keeps_zero_codes(layout):
+    """The owners' rules divide by max|n| = 0 and would write NaN codes with a zero scale; the
+    codes are the signed zeros instead, the scale the owner's zero."""
+    weight = np.zeros((8, 16), np.uint8)
+    weight[::2] = 0x80  # -0.0, plus a +0.0 delta: +0.0
+    ads = [(np.zeros((2, 16), np.uint16), np.zeros((8, 2), np.uint16), 1.0)]
+    got = quantized.fuse_quantized(layout, weight, ads, scale=np.array(0.01, np.float32))
+    assert np.all(got.weight == 0) and got.scale == 0
+    same(got, reference.fuse_quantized(layout, weight, (np.array(0.01, np.float32),), ads))
+
+
+@pytest.mark.parametrize("layout", ["fp8_block", "fp6_block"])
+def test_all_zero_blocks(rng, layout):
+    weight, scales, kwargs = case(rng, layout)
+    ldc = COLS if layout == "fp8_block" else COLS * 3 // 4
+    weight[:128, :ldc // 3] = 0  # block (0, 0) and not all of (0, 1): zero only with a zero delta
+    ads = [(random_bf16(rng, (4, COLS), 0.02), random_bf16(rng, (ROWS, 4), 0.02), 1.0)]
+    ads[0][0][:, :128] = 0
+    expected = reference.fuse_quantized(layout, weight, scales, ads)
+    assert expected[1][0, 0] == 0
+    got = quantized.fuse_quantized(layout, weight, ads, **kwargs)
+    same(got, expected)
+    if layout == "fp8_block":
+        assert np.all(got.weight[:128, :128] & 0x7F == 0)  # zeros, not NaN
+    else:
+        assert np.all(reference.fp6_unpack(got.weight, COLS)[:128, :128] == 0x1F)
+
+
+@pytest.mark.parametrize("layout, fmt", LAYOUT_FORMATS)
+def test_non_finite_inputs_are_refused_before_writing(rng, layout, fmt):
+    weight, scales, kwargs = case(rng, layout, fmt or "F8_E4M3")
+    ads = adapters(rng, ROWS, COLS)[:1]
+    ads[0][1][3, 0] = 0x7FC0  # NaN in B
+    before = weight.copy()
+    with pytest.raises(errors.NonFiniteInputError, match="adapter 0 lora_b"):
+        quantized.fuse_quantized(layout, weight, ads, in_place=True, **kwargs)
+    assert np.array_equal(weight, before)
+    if layout in ("fp8_scaled", "comfy_fp8", "fp8_block"):
+        weight[1, 2] = 0x7F if fmt == "F8_E4M3" else 0x7E  # NaN codes
+        with pytest.raises(errors.NonFiniteWeightError, match=r"\(1, 2\)"):
+            quantized.fuse_quantized(layout, weight, adapters(rng, ROWS, COLS)[:1], **kwargs)
+    bad = dict(kwargs)
+    if layout == "nvfp4":
+        bad["scale_2"] = np.array(np.inf, np.float32)
+    else:
+        bad["scale"] = np.full_like(kwargs["scale"], np.nan)
+    with pytest.raises(errors.NonFiniteWeightError):
+        quantized.fuse_quantized(layout, before, adapters(rng, ROWS, COLS)[:1], **bad)
+
+
+def test_overflowing_merge_is_refused(rng):
+    weight, scale = per_tensor_case(rng)
+    big = [(np.full((1, COLS), 0x7F00, np.uint16), np.full((ROWS, 1), 0x7F00, np.uint16), 1.0)]
+    with pytest.raises(errors.NonFiniteResultError):
+        quantized.fuse_quantized("fp8_scaled", weight, big, scale=scale)
+
+
+def test_shapes_and_dtypes_are_checked(rng):
+    weight, scale = per_tensor_case(rng)
+    ads = adapters(rng, ROWS, COLS)[:1]
+    with pytest.raises(ValueError, match="layout"):
+        quantized.fuse_quantized("int8", weight, ads, scale=scale)
+    with pytest.raises(errors.ShapeError, match="one value"):
+        quantized.fuse_quantized("fp8_scaled", weight, ads, scale=np.ones(3, np.float32))
+    with pytest.raises(errors.DTypeError, match="float32"):
+        quantized.fuse_quantized("fp8_scaled", weight, ads, scale=np.ones(1, np.float64))
+    with pytest.raises(errors.DTypeError, match="F8_E4M3"):
+        quantized.fuse_quantized("fp8_scaled", weight, ads, scale=scale, fmt="F8_E5M2")
+    with pytest.raises(errors.ShapeError, match="128 x 128"):
+        quantized.fuse_quantized("fp8_block", weight[:100], ads, scale=np.ones((1, 3), np.float32))
+    with pytest.raises(errors.ShapeError):
+        quantized.fuse_quantized("fp8_block", weight, ads, scale=np.ones((2, 2), np.float32))
+    packed, scales, s2 = nvfp4_case(rng)
+    with pytest.raises(errors.ShapeError, match="tiled"):
+        quantized.fuse_quantized("nvfp4", packed, ads, scale=np.ascontiguousarray(scales[:, :4]), scale_2=s2)
+    with pytest.raises(ValueError, match="scale_2"):
+        quantized.fuse_quantized("nvfp4", packed, ads, scale=scales)
+    with pytest.raises(errors.ShapeError):  # adapters that do not fit the logical shape
+        quantized.fuse_quantized("nvfp4", packed, adapters(rng, ROWS, COLS // 2)[:1],
+                                 scale=scales, scale_2=s2)
+
+
+def test_ml_dtypes_fp8_weights(rng):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    weight, scale = per_tensor_case(rng, "F8_E5M2")
+    ads = adapters(rng, ROWS, COLS)[:2]
+    got = quantized.fuse_quantized("comfy_fp8", weight.view(ml_dtypes.float8_e5m2), ads, scale=scale)
+    assert got.weight.dtype == ml_dtypes.float8_e5m2
+    same(got, reference.fuse_quantized("comfy_fp8", weight, (scale,), ads, fmt="F8_E5M2"))
+
+
+def test_reference_fp6_and_nvfp4_packing_round_trip(rng):
+    codes = rng.integers(0, 256, (4, 64)).astype(np.uint8) & 0x9F
+    assert np.array_equal(reference.fp6_unpack(reference.fp6_pack(codes), 64), codes)
+    nib = rng.integers(0, 16, (4, 64)).astype(np.uint8)
+    assert np.array_equal(reference.nvfp4_unpack(reference.nvfp4_pack(nib)), nib)
+    # the tiled offsets are a permutation of the padded array
+    r, c = np.meshgrid(np.arange(256), np.arange(8), indexing="ij")
+    assert sorted(reference.nvfp4_scale_offset(r, c, 8).reshape(-1)) == list(range(256 * 8))
+
+
+def test_e2m1_rounding_grid():
+    values = np.array([0, 0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.01, 6, 7, 1e9, -0.0,
+                       -0.1, -2.5, -5.5], np.float32)
+    expected = [0, 0, 1, 2, 2, 4, 4, 6, 6, 7, 7, 7, 7, 8, 8, 12, 15]
+    assert list(reference.e2m1_round(values)) == expected

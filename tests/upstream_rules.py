@@ -1,0 +1,188 @@
+"""The owners' fuse arithmetic, run in torch on the CPU, for comparison with ltx2blas.
+
+Each function restates one rule as its owner's code evaluates it: upstream LTX-2's aggregation
+(``matmul(B * s, A)`` in bf16, then ``addmm_`` or a stacked sum) and its quantisation policies'
+fuse rules (fp8_scaled_mm, blockwise fp8/fp6, NVFP4), and ComfyUI's per-tensor fp8
+requantisation.  Where the owner runs a step only on CUDA (the fp6 packing, the NVFP4 kernels,
+the blockwise dequantise kernel), the step is written out here with torch's CPU operations,
+following the kernel's arithmetic.  Needs torch; the tests skip without it.
+"""
+import numpy as np
+import torch
+
+E4M3 = torch.float8_e4m3fn
+
+
+def bf16_tensor(bits):
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+
+
+def bits(tensor):
+    t = tensor.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16).copy()
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8).numpy().copy()
+    return t.numpy().copy()
+
+
+def fp8_tensor(codes, fmt="F8_E4M3"):
+    dtype = E4M3 if fmt == "F8_E4M3" else torch.float8_e5m2
+    return torch.from_numpy(np.ascontiguousarray(codes, np.uint8)).view(dtype)
+
+
+# ---- aggregation (ltx_core/loader/fuse_loras.py) ----
+
+def aggregate(adapters, rule):
+    """The bf16 aggregate delta: the first adapter as matmul(B * s, A); later ones by addmm_
+    (today's rule) or all deltas stacked and summed (the first release)."""
+    deltas = []
+    agg = None
+    for a, b, s in adapters:
+        A, B = bf16_tensor(a), bf16_tensor(b)
+        if rule == "sum":
+            deltas.append(torch.matmul(B * s, A))
+        elif agg is None:
+            agg = torch.matmul(B * s, A).to(torch.bfloat16)
+        else:
+            agg.addmm_(B, A, alpha=s)
+    if rule == "sum":
+        return torch.sum(torch.stack(deltas), dim=0)
+    return agg
+
+
+def fuse_bf16(weight, agg):
+    return agg.clone().add_(bf16_tensor(weight))
+
+
+# ---- fp8_scaled_mm (quantization/fp8_scaled_mm.py) ----
+
+def fuse_fp8_scaled_mm(codes, scale, agg):
+    w = fp8_tensor(codes).to(torch.float32) * torch.from_numpy(np.asarray(scale, np.float32))
+    merged = w + agg.to(torch.float32)
+    top = torch.amax(torch.abs(merged))
+    mult = torch.finfo(E4M3).max / top
+    q = torch.clamp(merged * mult, min=torch.finfo(E4M3).min, max=torch.finfo(E4M3).max).to(E4M3)
+    return bits(q), bits(mult.reciprocal())
+
+
+# ---- blockwise fp8 / fp6 (quantization/blockwise, ltx_kernels.blockwise) ----
+
+def _dequant_blockwise(codes_f8, scales):
+    """The blockwise dequantise kernel: each row's codes times its blocks' scales, in f32,
+    rounded to bf16."""
+    per_row = scales.repeat_interleave(128, dim=0)
+    per_elem = per_row.repeat_interleave(128, dim=1)
+    return (codes_f8.to(torch.float32) * per_elem).to(torch.bfloat16)
+
+
+def _quant_blockwise(w, scale_max):
+    rows, cols = w.shape
+    blocks = w.view(rows // 128, 128, cols // 128, 128).transpose(1, 2).contiguous()
+    top = blocks.float().abs().view(rows // 128, cols // 128, 128 * 128).max(dim=-1).values
+    mult = scale_max / top
+    q = (blocks.float() * mult[:, :, None, None].float()).to(E4M3)
+    q = q.transpose(1, 2).contiguous().view(rows, cols)
+    return q, (1 / mult).contiguous()
+
+
+def fuse_block_fp8(codes, scales, agg):
+    w = _dequant_blockwise(fp8_tensor(codes), torch.from_numpy(scales))
+    merged = w + agg.to(w.dtype)
+    q, s = _quant_blockwise(merged, 448.0)
+    return bits(q), bits(s)
+
+
+def fp6_unpack(packed, cols):
+    """The fp6 unpack kernel: three bytes to four six-bit codes, to e4m3 codes with the two
+    dropped exponent bits 0."""
+    p = torch.from_numpy(packed).to(torch.int32).view(packed.shape[0], -1, 3)
+    six = torch.stack([(p[..., 0] >> 2) & 0x3F,
+                       ((p[..., 0] << 4) | (p[..., 1] >> 4)) & 0x3F,
+                       ((p[..., 1] << 2) | (p[..., 2] >> 6)) & 0x3F,
+                       p[..., 2] & 0x3F], dim=-1).view(packed.shape[0], cols)
+    code = (((six >> 5) & 1) << 7) | (((six >> 4) & 1) << 4) | (six & 0x0F)
+    return code.to(torch.uint8)
+
+
+def fp6_pack(codes_u8):
+    c = codes_u8.to(torch.int32)
+    six = ((((c >> 7) & 1) << 5) | (((c >> 4) & 1) << 4) | (c & 0x0F)) & 0x3F
+    v = six.view(c.shape[0], -1, 4)
+    out = torch.stack([((v[..., 0] << 2) | (v[..., 1] >> 4)) & 0xFF,
+                       ((v[..., 1] << 4) | (v[..., 2] >> 2)) & 0xFF,
+                       ((v[..., 2] << 6) | v[..., 3]) & 0xFF], dim=-1)
+    return out.view(c.shape[0], -1).to(torch.uint8)
+
+
+def fuse_block_fp6(packed, scales, agg):
+    cols = packed.shape[1] * 4 // 3
+    w = _dequant_blockwise(fp6_unpack(packed, cols).view(E4M3), torch.from_numpy(scales))
+    merged = w + agg.to(w.dtype)
+    q, s = _quant_blockwise(merged, 0.1172)
+    # the CUDA cast of 0 * inf (an all-zero block) is the positive NaN code 0x7F
+    q8 = q.view(torch.uint8).clone()
+    q8[torch.isnan(q.float())] = 0x7F
+    return bits(fp6_pack(q8)), bits(s)
+
+
+# ---- NVFP4 (quantization/nvfp4, ltx_kernels.nvfp4's CUDA kernels written out) ----
+
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float32)
+
+
+def _e2m1_rne(x):
+    """cvt.rn.satfinite.e2m1: nearest on the grid, ties to the even code, saturating at 6."""
+    a = x.abs()
+    code = torch.zeros(x.shape, dtype=torch.int32)
+    for c in range(1, 8):
+        mid = float(E2M1[c - 1] + E2M1[c]) / 2
+        code = torch.where((a > mid) | ((a == mid) & (c % 2 == 0)), torch.tensor(c), code)
+    return code | torch.where(torch.signbit(x), 8, 0)
+
+
+def _swizzled(rows, groups, padded_cols):
+    r = torch.arange(rows)[:, None]
+    c = torch.arange(groups)[None, :]
+    tile = (r // 128) * (padded_cols // 4) + c // 4
+    rr = r % 128
+    return tile * 512 + (rr % 32) * 16 + (rr // 32) * 4 + c % 4
+
+
+def fuse_nvfp4(packed, block_scales, scale_2, agg):
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    groups = cols // 16
+    where = _swizzled(rows, groups, block_scales.shape[1])
+    sf = torch.from_numpy(block_scales.reshape(-1).copy())[where].view(E4M3).to(torch.float32)
+    pts = torch.tensor(float(np.float32(scale_2)), dtype=torch.float32)
+    p = torch.from_numpy(packed).to(torch.int32)
+    nib = torch.stack([p >> 4, p & 0xF], dim=-1).view(rows, cols)
+    value = torch.where(nib >= 8, -E2M1[nib & 7], E2M1[nib & 7])
+    total = pts * sf                                               # scale = pts * decode(sf)
+    w = (value * total.repeat_interleave(16, dim=1)).to(torch.bfloat16)
+    merged = w + agg.to(torch.bfloat16)
+    m = merged.float()
+    t = m.abs().nan_to_num().amax() * torch.tensor(1.0 / 2688.0, dtype=torch.float32)
+    g = m.view(rows, groups, 16)
+    top = g.abs().amax(dim=-1)
+    s = torch.where(t > 0, torch.minimum((top / 6.0) / t, torch.tensor(448.0)), torch.zeros(()))
+    s_code = s.to(E4M3)
+    tot = t * s_code.to(torch.float32)
+    inv = torch.where(tot > 0, 1.0 / torch.where(tot > 0, tot, torch.ones(())), torch.zeros(()))
+    codes = _e2m1_rne(g * inv[:, :, None]).view(rows, cols)
+    out = ((codes[:, 0::2] << 4) | codes[:, 1::2]).to(torch.uint8)
+    scales = torch.zeros(block_scales.size, dtype=torch.uint8)
+    scales[where.reshape(-1)] = s_code.view(torch.uint8).reshape(-1)
+    return bits(out), scales.numpy().reshape(block_scales.shape), bits(t)
+
+
+# ---- ComfyUI per-tensor fp8, on the CPU (dequantise to f32, add, requantise) ----
+
+def fuse_comfy_fp8(codes, scale, agg, fmt="F8_E4M3"):
+    dtype = E4M3 if fmt == "F8_E4M3" else torch.float8_e5m2
+    w = fp8_tensor(codes, fmt).to(torch.float32) * torch.from_numpy(np.asarray(scale, np.float32))
+    w += agg.to(torch.float32)
+    new_scale = torch.amax(w.abs()).to(torch.float32) / torch.finfo(dtype).max
+    lp = torch.finfo(dtype).max
+    q = torch.clamp(w * (1 / new_scale).to(w.dtype), min=-lp, max=lp).to(dtype)
+    return bits(q), bits(new_scale)
