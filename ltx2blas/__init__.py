@@ -3,11 +3,13 @@
 Public API::
 
     fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None)
-    fuse_loras(weight, [(lora_a, lora_b, strength), ...], *, threads=None, out=None)
+    fuse_loras(weight, [(lora_a, lora_b, strength), ...], *, rule="addmm", threads=None, out=None)
+    fuse_quantized(layout, weight, [(lora_a, lora_b, strength), ...], *, scale, scale_2=None)
     linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, progress=None)
-    fuse_checkpoint(model, [(path, strength), ...], output, *, threads=None, progress=None)
+    fuse_checkpoint(model, [(path, strength), ...], output, *, rule="addmm", threads=None)
     fuse_state_dict(state_dict, [(path, strength), ...], *, threads=None)
-    text_features(hidden_states, attention_mask, [(weight, bias), ...], *, version="v1")
+    text_features(hidden_states, attention_mask, [(weight, bias), ...], *, version="v1",
+                  audio_video=False)
 
 ``ltx2blas.reference`` holds the arithmetic contract as plain numpy loops.
 """
@@ -29,6 +31,7 @@ from .errors import (
     ShapeError,
 )
 from .fuse import fuse_lora, fuse_loras
+from .quantized import QuantizedWeight, fuse_quantized
 from .features import normalized_features, text_features
 from .files.checkpoint import FuseReport, fuse_checkpoint, fuse_state_dict
 from .linear_layer import linear
@@ -41,6 +44,8 @@ except PackageNotFoundError:  # running from a build tree
 __all__ = [
     "fuse_lora",
     "fuse_loras",
+    "fuse_quantized",
+    "QuantizedWeight",
     "linear",
     "text_features",
     "normalized_features",

@@ -1,7 +1,8 @@
 """The text feature extractor's forward (spec §4): normalise Gemma's hidden states, flatten them
 to D * L features per token and project them -- without ever materialising the features.
 
-Only valid (unmasked) tokens are computed; padded rows of every output are zero.  The features
+Only valid (unmasked) tokens are computed.  A padded row's features are zero, so its output is
+what upstream's Linear gives on zero features: the projection's bias (V2), zeros (V1).  The features
 are produced a super-chunk at a time straight into the GEMM's input panels and shared by every
 projection, so a call reads the hidden states twice (statistics, then features) and holds about
 ``valid tokens x 4096 x 4`` bytes of features per projection at a time, where the flattened f32
@@ -80,7 +81,7 @@ def _statistics(flat, rows, sample, batch, layers, depth, version, threads):
 
 
 def text_features(hidden_states, attention_mask, projections, *, version="v1", threads=None,
-                  progress=None):
+                  progress=None, audio_video=False):
     """The text feature extractor's forward: normalise, flatten, project.
 
     Parameters
@@ -88,7 +89,8 @@ def text_features(hidden_states, attention_mask, projections, *, version="v1", t
     hidden_states : bf16 or float32 array [B, T, D, L]
         Gemma's stacked hidden states (LTX-2: D = 3840, L = 49), C-contiguous.
     attention_mask : bool or integer array [B, T]
-        Nonzero for valid tokens; padded tokens are skipped and their output rows are zero.
+        Nonzero for valid tokens; padded tokens are skipped, their features are zero and their
+        output rows the projection's bias (zeros without one), as upstream's Linear gives.
     projections : list of (weight, bias)
         weight bf16 or f32 [out, D * L]; bias None, bf16 or f32 [out].  V1: one Linear (LTX-2,
         3840 out, no bias); V2: the video and audio Linears (LTX-2.3, 4096 and 2048, with bias).
@@ -96,10 +98,13 @@ def text_features(hidden_states, attention_mask, projections, *, version="v1", t
         V1: per-sample, per-layer mean/range normalisation times 8; V2: per-token RMS
         normalisation, rescaled by sqrt(out / D) for each projection (spec §4).
     threads, progress : as for :func:`ltx2blas.linear`.
+    audio_video : bool
+        V1 only: the model is an audio-video one, whose V1 extractor hands the same features to
+        both streams (upstream returns them twice); the result is then ``[y, y]``, one array.
 
     Returns
     -------
-    list of float32 arrays [B, T, out], one per projection.
+    list of float32 arrays [B, T, out], one per projection (V1 audio-video: the one array twice).
     """
     hidden, mask = _validate(hidden_states, attention_mask, version)
     batch, tokens, depth, layers = hidden.shape
@@ -109,6 +114,9 @@ def text_features(hidden_states, attention_mask, projections, *, version="v1", t
         raise ValueError("projections must hold at least one (weight, bias)")
     if version == "v1" and len(projections) != 1:
         raise ValueError(f"version 'v1' has one projection, got {len(projections)}")
+    if audio_video and version != "v1":
+        raise ValueError("audio_video applies to version 'v1'; V2's audio stream is its second "
+                         "projection")
     weights, biases = [], []
     for i, item in enumerate(projections):
         try:
@@ -136,11 +144,19 @@ def text_features(hidden_states, attention_mask, projections, *, version="v1", t
     rows = np.flatnonzero(mask.reshape(-1)).astype(np.int64)
     sample = (rows // tokens).astype(np.int64)
     n = rows.shape[0]
-    outputs = [np.zeros((batch * tokens, w.shape[0]), np.float32) for w in weights]
-    if n == 0 or width == 0:
+    # Every row starts as the bias (or zeros): what the Linear gives on zero features, which a
+    # padded row has; the valid rows are then written over.
+    outputs = [np.zeros((batch * tokens, w.shape[0]), np.float32) if b is None else
+               np.repeat(b[None, :], batch * tokens, axis=0) for w, b in zip(weights, biases)]
+
+    def result():
+        ys = [y.reshape(batch, tokens, -1) for y in outputs]
+        return ys * 2 if audio_video else ys
+
+    if n == 0 or width == 0:  # nothing to add to the bias
         if progress is not None:
             progress(1.0)
-        return [y.reshape(batch, tokens, -1) for y in outputs]
+        return result()
 
     route, (mb, ob, kb) = plan(n, weights[0].dtype, "f32")
     with blas_single_threaded():
@@ -163,7 +179,7 @@ def text_features(hidden_states, attention_mask, projections, *, version="v1", t
             if progress is not None:
                 progress(s1 / width)
         job.finish(outputs)
-    return [y.reshape(batch, tokens, -1) for y in outputs]
+    return result()
 
 
 def normalized_features(hidden_states, attention_mask, *, version="v1", out_features=None,

@@ -513,9 +513,10 @@ def text_features_normalized(hidden, mask, version="v1", out_features=None):
 
 
 def text_features(hidden, mask, projections, version="v1"):
-    """spec §4: the projected features, one f64 array [B, T, out] per (weight, bias) projection,
-    padded rows zero; the projection is the exact (f64) sum of the bf16 features times the
-    weight (see text_features_normalized for the features)."""
+    """spec §4: the projected features, one f64 array [B, T, out] per (weight, bias) projection:
+    the exact (f64) sum of the bf16 features times the weight, plus the bias (see
+    text_features_normalized for the features).  A padded row's features are zero, so its
+    output is the bias (zeros without one), as upstream's Linear gives."""
     outs = []
     mask = np.asarray(mask).astype(bool)
     for weight, bias in projections:
@@ -526,6 +527,5 @@ def text_features(hidden, mask, projections, version="v1"):
         if bias is not None:
             b = np.asarray(bias)
             y = y + (bf16_widen(b) if b.dtype == np.uint16 else b.astype(np.float32)).astype(np.float64)
-        y[~mask] = 0.0
         outs.append(y)
     return outs

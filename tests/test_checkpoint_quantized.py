@@ -163,7 +163,7 @@ def test_comfy_scaled_fp8(tmp_path, rng, style):
             assert np.array_equal(out[name], model[name][1])
 
 
-def _refused(tmp_path, model, ad, match, error=errors.FormatError, **kwargs):
+def _refused(tmp_path, model, ad, match, error=errors.DTypeError, **kwargs):
     ck.write(tmp_path / "m.safetensors", model)
     ck.write(tmp_path / "a.safetensors", ad)
     with pytest.raises(error, match=match):
@@ -208,7 +208,8 @@ def test_unhandled_layouts_are_refused_before_writing(tmp_path, rng, what):
         model = {w: ("U8", packed), w + "_scale_2": ("F32", s2)}
     else:
         model[M + B0 + "attn1.to_q.comfy_quant"] = ("U8", np.frombuffer(b"{not json", np.uint8).copy())
-    _refused(tmp_path, model, lora(rng, [B0 + "attn1.to_q"], 4), r"attn1\.to_q")
+    error = errors.FormatError if what == "bad_comfy_json" else errors.DTypeError
+    _refused(tmp_path, model, lora(rng, [B0 + "attn1.to_q"], 4), r"attn1\.to_q", error)
 
 
 def test_stochastic_rounding_is_refused_for_scaled_layouts(tmp_path, rng):

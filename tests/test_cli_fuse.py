@@ -74,3 +74,39 @@ def test_lora_argument_parsing():
     assert _lora_arg("a.safetensors:0.5") == ("a.safetensors", 0.5)
     assert _lora_arg("dir:with:colons/a.safetensors") == ("dir:with:colons/a.safetensors", 1.0)
     assert _lora_arg("c:/x.safetensors:-1") == ("c:/x.safetensors", -1.0)
+
+
+def test_rule_option(paths, tmp_path, rng):
+    """--rule picks the several-adapter rule (default addmm); the output records it, and the two
+    rules' outputs are the tensor-level fuse by that rule."""
+    import json
+
+    import numpy as np
+
+    import ltx2blas
+    from ltx2blas.files.safetensors import SafetensorsFile
+
+    model, lora, _ = paths
+    second = ck.write(tmp_path / "second.safetensors",
+                      ck.adapter(rng, ["transformer_blocks.0.attn1.to_q"], rank=300))
+    got = {}
+    for rule in ("addmm", "sum", None):
+        out = tmp_path / f"out-{rule}.safetensors"
+        extra = () if rule is None else ("--rule", rule)
+        r = run("fuse", model, "--lora", f"{lora}:0.8", "--lora", f"{second}:1.5", "-o", out, *extra)
+        assert r.returncode == 0, r.stderr
+        assert f"{rule or 'addmm'} rule" in r.stdout
+        with SafetensorsFile(out) as f:
+            assert f.metadata["ltx2blas.rule"].startswith((rule or "addmm") + ":")
+            assert json.loads(f.metadata["ltx2blas.layouts"]) == {"bf16": 1}
+            got[rule] = f.read("model.diffusion_model.transformer_blocks.0.attn1.to_q.weight")
+    assert np.array_equal(got[None], got["addmm"]) and not np.array_equal(got["addmm"], got["sum"])
+    with SafetensorsFile(model) as m, SafetensorsFile(lora) as a, SafetensorsFile(second) as b:
+        w = m.read("model.diffusion_model.transformer_blocks.0.attn1.to_q.weight")
+        key = "diffusion_model.transformer_blocks.0.attn1.to_q.lora_"
+        ads = [(a.read(key + "A.weight"), a.read(key + "B.weight"), 0.8),
+               (b.read(key + "A.weight"), b.read(key + "B.weight"), 1.5)]
+    for rule in ("addmm", "sum"):
+        assert np.array_equal(got[rule], ltx2blas.fuse_loras(w, ads, rule=rule))
+    r = run("fuse", model, "--lora", lora, "-o", tmp_path / "x.safetensors", "--rule", "stack")
+    assert r.returncode == 2 and "invalid choice" in r.stderr

@@ -1,6 +1,7 @@
 """The text feature extractor: the features are the reference's bit for bit, each projection is
 byte-identical to ltx2blas.linear on the materialised features and within the derived bound of
-the exact projection, padded rows are skipped and zero, nothing depends on the thread count,
+the exact projection, padded rows are skipped and carry the bias (V2) or zeros (V1), as
+upstream's Linear gives on their zero features, nothing depends on the thread count,
 and the features are never materialised."""
 import json
 import subprocess
@@ -46,7 +47,8 @@ def within_bound(got, projections_, feats_by_proj, mask):
         g = gamma(x.shape[0], x.shape[1], w.dtype)
         ulp = np.spacing(np.abs(y[mask])).astype(np.float64)
         assert np.all(np.abs(y[mask] - exact) <= g * mag + ulp / 2)
-        assert np.all(y[~mask] == 0)
+        padded = np.broadcast_to(np.float32(0) if b is None else b, y[~mask].shape)
+        assert np.array_equal(y[~mask], padded)  # F.linear on zero features: the bias
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
@@ -66,6 +68,27 @@ def test_features_and_projections(rng, version, mask_kind, bf16):
         assert np.array_equal(y[mask], ltx2blas.linear(f[mask], w, b))  # same additions, in order
         feats.append(f)
     within_bound(got, projs, feats, mask)
+
+
+def test_v1_audio_video_returns_one_array_for_both(rng):
+    h = hidden(rng, (2, 9, 16, 5))
+    mask = masks(2, 9)["right"]
+    projs = projections(rng, "v1", 80)
+    video, audio = ltx2blas.text_features(h, mask, projs, version="v1", audio_video=True)
+    assert audio is video
+    assert np.array_equal(video, ltx2blas.text_features(h, mask, projs, version="v1")[0])
+    with pytest.raises(ValueError, match="audio_video"):
+        ltx2blas.text_features(h, mask, projections(rng, "v2", 80), version="v2", audio_video=True)
+
+
+def test_v2_padded_rows_are_the_bias(rng):
+    """Every padded row, and every row of a sample with no valid token, is the bias exactly."""
+    h = hidden(rng, (2, 7, 16, 5))
+    mask = masks(2, 7)["none-valid"]
+    projs = projections(rng, "v2", 80)
+    for (w, b), y in zip(projs, ltx2blas.text_features(h, mask, projs, version="v2")):
+        assert np.array_equal(y[~mask], np.broadcast_to(b, y[~mask].shape))
+        assert not np.array_equal(y[mask], np.broadcast_to(b, y[mask].shape))
 
 
 @pytest.mark.parametrize("tokens", [5, 90])  # the streaming route and the sgemm route

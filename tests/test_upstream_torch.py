@@ -75,6 +75,14 @@ def _agg(rng, count=2):
     return ads, ours, up.bf16_tensor(ours)
 
 
+@pytest.mark.parametrize("fmt", ["F8_E4M3", "F8_E5M2"])
+def test_fp8_cast_rule(rng, fmt):
+    codes, _ = per_tensor_case(rng, fmt)
+    ads, agg, agg_t = _agg(rng)
+    want = up.fuse_fp8_cast(codes, agg_t, fmt)
+    assert np.array_equal(ltx2blas.fuse_loras(codes, ads, weight_format=fmt), want)
+
+
 def test_fp8_scaled_mm_rule(rng):
     codes, scale = per_tensor_case(rng)
     ads, agg, agg_t = _agg(rng)

@@ -7,6 +7,8 @@ requantisation.  Where the owner runs a step only on CUDA (the fp6 packing, the 
 the blockwise dequantise kernel), the step is written out here with torch's CPU operations,
 following the kernel's arithmetic.  Needs torch; the tests skip without it.
 """
+import math
+
 import numpy as np
 import torch
 
@@ -53,6 +55,13 @@ def aggregate(adapters, rule):
 
 def fuse_bf16(weight, agg):
     return agg.clone().add_(bf16_tensor(weight))
+
+
+# ---- fp8_cast (quantization/fp8_cast.py), the CPU path: plain fp8 codes, no scale ----
+
+def fuse_fp8_cast(codes, agg, fmt="F8_E4M3"):
+    w = fp8_tensor(codes, fmt)
+    return bits(agg.clone().add_(w.to(torch.bfloat16)).to(w.dtype))
 
 
 # ---- fp8_scaled_mm (quantization/fp8_scaled_mm.py) ----
@@ -186,3 +195,30 @@ def fuse_comfy_fp8(codes, scale, agg, fmt="F8_E4M3"):
     lp = torch.finfo(dtype).max
     q = torch.clamp(w * (1 / new_scale).to(w.dtype), min=-lp, max=lp).to(dtype)
     return bits(q), bits(new_scale)
+
+
+# ---- the text feature extractor (text_encoders/gemma/feature_extractor.py), in the hidden
+# states' dtype as upstream runs it ----
+
+def features_v1(hidden, mask):
+    """V1: per sample and layer, the masked mean and range over tokens x hidden dim;
+    8 * (x - mean) / (range + 1e-6), padded positions zeroed; [B, T, D * L]."""
+    b, t, d, l = hidden.shape
+    m = mask.bool()[:, :, None, None]
+    lengths = mask.sum(dim=-1)
+    mean = hidden.masked_fill(~m, 0.0).sum(dim=(1, 2), keepdim=True) / (
+        (lengths * d).view(b, 1, 1, 1) + 1e-6)
+    lo = hidden.masked_fill(~m, float("inf")).amin(dim=(1, 2), keepdim=True)
+    hi = hidden.masked_fill(~m, float("-inf")).amax(dim=(1, 2), keepdim=True)
+    normed = (8 * (hidden - mean) / (hi - lo + 1e-6)).reshape(b, t, d * l)
+    return normed.masked_fill(~mask.bool()[:, :, None], 0.0).to(hidden.dtype)
+
+
+def features_v2(hidden, mask, out_features):
+    """V2: per token, x * rsqrt(mean_d(x^2) + 1e-6), padded positions zeroed, cast to the
+    hidden states' dtype, then rescaled by sqrt(out / D) for the projection."""
+    b, t, d, l = hidden.shape
+    normed = hidden * torch.rsqrt(torch.mean(hidden ** 2, dim=2, keepdim=True) + 1e-6)
+    normed = normed.reshape(b, t, d * l)
+    normed = torch.where(mask.bool()[:, :, None], normed, torch.zeros_like(normed))
+    return normed.to(hidden.dtype) * math.sqrt(out_features / d)

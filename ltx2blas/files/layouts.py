@@ -17,7 +17,8 @@ cast codes) and otherwise takes the layout its companions say:
 =============  ==========================================================================
 
 Anything else that carries a scale, or a ComfyUI format other than per-tensor fp8 (nvfp4,
-mxfp8, int8, ...), is refused, naming the tensor, before anything is written.
+mxfp8, int8, ...), is refused with a DTypeError naming the tensor, before anything is written
+(a marker that cannot be read at all is a FormatError).
 """
 import json
 import math
@@ -77,7 +78,9 @@ def comfy_configs(metadata, entries, read_bytes):
             try:
                 configs[name[: -len(".comfy_quant")]] = json.loads(bytes(read_bytes(name)))
             except (ValueError, UnicodeDecodeError) as exc:
-                raise FormatError(f"tensor {name!r} is not JSON ({exc})") from None
+                # raised if the weight beside it is fused: a weight no adapter touches is copied
+                configs[name[: -len(".comfy_quant")]] = FormatError(
+                    f"tensor {name!r} is not JSON ({exc})")
     marker = any(n == "scaled_fp8" or n.endswith(".scaled_fp8") for n in entries)
     return configs, marker
 
@@ -85,7 +88,7 @@ def comfy_configs(metadata, entries, read_bytes):
 def _one_f32(entries, name, key):
     dtype, shape = entries[name]
     if dtype != "F32" or math.prod(shape) != 1:
-        raise FormatError(f"weight {key}: {name} is {dtype} {list(shape)}; a per-tensor scale is "
+        raise DTypeError(f"weight {key}: {name} is {dtype} {list(shape)}; a per-tensor scale is "
                           "one F32 value")
 
 
@@ -105,29 +108,29 @@ def detect(key, entries, configs, marker):
         else:
             fmt_name = conf.get("format") if isinstance(conf, dict) else None
         if fmt_name not in COMFY_FORMATS:
-            raise FormatError(f"{refuse}: ComfyUI quantisation format {fmt_name!r} is not one "
+            raise DTypeError(f"{refuse}: ComfyUI quantisation format {fmt_name!r} is not one "
                               "ltx2blas fuses (per-tensor float8_e4m3fn / float8_e5m2 only)")
         fmt = COMFY_FORMATS[fmt_name]
         if dtype != fmt:
-            raise FormatError(f"{refuse}: ComfyUI says {fmt_name} but the weight is {dtype}")
+            raise DTypeError(f"{refuse}: ComfyUI says {fmt_name} but the weight is {dtype}")
         scale = module + (".weight_scale" if has[".weight_scale"] else ".scale_weight")
         if scale not in entries:
-            raise FormatError(f"{refuse}: ComfyUI fp8 without its weight_scale / scale_weight")
+            raise DTypeError(f"{refuse}: ComfyUI fp8 without its weight_scale / scale_weight")
         _one_f32(entries, scale, key)
         return Layout("comfy_fp8", fmt, (rows, cols), scale)
     if module and has[".scale_weight"]:
-        raise FormatError(f"{refuse}: {module}.scale_weight without ComfyUI's scaled_fp8 marker "
+        raise DTypeError(f"{refuse}: {module}.scale_weight without ComfyUI's scaled_fp8 marker "
                           "tensor; layout not handled")
     if module and has[".weight_scale_2"]:
         scale, scale_2 = module + ".weight_scale", module + ".weight_scale_2"
         if dtype != "U8" or scale not in entries:
-            raise FormatError(f"{refuse}: weight_scale_2 marks NVFP4, which stores U8 codes "
+            raise DTypeError(f"{refuse}: weight_scale_2 marks NVFP4, which stores U8 codes "
                               "with a weight_scale")
         s_dtype, s_shape = entries[scale]
         logical = (rows, cols * 2)
         want = (-(-rows // 128) * 128, -(-(logical[1] // 16) // 4) * 4)
         if s_dtype not in ("F8_E4M3", "U8") or tuple(s_shape) != want:
-            raise FormatError(f"{refuse}: NVFP4 block scales {scale} are {s_dtype} {list(s_shape)}; "
+            raise DTypeError(f"{refuse}: NVFP4 block scales {scale} are {s_dtype} {list(s_shape)}; "
                               f"expected F8_E4M3 {list(want)} (the cuBLAS tiled layout)")
         _one_f32(entries, scale_2, key)
         return Layout("nvfp4", "packed", logical, scale, scale_2)
@@ -141,7 +144,7 @@ def detect(key, entries, configs, marker):
         if dtype == "U8" and cols % 3 == 0 and s_dtype == "F32" and \
                 tuple(s_shape) == (rows / 128, cols * 4 / 3 / 128):
             return Layout("fp6_block", "packed", (rows, cols * 4 // 3), scale)
-        raise FormatError(f"{refuse}: its weight_scale is {s_dtype} {list(s_shape)}, which is no "
+        raise DTypeError(f"{refuse}: its weight_scale is {s_dtype} {list(s_shape)}, which is no "
                           "layout ltx2blas fuses (per-tensor fp8, blockwise fp8/fp6, NVFP4)")
     if dtype not in PLAIN:
         raise DTypeError(f"weight {key} is {dtype}; ltx2blas fuses into BF16, F8_E4M3 and "
@@ -150,14 +153,17 @@ def detect(key, entries, configs, marker):
 
 
 def _comfy_conf(module, configs):
-    if module is None:
-        return None
-    if module in configs:
-        return configs[module]
-    for prefix in ("model.diffusion_model.", "diffusion_model."):
-        if module.startswith(prefix) and module[len(prefix):] in configs:
-            return configs[module[len(prefix):]]
-    return None
+    conf = None
+    if module is not None and module in configs:
+        conf = configs[module]
+    elif module is not None:
+        for prefix in ("model.diffusion_model.", "diffusion_model."):
+            if module.startswith(prefix) and module[len(prefix):] in configs:
+                conf = configs[module[len(prefix):]]
+                break
+    if isinstance(conf, Exception):
+        raise conf
+    return conf
 
 
 def output_order(names, layouts):

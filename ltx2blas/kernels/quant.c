@@ -34,6 +34,21 @@ static inline float bf16_round(float f) { return bf16_value(bf16_of(f)); }
 
 static inline float absf(float f) { return bits_f32(f32_bits(f) & 0x7FFFFFFFu); }
 
+/* fp8 code -> value, both formats, built on first use (a race writes identical values) */
+static float fp8_table[2][256];
+static volatile int fp8_table_ready;
+
+static const float *fp8_values(int e5m2)
+{
+    if (!fp8_table_ready) {
+        for (int f = 0; f < 2; f++)
+            for (uint32_t c = 0; c < 256; c++)
+                fp8_table[f][c] = ltx_fp8_value(c, f);
+        fp8_table_ready = 1;
+    }
+    return fp8_table[e5m2 ? 1 : 0];
+}
+
 float ltx_fp8_value(uint32_t code, int e5m2)
 {
     const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
@@ -48,6 +63,27 @@ float ltx_fp8_value(uint32_t code, int e5m2)
     else
         v = (1.0f + (float)m / (float)(1u << mant)) * __builtin_ldexpf(1.0f, (int)e - bias);
     return (code & 0x80u) ? -v : v;
+}
+
+/* The same rounding as ltx_fp8_from_f32, branch-light for the passes' inner loops: below the
+ * smallest normal the magnitude is rounded to the subnormal quantum by one f32 addition of a
+ * constant whose unit in the last place is that quantum (nearest-even, exact); above it the
+ * f32 bits are rounded nearest-even at the fp8 mantissa and rebiased. Finite input only. */
+static inline uint32_t fp8_encode(float x, int e5m2)
+{
+    const uint32_t u = f32_bits(x), sign = (u >> 24) & 0x80u, a = u & 0x7FFFFFFFu;
+    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    const uint32_t min_normal = (uint32_t)(127 - bias + 1) << 23;
+    /* ulp of 1.5 * 2^(23 - bias - mant + 1) ... is 2^(1 - bias - mant), the subnormal quantum */
+    const float magic = bits_f32((uint32_t)(127 + 23 + 1 - bias - mant) << 23 | 0x400000u);
+    const uint32_t sub = f32_bits(bits_f32(a) + magic) - f32_bits(magic);
+    const uint32_t shift = 23u - (uint32_t)mant;
+    const uint32_t rounded = (a + (1u << (shift - 1)) - 1u + ((a >> shift) & 1u)) >> shift;
+    const uint32_t normal = rounded - ((uint32_t)(127 - bias) << mant);
+    uint32_t code = a < min_normal ? sub : normal;
+    const uint32_t largest = e5m2 ? 0x7Bu : 0x7Eu, over = e5m2 ? 0x7Cu : 0x7Eu;
+    code = code > largest ? over : code;
+    return code | sign;
 }
 
 uint32_t ltx_fp8_from_f32(float x, int e5m2)
@@ -76,13 +112,11 @@ uint32_t ltx_fp8_from_f32(float x, int e5m2)
 
 uint32_t ltx_e2m1_from_f32(float x)
 {
-    /* the grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0-7); a midpoint goes to the even code */
-    static const float mid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+    /* the grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0-7): the code is the number of midpoints
+     * below |x|; a midpoint itself counts toward the even code (>= below an even code) */
     const float a = absf(x);
-    uint32_t code = 0;
-    for (uint32_t c = 1; c < 8; c++)
-        if (a > mid[c - 1] || (a == mid[c - 1] && (c & 1u) == 0))
-            code = c;
+    const uint32_t code = (uint32_t)(a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) +
+                          (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
     return code | ((f32_bits(x) >> 28) & 0x8u);
 }
 
@@ -91,13 +125,15 @@ uint32_t ltx_e2m1_from_f32(float x)
 float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx count,
                          float scale, int e5m2)
 {
+    const float *values = fp8_values(e5m2);
     float table[256], top = 0.0f;
     for (int c = 0; c < 256; c++)
-        table[c] = ltx_fp8_value((uint32_t)c, e5m2) * scale;
+        table[c] = values[c] * scale;
+    /* finite codes and delta (the caller checks): the only non-finite sum is an overflow to
+     * inf, which a plain maximum keeps */
     for (ltx_idx i = 0; i < count; i++) {
         const float n = absf(table[codes[i]] + bf16_value(delta[i]));
-        if (n > top || n != n)
-            top = n;
+        top = n > top ? n : top;
     }
     return top;
 }
@@ -105,17 +141,20 @@ float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx co
 void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, float scale,
                           float mult, float fmax, int e5m2)
 {
+    const float *values = fp8_values(e5m2);
     float table[256];
     const int finite = mult - mult == 0.0f;
     for (int c = 0; c < 256; c++)
-        table[c] = ltx_fp8_value((uint32_t)c, e5m2) * scale;
+        table[c] = values[c] * scale;
+    if (!finite) { /* an all-zero tensor: the zeros themselves */
+        for (ltx_idx i = 0; i < count; i++)
+            codes[i] = (uint8_t)fp8_encode(table[codes[i]] + bf16_value(delta[i]), e5m2);
+        return;
+    }
     for (ltx_idx i = 0; i < count; i++) {
-        float n = table[codes[i]] + bf16_value(delta[i]);
-        if (finite) {
-            n = n * mult;
-            n = n < -fmax ? -fmax : n > fmax ? fmax : n;
-        }
-        codes[i] = (uint8_t)ltx_fp8_from_f32(n, e5m2);
+        float n = (table[codes[i]] + bf16_value(delta[i])) * mult;
+        n = n < -fmax ? -fmax : n > fmax ? fmax : n;
+        codes[i] = (uint8_t)fp8_encode(n, e5m2);
     }
 }
 
@@ -136,19 +175,21 @@ float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales, u
                            ltx_idx cols, ltx_idx r0, ltx_idx r1)
 {
     const ltx_idx ldc = fp6 ? cols / 4 * 3 : cols, blocks = cols / BLOCK;
+    const float *values = fp8_values(0);
     float top = 0.0f;
     for (ltx_idx r = r0; r < r1; r++) {
         const uint8_t *row = codes + r * ldc;
         uint16_t *d = delta + r * cols;
-        for (ltx_idx i = 0; i < cols; i++) {
-            const uint32_t code = fp6 ? fp6_code(row, i) : row[i];
-            const float scale = scales[(r / BLOCK) * blocks + i / BLOCK];
-            const float w = bf16_round(ltx_fp8_value(code, 0) * scale);
-            const uint16_t m = bf16_of(w + bf16_value(d[i]));
-            d[i] = m;
-            const float a = absf(bf16_value(m));
-            if (a > top || a != a)
-                top = a;
+        for (ltx_idx bj = 0; bj < blocks; bj++) {
+            const float scale = scales[(r / BLOCK) * blocks + bj];
+            for (ltx_idx i = bj * BLOCK; i < (bj + 1) * BLOCK; i++) {
+                const uint32_t code = fp6 ? fp6_code(row, i) : row[i];
+                const float w = bf16_round(values[code] * scale);
+                const uint16_t m = bf16_of(w + bf16_value(d[i]));
+                d[i] = m;
+                const float a = absf(bf16_value(m));
+                top = a > top ? a : top;
+            }
         }
     }
     return top;
@@ -176,7 +217,7 @@ void ltx_block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_id
                 const float v = bf16_value(m[r * cols + i + j]);
                 /* upstream's all-zero block quantises to NaN (0x7F): kept for fp6, whose
                  * packed 0x1F then dequantises to zero; the zeros themselves for fp8 */
-                c[j] = zero ? (fp6 ? 0x7Fu : ltx_fp8_from_f32(v, 0)) : ltx_fp8_from_f32(v * mult, 0);
+                c[j] = zero ? (fp6 ? 0x7Fu : fp8_encode(v, 0)) : fp8_encode(v * mult, 0);
             }
             if (fp6) {
                 uint32_t word = 0;
@@ -215,8 +256,7 @@ float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx
         const uint8_t *row = packed + r * (cols / 2);
         uint16_t *d = delta + r * cols;
         for (ltx_idx g = 0; g < cols / GROUP; g++) {
-            const float total =
-                scale_2 * ltx_fp8_value(scales[ltx_nvfp4_scale_offset(r, g, padded_cols)], 0);
+            const float total = scale_2 * fp8_values(0)[scales[ltx_nvfp4_scale_offset(r, g, padded_cols)]];
             for (ltx_idx j = 0; j < GROUP; j++) {
                 const ltx_idx i = g * GROUP + j;
                 const uint8_t byte = row[i / 2];
@@ -225,8 +265,7 @@ float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx
                 const uint16_t m = bf16_of(w + bf16_value(d[i]));
                 d[i] = m;
                 const float a = absf(bf16_value(m));
-                if (a > top || a != a)
-                    top = a;
+                top = a > top ? a : top;
             }
         }
     }
@@ -250,9 +289,9 @@ void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, u
                 s = (top / 6.0f) / t;
                 s = s < 448.0f ? s : 448.0f;
             }
-            const uint32_t sf = ltx_fp8_from_f32(s, 0);
+            const uint32_t sf = fp8_encode(s, 0);
             scales[ltx_nvfp4_scale_offset(r, g, padded_cols)] = (uint8_t)sf;
-            const float total = t * ltx_fp8_value(sf, 0);
+            const float total = t * fp8_values(0)[sf];
             const float inv = total > 0.0f ? 1.0f / total : 0.0f;
             for (ltx_idx j = 0; j < GROUP; j += 2) {
                 const uint32_t hi = ltx_e2m1_from_f32(bf16_value(m[g * GROUP + j]) * inv);

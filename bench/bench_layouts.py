@@ -1,0 +1,111 @@
+"""The fuse into scaled and quantised layouts against the bf16 fuse and sgemm, in the same run.
+
+For each thread count, rank and layout: fuse_quantized on an LTX-2-shaped weight (the delta
+through the GEMM seam, then the layout's merge and requantisation passes), interleaved with the
+in-place bf16 fuse of the same shape and rank and a square 2048^3 sgemm at the same thread count.
+Reported: the layout's time divided by the bf16 fuse's (what the layout costs on top), and its
+rate as a fraction of the sgemm rate.  The block layouts' first 128 rows are checked against ltx2blas.reference.
+
+    python bench/bench_layouts.py [--threads 1,2] [--ranks 32,384] [--shape 4096x4096]
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+LAYOUTS = ("fp8_scaled", "comfy_fp8", "fp8_block", "fp6_block", "nvfp4")
+
+
+def weights(rng, rows, cols):
+    """Stored weights of every layout, from one bf16 weight quantised simply (the values only
+    need to be plausible: the timing does not depend on them)."""
+    from ltx2blas import reference
+
+    w = harness.widen(harness.random_bf16(rng, (rows, cols), 0.02))
+    scale = np.array(np.abs(w).max() / 448, np.float32)
+    codes = reference.fp8_round(w / scale, "F8_E4M3")
+    bs = (np.abs(w).reshape(rows // 128, 128, cols // 128, 128).max(axis=(1, 3)) / 448).astype(np.float32)
+    bcodes = reference.fp8_round(w / np.repeat(np.repeat(bs, 128, 0), 128, 1), "F8_E4M3")
+    bs6 = (bs * np.float32(448 / 0.1172)).astype(np.float32)
+    packed6 = reference.fp6_pack(reference.fp8_round(
+        w / np.repeat(np.repeat(bs6, 128, 0), 128, 1), "F8_E4M3"))
+    padded = (-(-rows // 128) * 128, -(-(cols // 16) // 4) * 4)
+    block = np.full(padded, 0x38, np.uint8)
+    packed4 = rng.integers(0, 256, (rows, cols // 2)).astype(np.uint8)
+    return {
+        "fp8_scaled": (codes, {"scale": scale}),
+        "comfy_fp8": (codes, {"scale": scale}),
+        "fp8_block": (bcodes, {"scale": bs}),
+        "fp6_block": (packed6, {"scale": bs6}),
+        "nvfp4": (packed4, {"scale": block, "scale_2": np.array(1e-3, np.float32)}),
+    }
+
+
+def run(threads_list, shape, ranks, repeats=3, log=print):
+    import ltx2blas
+    from ltx2blas import reference
+
+    rng = np.random.default_rng(0)
+    rows, cols = shape
+    stored = weights(rng, rows, cols)
+    bf16_weight = harness.random_bf16(rng, (rows, cols), 0.02)
+    out = []
+    for rank in ranks:
+        a = harness.random_bf16(rng, (rank, cols), 0.01)
+        b = harness.random_bf16(rng, (rows, rank), 0.01)
+        flops = 2.0 * rows * cols * rank
+        delta = np.empty((rows, cols), np.uint16)
+        for threads in threads_list:
+            square, square_flops = harness.square_sgemm(threads)
+            work = bf16_weight.copy()
+            cands = {"bf16": lambda: ltx2blas.fuse_lora(work, a, b, 0.8, threads=threads, out=work),
+                     "sgemm_square": square}
+            for layout, (w, kw) in stored.items():
+                cands[layout] = (lambda w=w, kw=kw, layout=layout: ltx2blas.fuse_quantized(
+                    layout, w, [(a, b, 0.8)], threads=threads, delta_buffer=delta, **kw))
+            t = harness.interleaved(cands, repeats=repeats)
+            base = t["bf16"][harness.STAT]
+            peak = square_flops / t["sgemm_square"][harness.STAT] / 1e9
+            for layout, (w, kw) in stored.items():
+                got = ltx2blas.fuse_quantized(layout, w, [(a, b, 0.8)], threads=threads, **kw)
+                # the block rules work 128 rows at a time: check the first block row against
+                # the reference (the per-tensor rules see the whole tensor; the tests hold them)
+                checked = None
+                if layout in ("fp8_block", "fp6_block"):
+                    ref = reference.fuse_quantized(layout, w[:128], (kw["scale"][:1],),
+                                                   [(a, b[:128], 0.8)])
+                    checked = bool(np.array_equal(got.weight[:128], ref[0]))
+                s = t[layout][harness.STAT]
+                row = {"workload": "fuse_layout", "layout": layout, "rows": rows, "cols": cols,
+                       "rank": rank, "threads": threads, "seconds": s,
+                       "seconds_median": t[layout]["median"], "gflops": flops / s / 1e9,
+                       "sgemm_gflops": peak, "of_sgemm": flops / s / 1e9 / peak,
+                       "of_bf16_fuse": base / s, "bf16_fuse_seconds": base, "checked": checked}
+                out.append(row)
+                log(f"layout {layout:10s} threads={threads} {rows}x{cols} rank {rank:>4}: "
+                    f"{row['gflops']:6.1f} GFLOP/s  {row['of_sgemm']:.2f} of sgemm ({peak:.0f})  "
+                    f"{s / base:.2f}x the bf16 fuse's time  checked={checked}")
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", default=None, help="comma list, default 1..all CPUs")
+    parser.add_argument("--ranks", default="32,384")
+    parser.add_argument("--shape", default="4096x4096")
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    harness.check_installed_not_checkout()
+    shape = tuple(int(v) for v in args.shape.split("x"))
+    rows = run(harness.thread_counts(args.threads), shape, [int(r) for r in args.ranks.split(",")])
+    if args.out:
+        harness.write_json(args.out, {"machine": harness.machine(), "rows": rows})
+    return 0 if all(r["checked"] is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""How far ltx2blas's results are from its owners' own arithmetic, run in torch, on the same bytes.
+
+Needs torch (``pip install torch==2.13.0``).  For LTX-2-shaped weights and adapters it fuses
+with ltx2blas and with the owners' rules (tests/upstream_rules.py: upstream LTX-2's
+aggregation and quantisation policies, ComfyUI's per-tensor fp8), and counts the elements that
+differ -- once with the owners' whole arithmetic (their delta from torch's bf16 matmul, whose
+order of additions is not the textbook's), once with the layout rule alone given ltx2blas's
+delta (which must be 0).  Then the text feature extractor: upstream's normalisation in bf16
+against ltx2blas's (statistics summed exactly in f64), on synthetic Gemma-like hidden states.
+
+    python bench/upstream_diff.py [--rows 4096 --cols 4096] [--out FILE.json]
+"""
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))
+
+import torch  # noqa: E402
+
+import ltx2blas  # noqa: E402
+from ltx2blas import quantized, reference  # noqa: E402
+from ltx2blas.info import collect  # noqa: E402
+
+import upstream_rules as up  # noqa: E402
+
+
+def bf16(rng, shape, scale):
+    return reference.bf16_round(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+
+
+def fraction(a, b):
+    a, b = np.asarray(a).reshape(-1).view(np.uint8), np.asarray(b).reshape(-1).view(np.uint8)
+    if a.size != b.size:
+        raise ValueError("sizes differ")
+    return float(np.mean(a != b))
+
+
+def rules(rng, rows, cols):
+    w = bf16(rng, (rows, cols), 0.02)
+    ads = [(bf16(rng, (r, cols), 0.02), bf16(rng, (rows, r), 0.02), s)
+           for r, s in ((384, 0.8), (32, 1.0), (450, 0.5))]
+    out = {}
+    for n in (2, 3):
+        theirs = {rule: up.bits(up.fuse_bf16(w, up.aggregate(ads[:n], rule))) for rule in ("addmm", "sum")}
+        ours = {rule: ltx2blas.fuse_loras(w, ads[:n], rule=rule) for rule in ("addmm", "sum")}
+        out[f"{n} adapters"] = {
+            "addmm vs upstream addmm_": fraction(ours["addmm"], theirs["addmm"]),
+            "sum vs upstream stacked sum": fraction(ours["sum"], theirs["sum"]),
+            "upstream addmm_ vs upstream sum": fraction(theirs["addmm"], theirs["sum"]),
+            "addmm vs sum (ltx2blas)": fraction(ours["addmm"], ours["sum"]),
+        }
+    return out, ads
+
+
+def layouts(rng, rows, cols, ads):
+    ads = ads[:2]
+    agg_ours = ltx2blas.fuse.aggregate_delta(rows, cols, ads)
+    agg_theirs = up.aggregate(ads, "addmm")
+    agg_ours_t = up.bf16_tensor(agg_ours)
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * np.float32(0.02)
+    cases = {}
+    scale = np.array(np.abs(w).max() / 448, np.float32)
+    codes = quantized_codes(w / scale, "F8_E4M3")
+    cases["fp8_scaled"] = (codes, {"scale": scale}, lambda agg: up.fuse_fp8_scaled_mm(codes, scale, agg))
+    cases["comfy_fp8"] = (codes, {"scale": scale}, lambda agg: up.fuse_comfy_fp8(codes, scale, agg))
+    bs = (np.abs(w).reshape(rows // 128, 128, cols // 128, 128).max(axis=(1, 3)) / 448).astype(np.float32)
+    bcodes = quantized_codes(w / np.repeat(np.repeat(bs, 128, 0), 128, 1), "F8_E4M3")
+    cases["fp8_block"] = (bcodes, {"scale": bs}, lambda agg: up.fuse_block_fp8(bcodes, bs, agg))
+    bs6 = (bs * 448 / np.float32(0.1172)).astype(np.float32)
+    packed6 = up.fp6_pack(torch.from_numpy(quantized_codes(
+        w / np.repeat(np.repeat(bs6, 128, 0), 128, 1), "F8_E4M3"))).numpy()
+    cases["fp6_block"] = (packed6, {"scale": bs6}, lambda agg: up.fuse_block_fp6(packed6, bs6, agg))
+    packed, block, s2 = nvfp4_weight(rng, rows, cols)
+    cases["nvfp4"] = (packed, {"scale": block, "scale_2": s2},
+                      lambda agg: up.fuse_nvfp4(packed, block, s2, agg))
+    out = {}
+    for name, (weight, kw, theirs_of) in cases.items():
+        ours = quantized.fuse_quantized(name, weight, ads, **kw)
+        full, same_delta = theirs_of(agg_theirs), theirs_of(agg_ours_t)
+        out[name] = {
+            "codes, upstream's whole arithmetic": fraction(ours.weight, full[0]),
+            "scales, upstream's whole arithmetic": fraction(ours.scale, full[1]),
+            "codes, same delta": fraction(ours.weight, same_delta[0]),
+            "scales, same delta": fraction(ours.scale, same_delta[1]),
+        }
+    return out
+
+
+def quantized_codes(x, fmt):
+    return torch.from_numpy(np.clip(x, -448, 448).astype(np.float32)).to(up.E4M3).view(torch.uint8).numpy()
+
+
+def nvfp4_weight(rng, rows, cols):
+    """A bf16 weight quantised by the NVFP4 rule (the fuse of a zero delta into zero codes
+    with unit scales is not one; quantise directly)."""
+    w = up.bf16_tensor(bf16(rng, (rows, cols), 0.02))
+    zero_packed = np.zeros((rows, cols // 2), np.uint8)
+    padded = (-(-rows // 128) * 128, -(-(cols // 16) // 4) * 4)
+    packed, block, t = up.fuse_nvfp4(zero_packed, np.zeros(padded, np.uint8),
+                                     np.array(0, np.float32), w)
+    return packed, block, np.asarray(t, np.float32).reshape(())
+
+
+def features(rng, tokens):
+    d, l = 3840, 49
+    # Gemma-like: per-layer scales growing with depth, a few outlier dimensions, bf16
+    scale = np.linspace(0.5, 40, l).astype(np.float32)
+    h = rng.standard_normal((1, tokens, d, l), dtype=np.float32) * scale
+    h[:, :, rng.choice(d, 8, replace=False), :] *= 30
+    hb = torch.from_numpy(h).to(torch.bfloat16)
+    hbits = up.bits(hb)
+    mask = np.ones((1, tokens), bool)
+    mask[0, tokens * 3 // 4:] = False
+    tmask = torch.from_numpy(mask)
+    out = {}
+    w = bf16(rng, (64, d * l), 0.002)
+    for version in ("v1", "v2"):
+        theirs = up.features_v1(hb, tmask) if version == "v1" else up.features_v2(hb, tmask, 4096)
+        ours = ltx2blas.normalized_features(hbits, mask, version=version, out_features=4096)
+        t = up.bits(theirs.to(torch.bfloat16))[mask]
+        o = ours[mask]
+        diff = t != o
+        tv = t.astype(np.uint32) << 16
+        ov = o.astype(np.uint32) << 16
+        rel = np.abs(tv.view(np.float32).astype(np.float64) - ov.view(np.float32)) / np.maximum(
+            np.abs(ov.view(np.float32)), 1e-30)
+        # the projection both feed: bf16 F.linear on their features, ltx2blas.linear on ours
+        y_theirs = torch.nn.functional.linear(theirs.to(torch.bfloat16)[0][torch.from_numpy(mask[0])],
+                                              up.bf16_tensor(w)).float().numpy()
+        y_ours = ltx2blas.linear(o, w)
+        steps = np.abs(t.view(np.int16).astype(np.int32) - o.view(np.int16).astype(np.int32))
+        out[version] = {
+            "features differing": float(np.mean(diff)),
+            "largest difference, bf16 steps (same sign)": int(
+                steps[diff & (np.signbit(tv.view(np.float32)) == np.signbit(ov.view(np.float32)))].max(initial=0)),
+            "sign or zero differs": int(np.sum(diff & (np.signbit(tv.view(np.float32)) != np.signbit(ov.view(np.float32))))),
+            "of those differing, by one bf16 step": float(np.mean(steps[diff] == 1)) if diff.any() else 1.0,
+            "largest |difference| / largest |feature|": float(
+                np.max(np.abs(tv.view(np.float32) - ov.view(np.float32))) / np.max(np.abs(ov.view(np.float32)))),
+            "median relative difference where they differ": float(np.median(rel[diff])) if diff.any() else 0.0,
+            "projection: max |ours - upstream| / max |upstream|":
+                float(np.max(np.abs(y_ours - y_theirs)) / np.max(np.abs(y_theirs))),
+        }
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--cols", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--out", help="write the figures here as JSON")
+    parser.add_argument("--only", choices=("rules", "layouts", "features"), action="append",
+                        help="measure only these parts (repeatable)")
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(20261201)
+    t0 = time.time()
+    info = collect()
+    result = {"machine": {k: info.get(k) for k in ("cpu", "cpu_features", "kernel", "blas")} | {
+                  "python": platform.python_version(), "torch": torch.__version__,
+                  "ltx2blas": ltx2blas.__version__},
+              "shape": [args.rows, args.cols]}
+    only = set(args.only or ("rules", "layouts", "features"))
+    result["rules"], ads = rules(rng, args.rows, args.cols)
+    if "rules" not in only:
+        del result["rules"]
+    if "layouts" in only:
+        result["layouts"] = layouts(rng, args.rows, args.cols, ads)
+    if "features" in only:
+        result["features"] = features(np.random.default_rng(20261202), args.tokens)
+    result["seconds"] = round(time.time() - t0, 1)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
