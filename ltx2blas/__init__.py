@@ -30,7 +30,7 @@ from .errors import (
     NumericsError,
     ShapeError,
 )
-from .fuse import fuse_lora, fuse_loras
+from .fuse import fuse_dora, fuse_lora, fuse_loras
 from .quantized import QuantizedWeight, fuse_quantized
 from .features import normalized_features, text_features
 from .files.checkpoint import FuseReport, fuse_checkpoint, fuse_state_dict
@@ -44,6 +44,7 @@ except PackageNotFoundError:  # running from a build tree
 __all__ = [
     "fuse_lora",
     "fuse_loras",
+    "fuse_dora",
     "fuse_quantized",
     "QuantizedWeight",
     "linear",

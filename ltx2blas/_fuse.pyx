@@ -27,11 +27,19 @@ cdef enum:
     RULE_ADDMM = 2
 
 RULES = {"one": RULE_ONE, "sum": RULE_SUM, "addmm": RULE_ADDMM}
+KINDS = {"lora": KIND_LORA, "diff": KIND_DIFF}
+
+
+# What an adapter is (fuse_tiles' ``kinds``): a LoRA pair, or a full-weight difference.
+cdef enum:
+    KIND_LORA = 0
+    KIND_DIFF = 1
 
 
 cdef struct Adapters:
     int count
-    const uint16_t **a        # [rank, cols] bf16, row stride cols
+    int *kind                 # KIND_LORA or KIND_DIFF
+    const uint16_t **a        # [rank, cols] bf16, row stride cols; a difference: [rows, cols]
     const uint16_t **b        # [rows, rank] bf16
     int *rank
     Py_ssize_t *bs_offset     # where adapter a's rows start in a thread's bs buffer
@@ -106,6 +114,8 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
 
     if slot.strip != ti:
         for a in range(ad.count):
+            if ad.kind[a] == KIND_DIFF:
+                continue
             if job.rule == RULE_ADDMM and a > 0:  # addmm scales the product, not B
                 kern.widen_bf16(ad.b[a] + o0 * ad.rank[a], slot.bs + ad.bs_offset[a],
                                 <Py_ssize_t>mt * ad.rank[a])
@@ -123,7 +133,7 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
         dst, ldo = job.out + origin * esize, job.cols
 
     if job.pairs or (ad.count == 1 and job.fmt == 0 and job.rule == RULE_ONE
-                     and ad.depth[shape] == 0):
+                     and ad.kind[0] == KIND_LORA and ad.depth[shape] == 0):
         # No sgemm for this product: it is computed, rounded and added in one pass, with
         # pairs two terms per instruction.
         rank = ad.rank[0]
@@ -144,11 +154,21 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
     if job.rule == RULE_SUM:
         memset(slot.total, 0, <size_t>mt * nt * sizeof(float))
     for a in range(ad.count):
-        rank = ad.rank[a]
-        panel = slot.panels + ad.panel_offset[a]
-        kern.widen_bf16_rows(ad.a[a] + i0, job.cols, panel, nt, rank, nt)
-        exact_product(kern, mt, nt, rank, slot.bs + ad.bs_offset[a], rank, panel, slot.acc,
-                      ad.depth[4 * a + shape])
+        if ad.kind[a] == KIND_DIFF:
+            # acc = f32(bf16(s * diff)), the difference's delta, or for a later addmm term
+            # f32(diff), which accumulate_addmm scales
+            for r in range(mt):
+                if job.rule == RULE_ADDMM and a > 0:
+                    kern.widen_bf16(ad.a[a] + origin + r * job.cols, slot.acc + r * nt, nt)
+                else:
+                    kern.scale_round_widen(ad.a[a] + origin + r * job.cols, ad.scale[a],
+                                           slot.acc + r * nt, nt)
+        else:
+            rank = ad.rank[a]
+            panel = slot.panels + ad.panel_offset[a]
+            kern.widen_bf16_rows(ad.a[a] + i0, job.cols, panel, nt, rank, nt)
+            exact_product(kern, mt, nt, rank, slot.bs + ad.bs_offset[a], rank, panel, slot.acc,
+                          ad.depth[4 * a + shape])
         if job.rule == RULE_SUM:
             kern.accumulate_rounded(slot.acc, slot.total, <Py_ssize_t>mt * nt)
         elif job.rule == RULE_ADDMM and a == 0:
@@ -171,10 +191,10 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
             bad[t] = origin + q
 
 
-def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list lora_a,
+def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list lora_a,
                list lora_b, float[::1] scales, int[:, ::1] depths, int mb, int nb, int threads,
                bint allow_fma, int rule, bint check, bint dry_run, bint stochastic=False,
-               uint64_t key=0, bint pairs=False, bint plus_zero=False):
+               uint64_t key=0, bint pairs=False, bint plus_zero=False, kinds=None):
     """Fuse adapters into ``weight``, writing ``out`` (which may be ``weight``); both passed as
     their bytes, [rows, cols * element size], ``fmt`` 0 for bf16, 1 for F8_E4M3, 2 for F8_E5M2,
     3 for the bare bf16 delta (``out = bf16(agg)``, ``weight`` not read).
@@ -182,6 +202,9 @@ def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list 
     ``rule``: RULE_ONE (one adapter, ``W + delta``), RULE_SUM (``W + bf16(0 + d1 + d2 ...)``)
     or RULE_ADDMM (``W + agg``, agg = d1, then ``bf16(agg + s_i * (B_i @ A_i))`` for each later
     adapter, B_i unscaled), as :func:`ltx2blas.reference.aggregate_delta` states them.
+    ``kinds[a]`` (default all LoRA) is KIND_DIFF for a full-weight difference: ``lora_a[a]`` is
+    then the difference [rows, cols] (bf16) and ``lora_b[a]`` None; its delta is
+    ``bf16(s * diff)``, and a later addmm term adds ``f32(s * diff)``.
     ``depths[a]`` holds the verified sgemm depth of adapter a for the tile shapes
     (full, full), (full, edge), (edge, full), (edge, edge) in (rows, cols).
     ``pairs``: one bf16 adapter multiplied by the kernel table's dot-product fuse, which the
@@ -213,6 +236,7 @@ def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list 
 
     keep = []  # the memoryviews whose pointers the C structs hold
     ad.count = count
+    ad.kind = <int *>malloc(count * sizeof(int))
     ad.a = <const uint16_t **>malloc(count * sizeof(void *))
     ad.b = <const uint16_t **>malloc(count * sizeof(void *))
     ad.rank = <int *>malloc(count * sizeof(int))
@@ -223,21 +247,26 @@ def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list 
     bad_array = np.full(tiles, -1, dtype=np.int64)
     cdef int64_t[::1] bad = bad_array
     try:
-        if not (ad.a and ad.b and ad.rank and ad.panel_offset and ad.bs_offset and ad.scale
-                and ad.depth):
+        if not (ad.kind and ad.a and ad.b and ad.rank and ad.panel_offset and ad.bs_offset
+                and ad.scale and ad.depth):
             raise MemoryError()
         for a in range(count):
+            ad.kind[a] = KIND_LORA if kinds is None else kinds[a]
             view = lora_a[a]
             keep.append(view)
             ad.a[a] = &view[0, 0]
-            ad.rank[a] = <int>view.shape[0]
             ad.panel_offset[a] = rank_sum * nb
             ad.bs_offset[a] = rank_sum * mb
-            rank_sum += view.shape[0]
-            view = lora_b[a]
-            keep.append(view)
-            ad.b[a] = &view[0, 0]
             ad.scale[a] = scales[a]
+            if ad.kind[a] == KIND_DIFF:
+                ad.rank[a] = 0
+                ad.b[a] = NULL
+            else:
+                ad.rank[a] = <int>view.shape[0]
+                rank_sum += view.shape[0]
+                view = lora_b[a]
+                keep.append(view)
+                ad.b[a] = &view[0, 0]
             for s in range(4):
                 ad.depth[4 * a + s] = depths[a, s]
         job.w = &weight[0, 0]
@@ -284,6 +313,7 @@ def fuse_tiles(const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list 
     finally:
         free(buffers)
         free(slots)
+        free(ad.kind)
         free(ad.a)
         free(ad.b)
         free(ad.rank)

@@ -26,6 +26,16 @@ cdef extern from "quant.h" nogil:
                                  uint8_t *scales, ltx_idx padded_cols, ltx_idx cols, ltx_idx r0,
                                  ltx_idx r1)
 
+    void ltx_dora_merge_rows(const uint16_t *w, uint16_t *delta, ltx_idx cols, ltx_idx r0,
+                             ltx_idx r1, double *row_sq)
+    void ltx_sum_squares_rows(const uint16_t *x, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                              double *out)
+    void ltx_sum_squares_cols(const uint16_t *x, ltx_idx rows, ltx_idx cols, ltx_idx c0,
+                              ltx_idx c1, double *out)
+    void ltx_dora_store_rows(const uint16_t *v, const float *row_factor, const float *col_factor,
+                             const uint16_t *w, uint16_t *out, ltx_idx cols, ltx_idx r0,
+                             ltx_idx r1, float strength, int blend)
+
 import numpy as np
 
 # Rows per task: enough work per task to hide the scheduling, and hundreds of tasks for a
@@ -136,3 +146,45 @@ def _max(float[::1] tops):
     for i in range(tops.shape[0]):
         top = fmax_nan(top, tops[i])
     return top
+
+
+def dora_merge(const uint16_t[:, ::1] weight, uint16_t[:, ::1] delta, int norm_of, int threads):
+    """delta = V = bf16(W + delta) in place; returns the f64 sums of squares DoRA's norms take:
+    norm_of 0, V's rows; 1, W's rows; 2, V's columns."""
+    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0, c0
+    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    out = np.zeros(cols if norm_of == 2 else rows, np.float64)
+    cdef double[::1] sq = out
+    cdef Py_ssize_t col_tasks = (cols + 63) // 64
+    if rows == 0 or cols == 0:
+        return out
+    with nogil:
+        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+            r0 = t * ROWS_PER_TASK
+            ltx_dora_merge_rows(&weight[0, 0], &delta[0, 0], cols, r0,
+                                min(r0 + ROWS_PER_TASK, rows), &sq[0] if norm_of == 0 else NULL)
+            if norm_of == 1:
+                ltx_sum_squares_rows(&weight[0, 0], cols, r0, min(r0 + ROWS_PER_TASK, rows),
+                                     &sq[0])
+    if norm_of == 2:
+        with nogil:
+            for t in prange(col_tasks, num_threads=threads, schedule="dynamic"):
+                c0 = t * 64
+                ltx_sum_squares_cols(&delta[0, 0], rows, cols, c0, min(c0 + 64, cols), &sq[0])
+    return out
+
+
+def dora_store(const uint16_t[:, ::1] v, const float[::1] factor, bint per_row,
+               const uint16_t[:, ::1] weight, uint16_t[:, ::1] out, float strength, bint blend,
+               int threads):
+    """out = bf16(V * factor) (per row or per column), blended with the weight by strength."""
+    cdef Py_ssize_t rows = v.shape[0], cols = v.shape[1], t, r0
+    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    if rows == 0 or cols == 0:
+        return
+    with nogil:
+        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+            r0 = t * ROWS_PER_TASK
+            ltx_dora_store_rows(&v[0, 0], &factor[0] if per_row else NULL,
+                                NULL if per_row else &factor[0], &weight[0, 0], &out[0, 0], cols,
+                                r0, min(r0 + ROWS_PER_TASK, rows), strength, blend)

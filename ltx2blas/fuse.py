@@ -20,7 +20,8 @@ from .errors import (
     ShapeError,
 )
 
-__all__ = ["fuse_lora", "fuse_loras", "aggregate_delta", "buffer_bytes", "DEFAULT_TILE"]
+__all__ = ["fuse_lora", "fuse_loras", "fuse_dora", "aggregate_delta", "buffer_bytes",
+           "DEFAULT_TILE"]
 
 #: Output tile (rows, cols) each thread computes at a time. The f32 accumulator tile
 #: (512 x 256 x 4 B = 512 KiB) stays in L2 between the product and the rounding store.
@@ -28,6 +29,9 @@ DEFAULT_TILE = (512, 256)
 
 _INT_MAX = 2**31 - 1
 _BF16_FINITE_LIMIT = 3.0e38  # below bf16's largest finite value (3.39e38), with margin
+# f32 magnitudes from this one up round to bf16 inf: halfway between bf16's largest finite
+# value, 2^128 - 2^120, and 2^128 (a tie rounds up, to the even inf)
+_BF16_ROUNDS_TO_INF = np.float32(2.0**128 - 2.0**119)
 
 
 def fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None,
@@ -79,7 +83,9 @@ def fuse_loras(weight, adapters, *, rule="addmm", threads=None, out=None, check_
     """Fold several adapters into one weight: ``W' = bf16(W + agg)``, the adapters' bf16
     aggregate ``agg`` formed by a named rule, in the order given.
 
-    ``adapters`` is a sequence of ``(lora_a, lora_b, strength)``.
+    ``adapters`` is a sequence of ``(lora_a, lora_b, strength)``, a LoRA pair, or
+    ``(diff, strength)``, a full-weight difference [out, in] (bf16) whose delta is
+    ``bf16(strength * diff)``.
 
     ``rule="addmm"`` (default; upstream LTX-2 today): ``agg = delta_1``, then for each later
     adapter ``agg = bf16(agg + f32(s_i * (B_i @ A_i)))`` with B_i not scaled and the product
@@ -98,10 +104,12 @@ def fuse_loras(weight, adapters, *, rule="addmm", threads=None, out=None, check_
     try:
         adapters = [tuple(item) for item in adapters]
     except TypeError:
-        raise TypeError("adapters must be a sequence of (lora_a, lora_b, strength)") from None
+        raise TypeError("adapters must be a sequence of (lora_a, lora_b, strength) or "
+                        "(diff, strength)") from None
     for i, item in enumerate(adapters):
-        if len(item) != 3:
-            raise TypeError(f"adapters[{i}] must be (lora_a, lora_b, strength), got {len(item)} items")
+        if len(item) not in (2, 3):
+            raise TypeError(f"adapters[{i}] must be (lora_a, lora_b, strength) or (diff, "
+                            f"strength), got {len(item)} items")
     return _fuse_into(weight, adapters, threads, out, check_finite, tile, rule=rule,
                       weight_format=weight_format, fp8_rounding=fp8_rounding, seed=seed,
                       name=name)
@@ -122,6 +130,66 @@ def aggregate_delta(rows, cols, adapters, *, rule="addmm", threads=None, tile=No
         raise LayoutError(f"out must be C-contiguous uint16 [{rows}, {cols}]")
     _fuse_into(out, adapters, threads, out, False, tile, rule=rule, weight_format="delta")
     return out
+
+
+#: ComfyUI's DoRA eps: f32's machine epsilon (its compute dtype on the CPU)
+DORA_EPS = np.float32(2.0 ** -23)
+
+
+def fuse_dora(weight, lora_a, lora_b, magnitude, *, scale=1.0, strength=1.0, style="peft",
+              threads=None, out=None):
+    """Fold a DoRA adapter into a bf16 weight: the LoRA-fused weight rescaled to the adapter's
+    magnitudes, as PEFT (``style="peft"``, a ``lora_magnitude_vector`` [out]) or ComfyUI
+    (``style="comfy"``, a ``dora_scale`` [out, 1] or [1, in]) define it.
+
+    ``scale`` is the LoRA's own scale (alpha / rank), applied inside the decomposition;
+    ``strength`` blends the result with the weight, ``W + strength * (W_dora - W)``, as
+    ComfyUI does (PEFT merges at strength 1).  The arithmetic, norms and eps included, is
+    :func:`ltx2blas.reference.fuse_dora`'s, byte for byte.  ``magnitude`` is f32 or bf16.
+
+    Raises NonFiniteResultError where a norm is zero (PEFT's rule then divides by zero)."""
+    from . import _quant
+
+    w = bf16_bits(weight, "weight")
+    if w.ndim != 2:
+        raise ShapeError(f"weight must be 2-D [out, in], got shape {w.shape}")
+    _check_layout(w, "weight")
+    rows, cols = w.shape
+    if style not in ("peft", "comfy"):
+        raise ValueError(f"style must be 'peft' or 'comfy', got {style!r}")
+    if not isinstance(magnitude, np.ndarray):
+        raise DTypeError(f"magnitude must be a numpy array, got {type(magnitude).__name__}")
+    m = bf16_to_f32(magnitude) if magnitude.dtype == np.uint16 or magnitude.dtype.name == \
+        "bfloat16" else magnitude
+    if m.dtype != np.float32:
+        raise DTypeError(f"magnitude must be float32 or bf16, got {magnitude.dtype}")
+    if style == "peft" and m.size == rows and m.ndim == 1:
+        norm_of, per_row = 0, True
+    elif style == "comfy" and m.shape == (rows, 1):
+        norm_of, per_row = 1, True
+    elif style == "comfy" and m.shape == (1, cols):
+        norm_of, per_row = 2, False
+    else:
+        want = f"[{rows}]" if style == "peft" else f"[{rows}, 1] or [1, {cols}]"
+        raise ShapeError(f"a {style} DoRA magnitude of a [{rows}, {cols}] weight is {want}, "
+                         f"got {list(m.shape)}")
+    strength = _strength_f32(strength, 0)
+    threads = resolve_threads(threads)
+    result, given_out = _output(out, w, "bf16", [])
+    v = aggregate_delta(rows, cols, [(lora_a, lora_b, scale)], threads=threads)
+    squares = _quant.dora_merge(w, v, norm_of, threads)      # v now holds bf16(W + delta)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        norms = np.sqrt(squares).astype(np.float32)
+        if style == "comfy":
+            norms = norms + DORA_EPS
+        factor = np.ascontiguousarray(m.reshape(-1) / norms, np.float32)
+    if not np.all(np.isfinite(factor)):
+        bad = int(np.flatnonzero(~np.isfinite(factor))[0])
+        raise NonFiniteResultError(f"DoRA {'row' if per_row else 'column'} {bad}: magnitude "
+                                   f"{float(m.reshape(-1)[bad])!r} over a norm of "
+                                   f"{float(norms[bad])!r} is not finite")
+    _quant.dora_store(v, factor, per_row, w, result, strength, strength != 1, threads)
+    return result if given_out else _like(result, weight)
 
 
 def buffer_bytes(ranks, threads=1, tile=None, several=None):
@@ -246,8 +314,170 @@ def _first_nonfinite(bits, fmt):
     return first, largest
 
 
+class _Adapter:
+    """One validated adapter: a LoRA pair (``a`` = A, ``b`` = B) or a full-weight difference
+    (``a`` = the difference, ``b`` None), with its f32 strength."""
+
+    def __init__(self, kind, a, b, s):
+        self.kind, self.a, self.b, self.s = kind, a, b, s
+        self.rank = a.shape[0] if kind == "lora" else 0
+
+
+def _prepare_adapters(adapters, rows, cols):
+    """[_Adapter] of the adapters that contribute (rank-0 LoRAs are left out)."""
+    prepared = []
+    for i, item in enumerate(adapters):
+        if len(item) == 2:
+            s = _strength_f32(item[1], i)
+            diff = bf16_bits(item[0], f"adapter {i} diff")
+            if diff.shape != (rows, cols):
+                raise ShapeError(f"adapter {i}: diff {diff.shape} does not fit weight "
+                                 f"({rows}, {cols})")
+            _check_layout(diff, f"adapter {i} diff")
+            prepared.append(_Adapter("diff", diff, None, s))
+            continue
+        lora_a, lora_b, strength = item
+        a = bf16_bits(lora_a, f"adapter {i} lora_a")
+        b = bf16_bits(lora_b, f"adapter {i} lora_b")
+        if a.ndim != 2 or b.ndim != 2:
+            raise ShapeError(
+                f"adapter {i}: lora_a and lora_b must be 2-D, got {a.shape} and {b.shape}")
+        if a.shape[1] != cols:
+            raise ShapeError(f"adapter {i}: lora_a {a.shape} does not fit weight ({rows}, "
+                             f"{cols}): expected [rank, {cols}]")
+        if b.shape[0] != rows:
+            raise ShapeError(f"adapter {i}: lora_b {b.shape} does not fit weight ({rows}, "
+                             f"{cols}): expected [{rows}, rank]")
+        if a.shape[0] != b.shape[1]:
+            raise ShapeError(f"adapter {i}: ranks disagree: lora_a has {a.shape[0]} rows, "
+                             f"lora_b {b.shape[1]} columns")
+        if a.shape[0] > _INT_MAX:
+            raise ShapeError(f"adapter {i}: rank {a.shape[0]} exceeds the BLAS integer range")
+        _check_layout(a, f"adapter {i} lora_a")
+        _check_layout(b, f"adapter {i} lora_b")
+        s = _strength_f32(strength, i)
+        if a.shape[0] > 0:
+            prepared.append(_Adapter("lora", a, b, s))
+    return prepared
+
+
+def _output(out, w, fmt, prepared):
+    """(the array written, whether it was given): a new one, or ``out`` checked."""
+    if out is None:
+        return np.empty_like(w), False
+    result = _weight_bits(out, fmt, "out")[1]
+    if result.shape != w.shape:
+        raise ShapeError(f"out has shape {result.shape}, expected {w.shape}")
+    _check_layout(result, "out")
+    if not result.flags.writeable:
+        raise LayoutError("out is read-only")
+    in_place = result.__array_interface__["data"][0] == w.__array_interface__["data"][0]
+    if not in_place and np.shares_memory(result, w):
+        raise LayoutError("out partially overlaps weight; pass out=weight or a separate array")
+    for i, ad in enumerate(prepared):
+        if np.shares_memory(result, ad.a) or (ad.b is not None and np.shares_memory(result, ad.b)):
+            raise LayoutError(f"out overlaps adapter {i}")
+    return result, True
+
+
+class _Route:
+    """How a fuse runs, decided from the adapters' magnitudes; none of it changes a byte.
+
+    rule       "one" (a single adapter, W + delta), "sum" or "addmm"
+    fma        every product is exact in f32, so the fast tables may contract c + x*y and a
+               BLAS may be used
+    blas       the adapters are finite (some BLAS builds skip zero terms, which changes how a
+               NaN or inf propagates)
+    pairs      the dot-product kernel gives the textbook bytes (_pairs_exact)
+    plus_zero  one bf16 adapter under the sum rule: the one-adapter result with -0.0 made +0.0
+    bound      a bound on |delta|, for the overflow check"""
+
+    def __init__(self, rule, fmt, prepared):
+        # One adapter under the sum rule: bf16(0.0 + delta) is delta with -0.0 made +0.0, so
+        # it takes the one-adapter routes (the one-pass and dot-product kernels among them) and
+        # the kernels clear -0.0 from each stored tile, instead of a zeroed f32 total and one
+        # more rounding pass per tile. Not for fp8, whose one-adapter rule is the delta's. One
+        # adapter under addmm is the one-adapter rule exactly.
+        self.plus_zero = rule == "sum" and fmt == "bf16" and len(prepared) == 1
+        self.rule = "one" if len(prepared) == 1 else rule
+        self.fma, self.blas, self.bound = True, True, 0.0
+        self.pairs = fmt == "bf16" and self.rule == "one" and prepared[0].kind == "lora"
+
+
+def _choose_route(prepared, fmt, rule, check_finite):
+    route = _Route(rule, fmt, prepared)
+    for i, ad in enumerate(prepared):
+        if ad.kind == "diff":
+            mag = _Magnitudes(ad.a)
+            if check_finite and mag.first_nonfinite >= 0:
+                at = _where(mag.first_nonfinite, ad.a.shape)
+                raise NonFiniteInputError(
+                    f"adapter {i} diff is non-finite at {at} (value {_bf16_value(ad.a[at])!r})")
+            route.bound += abs(float(ad.s)) * mag.max * 1.01
+            continue
+        amag, bmag = _Magnitudes(ad.a), _Magnitudes(ad.b)
+        if check_finite:
+            for what, arr, mag in (("lora_a", ad.a, amag), ("lora_b", ad.b, bmag)):
+                if mag.first_nonfinite >= 0:
+                    at = _where(mag.first_nonfinite, arr.shape)
+                    raise NonFiniteInputError(
+                        f"adapter {i} {what} is non-finite at {at} (value {_bf16_value(arr[at])!r})")
+        # bs = bf16(B*s): bounds on its magnitudes, one bf16 rounding step of slack each way;
+        # addmm multiplies later adapters' B unscaled and scales their products.
+        prescaled = route.rule != "addmm" or i == 0
+        if prescaled:
+            bs_max = bmag.max * abs(float(ad.s)) * (1 + 2.0**-7)
+            bs_min = bmag.min * abs(float(ad.s)) * (1 - 2.0**-7)
+        else:
+            bs_max, bs_min = bmag.max, bmag.min
+        if check_finite and prescaled and bs_max >= _BF16_FINITE_LIMIT:
+            bad = _first_bf16_overflow(ad.b, ad.s)
+            if bad >= 0:
+                at = _where(bad, ad.b.shape)
+                raise NonFiniteResultError(
+                    f"adapter {i}: lora_b{at} x strength {float(ad.s)!r} overflows bf16")
+        # Products bs*A are exact in f32 (so FMA and BLAS are exact too) unless they could
+        # leave the normal range.
+        if bs_max * amag.max >= 2.0**127 or (
+                bs_min * amag.min != 0 and bs_min * amag.min < 2.0**-126):
+            route.fma = False
+        if amag.first_nonfinite >= 0 or bmag.first_nonfinite >= 0 or bs_max >= _BF16_FINITE_LIMIT:
+            route.blas = False
+        route.bound += ad.rank * bs_max * amag.max * (1.01 if prescaled else 1.01 * abs(float(ad.s)))
+        route.pairs = route.pairs and _pairs_exact(ad.rank, bs_min, amag.min, route.bound)
+    route.pairs = route.pairs and route.blas and route.fma and _gemm.has_pairs_kernel()
+    return route
+
+
+def _first_bf16_overflow(bits, s):
+    """Index of the first element of bf16(B * s) that is inf or NaN, or -1."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = bf16_to_f32(bits) * s
+    bad = np.flatnonzero(~np.isfinite(scaled) | (np.abs(scaled) >= _BF16_ROUNDS_TO_INF))
+    return int(bad[0]) if bad.size else -1
+
+
+def _probe_depths(prepared, route, rows, cols, mb, nb):
+    """The verified sgemm depth of each LoRA for each tile shape class (full or edge rows and
+    columns); zeros where sgemm is not used."""
+    depths = np.zeros((len(prepared), 4), dtype=np.intc)
+    if not (route.blas and route.fma):
+        return depths
+    edge_m, edge_n = rows - (rows - 1) // mb * mb, cols - (cols - 1) // nb * nb
+    for i, ad in enumerate(prepared):
+        if ad.kind != "lora":
+            continue
+        for em, m in ((0, mb), (1, edge_m)):
+            for en, n in ((0, nb), (1, edge_n)):
+                if (em == 0 and rows < mb) or (en == 0 and cols < nb):
+                    continue  # no tile of this shape
+                depths[i, 2 * em + en] = _gemm.blas_depth(m, n, ad.rank, ad.rank)
+    return depths
+
+
 def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
                weight_format=None, fp8_rounding="nearest", seed=0, name=""):
+    """The fuse: validate and prepare, check ``out``, choose the route, probe sgemm, run."""
     fmt, w = _weight_bits(weight, weight_format)
     if fp8_rounding not in ("nearest", "stochastic"):
         raise ValueError(f"fp8_rounding must be 'nearest' or 'stochastic', got {fp8_rounding!r}")
@@ -257,56 +487,12 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
         raise ShapeError(f"weight must be 2-D [out, in], got shape {w.shape}")
     _check_layout(w, "weight")
     rows, cols = w.shape
-
-    prepared = []  # (A bits, B bits, f32 strength)
-    for i, (lora_a, lora_b, strength) in enumerate(adapters):
-        a = bf16_bits(lora_a, f"adapter {i} lora_a")
-        b = bf16_bits(lora_b, f"adapter {i} lora_b")
-        if a.ndim != 2 or b.ndim != 2:
-            raise ShapeError(
-                f"adapter {i}: lora_a and lora_b must be 2-D, got {a.shape} and {b.shape}")
-        if a.shape[1] != cols:
-            raise ShapeError(
-                f"adapter {i}: lora_a {a.shape} does not fit weight {w.shape}: expected [rank, {cols}]")
-        if b.shape[0] != rows:
-            raise ShapeError(
-                f"adapter {i}: lora_b {b.shape} does not fit weight {w.shape}: expected [{rows}, rank]")
-        if a.shape[0] != b.shape[1]:
-            raise ShapeError(
-                f"adapter {i}: ranks disagree: lora_a has {a.shape[0]} rows, lora_b {b.shape[1]} columns")
-        if a.shape[0] > _INT_MAX:
-            raise ShapeError(f"adapter {i}: rank {a.shape[0]} exceeds the BLAS integer range")
-        _check_layout(a, f"adapter {i} lora_a")
-        _check_layout(b, f"adapter {i} lora_b")
-        s = _strength_f32(strength, i)
-        if a.shape[0] > 0:
-            prepared.append((a, b, s))
-
+    prepared = _prepare_adapters(adapters, rows, cols)
     threads = resolve_threads(threads)
-    if tile is None:
-        tile = DEFAULT_TILE
-    mb, nb = (int(v) for v in tile)
-    if not (1 <= mb <= 65536 and 1 <= nb <= 65536):
-        raise ValueError(f"tile must be two ints in [1, 65536], got {tile!r}")
+    mb, nb = _tile(tile)
+    result, given_out = _output(out, w, fmt, prepared)
 
-    if out is None:
-        result = np.empty_like(w)
-        given_out = False
-    else:
-        result = _weight_bits(out, fmt, "out")[1]
-        given_out = True
-        if result.shape != w.shape:
-            raise ShapeError(f"out has shape {result.shape}, expected {w.shape}")
-        _check_layout(result, "out")
-        if not result.flags.writeable:
-            raise LayoutError("out is read-only")
-        in_place = result.__array_interface__["data"][0] == w.__array_interface__["data"][0]
-        if not in_place and np.shares_memory(result, w):
-            raise LayoutError("out partially overlaps weight; pass out=weight or a separate array")
-        for i, (a, b, _) in enumerate(prepared):
-            if np.shares_memory(result, a) or np.shares_memory(result, b):
-                raise LayoutError(f"out overlaps adapter {i}")
-
+    w_largest = 0.0
     if check_finite:
         first_bad, w_largest = _first_nonfinite(w, fmt)
         if first_bad >= 0:
@@ -314,98 +500,48 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
             raise NonFiniteWeightError(
                 f"weight ({fmt}) is already non-finite at {at} (code {int(w[at]):#x}) "
                 "before fusing")
-
-    allow_fma = True
-    use_blas = True
-    overflow_bound = 0.0
-    # One adapter under the sum rule: bf16(0.0 + delta) is delta with -0.0 made +0.0, so it
-    # takes the one-adapter routes (the one-pass and dot-product kernels among them) and the
-    # kernels clear -0.0 from each stored tile, instead of a zeroed f32 total and one more
-    # rounding pass per tile. Not for fp8, whose one-adapter rule is the delta's. One adapter
-    # under addmm is the one-adapter rule exactly.
-    plus_zero = rule == "sum" and fmt == "bf16" and len(prepared) == 1
-    if len(prepared) == 1:
-        rule = "one"
-    pairs_exact = fmt == "bf16" and rule == "one"
-    for i, (a, b, s) in enumerate(prepared):
-        amag, bmag = _Magnitudes(a), _Magnitudes(b)
-        if check_finite:
-            for name, arr, mag in (("lora_a", a, amag), ("lora_b", b, bmag)):
-                if mag.first_nonfinite >= 0:
-                    at = _where(mag.first_nonfinite, arr.shape)
-                    raise NonFiniteInputError(
-                        f"adapter {i} {name} is non-finite at {at} (value {_bf16_value(arr[at])!r})")
-        # bs = bf16(B*s): bounds on its magnitudes, one bf16 rounding step of slack each way;
-        # addmm multiplies later adapters' B unscaled and scales their products.
-        prescaled = rule != "addmm" or i == 0
-        if prescaled:
-            bs_max = bmag.max * abs(float(s)) * (1 + 2.0**-7)
-            bs_min = bmag.min * abs(float(s)) * (1 - 2.0**-7)
-        else:
-            bs_max, bs_min = bmag.max, bmag.min
-        if check_finite and prescaled and bs_max >= _BF16_FINITE_LIMIT:
-            with np.errstate(over="ignore", invalid="ignore"):
-                scaled = bf16_to_f32(b) * s
-            from .reference import bf16_round
-
-            bad = np.flatnonzero((bf16_round(scaled) & 0x7F80) == 0x7F80)
-            if bad.size:
-                at = _where(bad[0], b.shape)
-                raise NonFiniteResultError(
-                    f"adapter {i}: lora_b{at} x strength {float(s)!r} overflows bf16")
-        # Products bs*A are exact in f32 (so FMA and BLAS are exact too) unless they could
-        # leave the normal range.
-        if bs_max * amag.max >= 2.0**127 or (
-                bs_min * amag.min != 0 and bs_min * amag.min < 2.0**-126):
-            allow_fma = False
-        if amag.first_nonfinite >= 0 or bmag.first_nonfinite >= 0 or bs_max >= _BF16_FINITE_LIMIT:
-            use_blas = False
-        overflow_bound += a.shape[0] * bs_max * amag.max * (1.01 if prescaled else 1.01 * abs(float(s)))
-        pairs_exact = pairs_exact and _pairs_exact(a.shape[0], bs_min, amag.min, overflow_bound)
-
     if not prepared:
         if fmt == "delta":
             result.fill(0)
         elif result is not w:
             np.copyto(result, w)
         return result if given_out else _like(result, weight)
-
-    depths = np.zeros((len(prepared), 4), dtype=np.intc)
-    edge_m, edge_n = rows - (rows - 1) // mb * mb, cols - (cols - 1) // nb * nb
-    dry_run = False
-    if check_finite and given_out:
-        dry_run = not (overflow_bound + w_largest < _FORMAT_LIMIT[fmt])
+    route = _choose_route(prepared, fmt, rule, check_finite)
+    # In place with the overflow check on and a bound that does not rule overflow out: a dry
+    # run finds any overflow before a byte is written.
+    dry_run = check_finite and given_out and not (route.bound + w_largest < _FORMAT_LIMIT[fmt])
 
     with blas_single_threaded():
-        if use_blas and allow_fma:
-            for i, (a, _, _) in enumerate(prepared):
-                rank = a.shape[0]
-                for em, m in ((0, mb), (1, edge_m)):
-                    for en, n in ((0, nb), (1, edge_n)):
-                        if (em == 0 and rows < mb) or (en == 0 and cols < nb):
-                            continue  # no tile of this shape
-                        depths[i, 2 * em + en] = _gemm.blas_depth(m, n, rank, rank)
+        depths = _probe_depths(prepared, route, rows, cols, mb, nb)
         tiles = -(-rows // mb) * -(-cols // nb)
-        run_threads = max(1, min(threads, tiles))
-        lora_a = [a for a, _, _ in prepared]
-        lora_b = [b for _, b, _ in prepared]
-        scales = np.array([s for _, _, s in prepared], dtype=np.float32)
-        code = _FORMAT_CODES[fmt]
         stochastic = fp8_rounding == "stochastic"
-        key = stochastic_key(int(seed), str(name)) if stochastic else 0
-        w_bytes, out_bytes = w.view(np.uint8), result.view(np.uint8)
+        args = dict(
+            weight=w.view(np.uint8), out=result.view(np.uint8), fmt=_FORMAT_CODES[fmt],
+            lora_a=[ad.a for ad in prepared], lora_b=[ad.b for ad in prepared],
+            scales=np.array([ad.s for ad in prepared], dtype=np.float32), depths=depths,
+            mb=mb, nb=nb, threads=max(1, min(threads, tiles)), allow_fma=route.fma,
+            rule=_fuse.RULES[route.rule], stochastic=stochastic,
+            key=stochastic_key(int(seed), str(name)) if stochastic else 0,
+            plus_zero=route.plus_zero,
+            kinds=np.array([_fuse.KINDS[ad.kind] for ad in prepared], dtype=np.intc))
         if dry_run:
-            bad = _fuse.fuse_tiles(w_bytes, out_bytes, code, lora_a, lora_b, scales, depths,
-                                   mb, nb, run_threads, allow_fma, _fuse.RULES[rule], True, True,
-                                   stochastic, key, False, plus_zero)
+            bad = _fuse.fuse_tiles(check=True, dry_run=True, pairs=False, **args)
             _raise_nonfinite_result(bad, w.shape, fmt)
-        pairs = pairs_exact and use_blas and allow_fma and _gemm.has_pairs_kernel()
-        bad = _fuse.fuse_tiles(w_bytes, out_bytes, code, lora_a, lora_b, scales, depths, mb,
-                               nb, run_threads, allow_fma, _fuse.RULES[rule], check_finite, False,
-                               stochastic, key, pairs, plus_zero)
+        bad = _fuse.fuse_tiles(check=check_finite, dry_run=False, pairs=route.pairs, **args)
     if check_finite:
         _raise_nonfinite_result(bad, w.shape, fmt)
     return result if given_out else _like(result, weight)
+
+
+def _tile(tile):
+    mb, nb = DEFAULT_TILE if tile is None else tile
+    try:
+        mb, nb = int(mb), int(nb)
+    except (TypeError, ValueError):
+        raise ValueError(f"tile must be two ints in [1, 65536], got {tile!r}") from None
+    if not (1 <= mb <= 65536 and 1 <= nb <= 65536):
+        raise ValueError(f"tile must be two ints in [1, 65536], got {tile!r}")
+    return mb, nb
 
 
 def _like(bits, template):

@@ -63,25 +63,38 @@ def lora_product(lora_a, lora_b):
     return acc
 
 
+def diff_delta(diff, strength):
+    """A full-weight difference as a delta: bf16(f32(s) * f32(diff)), diff in bf16 bits."""
+    return bf16_round(np.float32(strength) * bf16_widen(diff))
+
+
+def adapter_delta(item):
+    """The bf16 delta of one adapter: (A, B, s), a LoRA (lora_delta), or (diff, s), a
+    full-weight difference (diff_delta)."""
+    return diff_delta(*item) if len(item) == 2 else lora_delta(*item)
+
+
 def aggregate_delta(adapters, rule="addmm"):
-    """The bf16 delta of one or more adapters on one weight, by a named rule.
+    """The bf16 delta of one or more adapters on one weight, by a named rule.  Each adapter is
+    (A, B, s), a LoRA, or (diff, s), a full-weight difference.
 
     "sum":   total = bf16(0.0 + f32(delta_1) + f32(delta_2) + ...), f32, in adapter order.
     "addmm": agg = delta_1; then for each later adapter i, in order,
-             agg = bf16(f32(agg) + f32(f32(s_i) * acc_i)), acc_i = lora_product(A_i, B_i).
-    Each delta_i is lora_delta's (strength rounded into B first)."""
+             agg = bf16(f32(agg) + f32(f32(s_i) * acc_i)), acc_i = lora_product(A_i, B_i) for
+             a LoRA (B unscaled), f32(diff_i) for a difference.
+    Each delta_i is adapter_delta's (a LoRA's strength rounded into B first)."""
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     adapters = list(adapters)
     if rule == "sum":
         total = np.float32(0.0)
-        for lora_a, lora_b, strength in adapters:
-            total = total + bf16_widen(lora_delta(lora_a, lora_b, strength))
+        for item in adapters:
+            total = total + bf16_widen(adapter_delta(item))
         return bf16_round(total)
-    agg = lora_delta(*adapters[0])
-    for lora_a, lora_b, strength in adapters[1:]:
-        scaled = np.float32(strength) * lora_product(lora_a, lora_b)
-        agg = bf16_round(bf16_widen(agg) + scaled)
+    agg = adapter_delta(adapters[0])
+    for item in adapters[1:]:
+        acc = bf16_widen(item[0]) if len(item) == 2 else lora_product(item[0], item[1])
+        agg = bf16_round(bf16_widen(agg) + np.float32(item[-1]) * acc)
     return agg
 
 
@@ -90,6 +103,49 @@ def fuse_loras(weight, adapters, rule="addmm"):
     rule).  ``adapters`` is a sequence of (lora_a, lora_b, strength)."""
     agg = aggregate_delta(adapters, rule)
     return bf16_round(bf16_widen(weight) + bf16_widen(agg))
+
+
+DORA_EPS = np.float32(2.0 ** -23)  # ComfyUI's eps: f32's machine epsilon (its CPU dtype)
+
+
+def _sum_squares(v, axis):
+    """sqrt of the sum of squares of f32 values along an axis, in f64, in index order from 0.0,
+    rounded once to f32."""
+    v = np.asarray(v, np.float64)
+    v = v if axis == 1 else v.T
+    acc = np.zeros(v.shape[0], np.float64)
+    for i in range(v.shape[1]):
+        acc = acc + v[:, i] * v[:, i]
+    return np.sqrt(acc).astype(np.float32)
+
+
+def fuse_dora(weight, lora_a, lora_b, magnitude, scale=1.0, strength=1.0, style="peft"):
+    """DoRA (spec §1): the LoRA-fused weight rescaled to the adapter's magnitudes.
+
+        V  = bf16(f32(W) + f32(delta)),  delta = lora_delta(A, B, scale)   (scale = alpha/rank)
+        "peft"  (lora_magnitude_vector, [out]):  n_o = ||V[o, :]||;  f = f32(m_o / n_o) per row
+        "comfy" (dora_scale [out, 1]): n_o = f32(||W[o, :]|| + eps) per row, as ComfyUI takes
+                 the unpatched weight's norm on this axis;
+                (dora_scale [1, in]):  n_i = f32(||V[:, i]|| + eps) per column
+        full = bf16(f32(V) * f)
+        W'   = full if strength == 1, else bf16(f32(W) + f32(f32(s) * f32(f32(full) - f32(W))))
+    Norms: the sum of squares in f64 in index order, its sqrt rounded to f32; eps = 2^-23.
+    ``magnitude`` is f32 or bf16 bits."""
+    w = bf16_widen(weight)
+    v = bf16_widen(bf16_round(w + bf16_widen(lora_delta(lora_a, lora_b, scale))))
+    m = np.asarray(magnitude)
+    m = bf16_widen(m) if m.dtype == np.uint16 else m.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if style == "peft":
+            f = (m.reshape(-1) / _sum_squares(v, 1))[:, None]
+        elif m.shape[0] == w.shape[0]:
+            f = m.reshape(-1, 1) / (_sum_squares(w, 1) + DORA_EPS)[:, None]
+        else:
+            f = m.reshape(1, -1) / (_sum_squares(v, 0) + DORA_EPS)[None, :]
+        full = bf16_round(v * f.astype(np.float32))
+        if np.float32(strength) == 1:
+            return full
+        return bf16_round(w + np.float32(strength) * (bf16_widen(full) - w))
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,7 +217,7 @@ def fuse_loras_fp8(weight, adapters, fmt, rule="addmm"):
     """fp8 weight (spec §2): W' = fp8(bf16(f32(total) + f32(bf16(W)))), total the bf16 delta of
     one adapter (fuse_lora's) or aggregate_delta's of several; nearest-even into fp8."""
     weight = np.asarray(weight, dtype=np.uint8)
-    total = lora_delta(*adapters[0]) if len(adapters) == 1 else aggregate_delta(adapters, rule)
+    total = adapter_delta(adapters[0]) if len(adapters) == 1 else aggregate_delta(adapters, rule)
     w_bf16 = bf16_round(fp8_widen(weight, fmt))       # exact
     return fp8_round(bf16_widen(bf16_round(bf16_widen(total) + bf16_widen(w_bf16))), fmt)
 
@@ -366,7 +422,7 @@ def fuse_quantized(layout, weight, scales, adapters, rule="addmm", fmt="F8_E4M3"
     """One of LAYOUTS fused with adapters [(A, B, strength)]: the aggregate delta of
     aggregate_delta (one adapter: lora_delta), then the layout's rule.  ``scales`` is (scale,)
     or, for nvfp4, (block scales, scale_2); returns (weight, *scales)."""
-    agg = lora_delta(*adapters[0]) if len(adapters) == 1 else aggregate_delta(adapters, rule)
+    agg = adapter_delta(adapters[0]) if len(adapters) == 1 else aggregate_delta(adapters, rule)
     if layout == "fp8_scaled":
         return fuse_scaled_fp8(weight, scales[0], agg, fmt, "ltx")
     if layout == "comfy_fp8":

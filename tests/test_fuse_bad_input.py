@@ -219,6 +219,8 @@ def test_fuse_loras_argument_checks(case):
     with pytest.raises(TypeError, match="adapters"):
         ltx2blas.fuse_loras(weight, 5)
     with pytest.raises(TypeError, match=r"adapters\[0\]"):
+        ltx2blas.fuse_loras(weight, [(lora_a, lora_b, 1.0, 2.0)])
+    with pytest.raises(TypeError, match="adapter 0: strength"):  # (diff, strength)
         ltx2blas.fuse_loras(weight, [(lora_a, lora_b)])
     with pytest.raises(errors.ShapeError, match="adapter 1"):
         ltx2blas.fuse_loras(weight, [(lora_a, lora_b, 1.0), (lora_a[:, :5], lora_b, 1.0)])

@@ -113,7 +113,7 @@ def test_pairs_route_is_taken_for_ordinary_adapters(rng, monkeypatch):
 
     seen = []
     fuse_tiles = _fuse.fuse_tiles
-    monkeypatch.setattr(_fuse, "fuse_tiles", lambda *args: (seen.append(args[16]), fuse_tiles(*args))[1])
+    monkeypatch.setattr(_fuse, "fuse_tiles", lambda **kw: (seen.append(kw["pairs"]), fuse_tiles(**kw))[1])
     weight = random_bf16(rng, (64, 96), 0.02)
     lora_a, lora_b = adapter(rng, 64, 96, 32)
     got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8)
@@ -280,7 +280,7 @@ def test_one_adapter_by_the_rule_takes_the_one_adapter_routes(rng, monkeypatch, 
     seen = []
     fuse_tiles = _fuse.fuse_tiles
     monkeypatch.setattr(_fuse, "fuse_tiles",
-                        lambda *args: (seen.append(args[11:]), fuse_tiles(*args))[1])
+                        lambda **kw: (seen.append(kw), fuse_tiles(**kw))[1])
     weight = random_bf16(rng, (100, 140), 0.02)
     weight[::3, ::5] = 0x8000
     weight[1::3, ::7] = 0x0000
@@ -288,7 +288,7 @@ def test_one_adapter_by_the_rule_takes_the_one_adapter_routes(rng, monkeypatch, 
     lora_b[::4] = 0  # deltas of +0.0
     got = ltx2blas.fuse_loras(weight, [(lora_a, lora_b, 0.8)], rule="sum", threads=2)
     assert np.array_equal(got, reference.fuse_loras(weight, [(lora_a, lora_b, 0.8)], "sum"))
-    rule, pairs, plus_zero = seen[0][0], seen[0][5], seen[0][6]
+    rule, pairs, plus_zero = seen[0]["rule"], seen[0]["pairs"], seen[0]["plus_zero"]
     assert (rule, plus_zero) == (_fuse.RULES["one"], True)
     assert pairs == (rank <= 128 and _gemm.has_pairs_kernel())
 

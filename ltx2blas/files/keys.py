@@ -1,30 +1,106 @@
-"""Which adapter tensors go with which model weight.
+"""Which adapter tensors go with which model weight, in every spelling the field uses.
 
-Model weights: ``<prefix><module>.weight``, prefix ``model.diffusion_model.`` (LTX-2 single-file
-checkpoints), ``diffusion_model.``, ``transformer.`` or none.
+An adapter key is ``<prefix><module><suffix>``.  The suffix says the tensor's role (ROLES: the
+LoRA factors in seven spellings, alpha, DoRA's magnitude, biases, a full-weight difference, and
+the kinds ltx2blas does not fuse); the prefix is stripped (ADAPTER_PREFIXES); the module is then
+looked up among the model's modules under every name they go by: as stored, LTX-2's and
+diffusers' names for the transformer (RENAMES, both ways), and kohya's flattened form with dots
+as underscores.  Model weights are ``<prefix><module>.weight`` (MODEL_PREFIXES).
 
-Adapters: ``<prefix><module>.lora_A.weight`` / ``.lora_B.weight`` (LTX-2, PEFT; prefix
-``diffusion_model.``, ``model.diffusion_model.``, ``transformer.``, ``base_model.model.`` or
-none), ``.lora_down.weight`` / ``.lora_up.weight`` with an optional ``.alpha`` (kohya, ComfyUI),
-and kohya's flattened names, ``lora_unet_<module with dots as underscores>.lora_down.weight``.
-
-A module's A without its B (or B without A), an alpha without a pair, and an adapter file whose
-pairs match no weight are errors; keys that are not LoRA factors, and pairs that match no
-weight, are reported as unused.
+Every module of an adapter file becomes a Pair of one kind ("lora", "diff", "bias"), or an
+error: a factor without its partner, an alpha or magnitude without a pair, a kind that is not
+fused (LoCon's lora_mid, LoHa, LoKr, GLoRA, OFT/BOFT, ComfyUI's set and reshape patches).
+Pairs that match no weight are returned as unmatched, each with the component it belongs to
+where the name says (text encoder, connectors, VAE); keys of no known role as unused.
 """
 from dataclasses import dataclass, field
 
 from ..errors import KeyMatchError
 
 MODEL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.")
-ADAPTER_PREFIXES = ("diffusion_model.", "model.diffusion_model.", "transformer.",
-                    "base_model.model.", "lora_unet_", "lora_transformer_")
-SUFFIXES = {
-    ".lora_A.weight": "a", ".lora_B.weight": "b",
-    ".lora_A.default.weight": "a", ".lora_B.default.weight": "b",
-    ".lora_down.weight": "a", ".lora_up.weight": "b",
+ADAPTER_PREFIXES = ("base_model.model.diffusion_model.", "model.diffusion_model.",
+                    "diffusion_model.", "base_model.model.", "transformer.", "unet.",
+                    "lycoris_", "lora_unet_", "lora_transformer_")
+#: prefixes whose module names are flattened (dots written as underscores)
+FLAT_PREFIXES = ("lycoris_", "lora_unet_", "lora_transformer_")
+
+#: suffix -> role, in the spellings of LTX-2's trainer, PEFT, diffusers, kohya and ComfyUI
+ROLES = {
+    ".lora_down.weight": "down", "_lora.down.weight": "down", ".lora_A.weight": "down",
+    ".lora.down.weight": "down", ".lora_A": "down", ".lora_linear_layer.down.weight": "down",
+    ".lora_A.default.weight": "down",
+    ".lora_up.weight": "up", "_lora.up.weight": "up", ".lora_B.weight": "up",
+    ".lora.up.weight": "up", ".lora_B": "up", ".lora_linear_layer.up.weight": "up",
+    ".lora_B.default.weight": "up",
     ".alpha": "alpha",
+    ".lora_magnitude_vector": "magnitude", ".lora_magnitude_vector.weight": "magnitude",
+    ".lora_magnitude_vector.default.weight": "magnitude",
+    ".dora_scale": "dora_scale",
+    ".lora_B.bias": "up_bias", ".lora_up.bias": "up_bias",
+    ".diff": "diff", ".diff_b": "diff_b",
 }
+#: suffix -> the adapter kind it belongs to, for the kinds that are refused
+REFUSED = {
+    ".lora_mid.weight": "LoCon with a Tucker core (lora_mid)",
+    ".hada_w1_a": "LoHa", ".hada_w1_b": "LoHa", ".hada_w2_a": "LoHa", ".hada_w2_b": "LoHa",
+    ".hada_t1": "LoHa", ".hada_t2": "LoHa",
+    ".lokr_w1": "LoKr", ".lokr_w1_a": "LoKr", ".lokr_w1_b": "LoKr", ".lokr_w2": "LoKr",
+    ".lokr_w2_a": "LoKr", ".lokr_w2_b": "LoKr", ".lokr_t2": "LoKr",
+    ".a1.weight": "GLoRA", ".a2.weight": "GLoRA", ".b1.weight": "GLoRA", ".b2.weight": "GLoRA",
+    ".oft_blocks": "OFT/BOFT", ".rescale": "OFT/BOFT",
+    ".set_weight": "a weight replacement (set_weight)",
+    ".reshape_weight": "a reshaping LoRA (reshape_weight)",
+    ".w_norm": "a norm-layer difference (w_norm)", ".b_norm": "a norm-layer difference (b_norm)",
+}
+_SUFFIXES = sorted({**ROLES, **REFUSED}, key=len, reverse=True)  # longest first
+
+#: LTX-2's transformer names -> diffusers', in diffusers' order (its LTX-2 converters): plain
+#: substring replacements, then the two anchored at the start of the name.  Read backwards for
+#: diffusers -> LTX-2.
+RENAMES = (
+    ("patchify_proj", "proj_in", False),
+    ("audio_patchify_proj", "audio_proj_in", False),
+    ("av_ca_video_scale_shift_adaln_single", "av_cross_attn_video_scale_shift", False),
+    ("av_ca_a2v_gate_adaln_single", "av_cross_attn_video_a2v_gate", False),
+    ("av_ca_audio_scale_shift_adaln_single", "av_cross_attn_audio_scale_shift", False),
+    ("av_ca_v2a_gate_adaln_single", "av_cross_attn_audio_v2a_gate", False),
+    ("scale_shift_table_a2v_ca_video", "video_a2v_cross_attn_scale_shift_table", False),
+    ("scale_shift_table_a2v_ca_audio", "audio_a2v_cross_attn_scale_shift_table", False),
+    ("q_norm", "norm_q", False),
+    ("k_norm", "norm_k", False),
+    ("audio_prompt_adaln_single", "audio_prompt_adaln", False),
+    ("prompt_adaln_single", "prompt_adaln", False),
+    ("adaln_single.", "time_embed.", True),
+    ("audio_adaln_single.", "audio_time_embed.", True),
+)
+
+#: where a module that matches no transformer weight belongs, by a fragment of its name
+COMPONENTS = (
+    ("text encoder", ("lora_te", "text_encoder", "text_model", "te1_", "te2_", "gemma")),
+    ("connectors", ("embeddings_connector", "text_embedding_projection", "aggregate_embed",
+                    "connectors.", "video_connector", "audio_connector", "text_proj_in")),
+    ("VAE", ("vae.", "vae_", "vocoder", "decoder.", "encoder.")),
+)
+
+
+def to_diffusers(name):
+    """An LTX-2 transformer module name in diffusers' naming."""
+    for ltx, diff, anchored in RENAMES:
+        if anchored:
+            name = diff + name[len(ltx):] if name.startswith(ltx) else name
+        else:
+            name = name.replace(ltx, diff)
+    return name
+
+
+def to_ltx(name):
+    """A diffusers LTX-2 transformer module name in LTX-2's naming."""
+    for ltx, diff, anchored in reversed(RENAMES):
+        if anchored:
+            name = ltx + name[len(diff):] if name.startswith(diff) else name
+        else:
+            name = name.replace(diff, ltx)
+    return name
 
 
 def model_module(key):
@@ -38,76 +114,155 @@ def model_module(key):
     return module
 
 
+def component(module):
+    """The model component an adapter module's name points to, or None (the transformer)."""
+    for name, fragments in COMPONENTS:
+        if any(f in module for f in fragments):
+            return name
+    return None
+
+
 @dataclass
 class Pair:
-    """One adapter module: the keys of its factors (and alpha), and the model key it fuses into."""
+    """One adapter module: its tensors by role, its kind, and the model keys it fuses into."""
     module: str
-    a: str = None
-    b: str = None
-    alpha: str = None
-    target: str = None
+    kind: str = None        # "lora", "diff" or "bias"
+    keys: dict = field(default_factory=dict)   # role -> adapter key
+    target: str = None      # the model weight key ("lora", "diff")
+    bias_target: str = None  # the model bias key (an up_bias or diff_b)
+    component: str = None   # for an unmatched pair: where its name says it belongs
+
+    @property
+    def a(self):
+        return self.keys.get("down")
+
+    @property
+    def b(self):
+        return self.keys.get("up")
+
+    @property
+    def alpha(self):
+        return self.keys.get("alpha")
 
 
 @dataclass
 class AdapterMatch:
-    pairs: list = field(default_factory=list)     # matched Pairs
+    pairs: list = field(default_factory=list)      # matched Pairs
     unmatched: list = field(default_factory=list)  # Pairs whose module matches no weight
-    unused: list = field(default_factory=list)     # keys that are not LoRA factors at all
+    unused: list = field(default_factory=list)     # keys of no known role
 
 
-def _strip_adapter_prefix(module):
+def split_key(key):
+    """(module, suffix) of an adapter key, or (None, None) for a key of no known role."""
+    for suffix in _SUFFIXES:
+        if key.endswith(suffix) and len(key) > len(suffix):
+            return key[: -len(suffix)], suffix
+    return None, None
+
+
+def _strip(module):
     for prefix in ADAPTER_PREFIXES:
         if module.startswith(prefix):
             return module[len(prefix):], prefix
     return module, ""
 
 
+class ModelIndex:
+    """The model's modules under every name an adapter may use for them."""
+
+    def __init__(self, model_keys):
+        self.weights, self.biases, self.by_name = {}, set(), {}
+        for key in model_keys:
+            if key.endswith(".bias"):
+                self.biases.add(key)
+            module = model_module(key)
+            if module is None:
+                continue
+            self.weights[module] = key
+            for spelling in {module, to_diffusers(module), to_ltx(module)}:
+                for name in {spelling, spelling.replace(".", "_")}:
+                    self.by_name.setdefault(name, set()).add(module)
+
+    def find(self, name, adapter_name):
+        """The model module ``name`` refers to, or None."""
+        if name in self.weights:
+            return name
+        hits = self.by_name.get(name) or self.by_name.get(name.replace(".", "_"))
+        if not hits:
+            return None
+        if len(hits) > 1:
+            raise KeyMatchError(f"{adapter_name}: module {name!r} matches several weights "
+                                f"({', '.join(sorted(self.weights[h] for h in hits)[:3])})")
+        return next(iter(hits))
+
+
+def _kind(pair, adapter_name):
+    roles = set(pair.keys)
+    name = pair.module
+    if "down" in roles or "up" in roles:
+        if not {"down", "up"} <= roles:
+            have = pair.keys.get("down") or pair.keys.get("up")
+            missing = "lora_B/lora_up" if "up" not in roles else "lora_A/lora_down"
+            raise KeyMatchError(f"{adapter_name}: {have!r} has no {missing} partner")
+        if "diff" in roles:
+            raise KeyMatchError(f"{adapter_name}: module {name!r} has both LoRA factors and a "
+                                "full-weight diff")
+        if {"magnitude", "dora_scale"} <= roles:
+            raise KeyMatchError(f"{adapter_name}: module {name!r} has two DoRA magnitudes")
+        return "lora"
+    if "diff" in roles:
+        extra = roles - {"diff", "diff_b"}
+        if extra:
+            raise KeyMatchError(f"{adapter_name}: module {name!r}: {sorted(extra)} beside a "
+                                "full-weight diff")
+        return "diff"
+    if roles == {"diff_b"}:
+        return "bias"
+    lonely = sorted(roles)[0]
+    what = {"alpha": "alpha", "magnitude": "DoRA magnitude", "dora_scale": "DoRA scale",
+            "up_bias": "LoRA bias"}.get(lonely, lonely)
+    raise KeyMatchError(f"{adapter_name}: {what} {pair.keys[lonely]!r} has no lora factors "
+                        "beside it")
+
+
 def match(adapter_keys, model_keys, adapter_name="adapter"):
-    """Pair the adapter's keys by module and find each pair's model weight.
+    """Pair the adapter's keys by module, settle each module's kind, and find its model keys.
 
-    ``model_keys``: the checkpoint's tensor names.  Raises KeyMatchError for an incomplete
-    pair, an alpha without a pair, or an adapter in which no pair matches a weight."""
-    exact, flat = {}, {}
-    for key in model_keys:
-        module = model_module(key)
-        if module is None:
-            continue
-        exact[module] = key
-        flat.setdefault(module.replace(".", "_"), []).append(key)
-
+    Raises KeyMatchError for an incomplete pair, a lone alpha or magnitude, an adapter kind
+    that is not fused (naming the kind and a tensor), or an adapter in which nothing matches a
+    weight."""
+    index = ModelIndex(model_keys)
     modules, unused = {}, []
     for key in adapter_keys:
-        for suffix, role in SUFFIXES.items():
-            if key.endswith(suffix):
-                name = key[: -len(suffix)]
-                pair = modules.setdefault(name, Pair(module=name))
-                if getattr(pair, role) is not None:
-                    raise KeyMatchError(f"{adapter_name}: two {role} tensors for module {name!r} "
-                                        f"({getattr(pair, role)!r} and {key!r})")
-                setattr(pair, role, key)
-                break
-        else:
+        module, suffix = split_key(key)
+        if module is None:
             unused.append(key)
+            continue
+        if suffix in REFUSED:
+            raise KeyMatchError(f"{adapter_name}: {key!r} belongs to a {REFUSED[suffix]} "
+                                "adapter, which ltx2blas does not fuse")
+        role = ROLES[suffix]
+        pair = modules.setdefault(module, Pair(module=module))
+        if role in pair.keys:
+            raise KeyMatchError(f"{adapter_name}: two {role} tensors for module {module!r} "
+                                f"({pair.keys[role]!r} and {key!r})")
+        pair.keys[role] = key
 
     result = AdapterMatch(unused=unused)
     for name, pair in modules.items():
-        if pair.a is None or pair.b is None:
-            have = pair.a or pair.b or pair.alpha
-            missing = "lora_A/lora_down" if pair.a is None else "lora_B/lora_up"
-            if pair.a is None and pair.b is None:
-                raise KeyMatchError(f"{adapter_name}: alpha {have!r} has no lora factors beside it")
-            raise KeyMatchError(f"{adapter_name}: {have!r} has no {missing} partner")
-        stripped, prefix = _strip_adapter_prefix(name)
-        target = exact.get(stripped)
-        if target is None and prefix in ("lora_unet_", "lora_transformer_", ""):
-            candidates = flat.get(stripped.replace(".", "_"), [])
-            if len(candidates) == 1:
-                target = candidates[0]
-            elif len(candidates) > 1:
-                raise KeyMatchError(f"{adapter_name}: module {name!r} matches several weights "
-                                    f"({', '.join(candidates[:3])})")
-        pair.target = target
-        (result.pairs if target else result.unmatched).append(pair)
+        pair.kind = _kind(pair, adapter_name)
+        stripped, prefix = _strip(name)
+        found = index.find(stripped, adapter_name)
+        if found is not None:
+            pair.target = index.weights[found]
+            if {"up_bias", "diff_b"} & set(pair.keys):
+                bias = pair.target[: -len(".weight")] + ".bias"
+                pair.bias_target = bias if bias in index.biases else None
+        if found is None:
+            pair.component = component(stripped)
+            result.unmatched.append(pair)
+        else:
+            result.pairs.append(pair)
     if not result.pairs:
         sample = ", ".join(sorted(modules)[:3]) or ", ".join(sorted(unused)[:3]) or "(none)"
         raise KeyMatchError(f"{adapter_name}: matches no weight of the model (adapter modules "

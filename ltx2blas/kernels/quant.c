@@ -301,3 +301,65 @@ void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, u
         }
     }
 }
+
+/* ---- DoRA ---- */
+
+void ltx_dora_merge_rows(const uint16_t *w, uint16_t *delta, ltx_idx cols, ltx_idx r0,
+                         ltx_idx r1, double *row_sq)
+{
+    for (ltx_idx r = r0; r < r1; r++) {
+        const uint16_t *wr = w + r * cols;
+        uint16_t *d = delta + r * cols;
+        double acc = 0.0;
+        for (ltx_idx i = 0; i < cols; i++) {
+            const uint16_t v = bf16_of(bf16_value(wr[i]) + bf16_value(d[i]));
+            const double x = bf16_value(v);
+            d[i] = v;
+            acc = acc + x * x;
+        }
+        if (row_sq)
+            row_sq[r] = acc;
+    }
+}
+
+void ltx_sum_squares_rows(const uint16_t *x, ltx_idx cols, ltx_idx r0, ltx_idx r1, double *out)
+{
+    for (ltx_idx r = r0; r < r1; r++) {
+        double acc = 0.0;
+        for (ltx_idx i = 0; i < cols; i++) {
+            const double v = bf16_value(x[r * cols + i]);
+            acc = acc + v * v;
+        }
+        out[r] = acc;
+    }
+}
+
+void ltx_sum_squares_cols(const uint16_t *x, ltx_idx rows, ltx_idx cols, ltx_idx c0, ltx_idx c1,
+                          double *out)
+{
+    for (ltx_idx c = c0; c < c1; c++)
+        out[c] = 0.0;
+    for (ltx_idx r = 0; r < rows; r++) /* rows in order: the reference's order */
+        for (ltx_idx c = c0; c < c1; c++) {
+            const double v = bf16_value(x[r * cols + c]);
+            out[c] = out[c] + v * v;
+        }
+}
+
+void ltx_dora_store_rows(const uint16_t *v, const float *row_factor, const float *col_factor,
+                         const uint16_t *w, uint16_t *out, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                         float strength, int blend)
+{
+    for (ltx_idx r = r0; r < r1; r++) {
+        for (ltx_idx i = 0; i < cols; i++) {
+            const float f = row_factor ? row_factor[r] : col_factor[i];
+            const float full = bf16_round(bf16_value(v[r * cols + i]) * f);
+            if (blend) {
+                const float base = bf16_value(w[r * cols + i]);
+                out[r * cols + i] = bf16_of(base + strength * (full - base));
+            } else {
+                out[r * cols + i] = bf16_of(full);
+            }
+        }
+    }
+}

@@ -58,4 +58,20 @@ float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx
 void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, uint8_t *scales,
                              ltx_idx padded_cols, ltx_idx cols, ltx_idx r0, ltx_idx r1);
 
+/* ---- DoRA (reference.fuse_dora) ----
+ * Rows r0..r1: delta = V = bf16(W + delta) in place, and row_sq[r] = sum_i V[r, i]^2 in f64 in
+ * order (row_sq may be NULL). */
+void ltx_dora_merge_rows(const uint16_t *w, uint16_t *delta, ltx_idx cols, ltx_idx r0,
+                         ltx_idx r1, double *row_sq);
+/* out[r] = sum_i x[r, i]^2, f64, in order, for rows r0..r1 of bf16 x [., cols]. */
+void ltx_sum_squares_rows(const uint16_t *x, ltx_idx cols, ltx_idx r0, ltx_idx r1, double *out);
+/* out[c] = sum_r x[r, c]^2, f64, rows in order, for columns c0..c1. */
+void ltx_sum_squares_cols(const uint16_t *x, ltx_idx rows, ltx_idx cols, ltx_idx c0, ltx_idx c1,
+                          double *out);
+/* out = bf16(f32(V) * f) with f per row (row_factor) or per column (col_factor); with blend,
+ * out = bf16(W + f32(strength * f32(full - W))). out may be w. */
+void ltx_dora_store_rows(const uint16_t *v, const float *row_factor, const float *col_factor,
+                         const uint16_t *w, uint16_t *out, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                         float strength, int blend);
+
 #endif
