@@ -151,13 +151,43 @@ def features(rng, tokens):
     return out
 
 
+def adapter_kinds(rng, rows, cols):
+    """Each adapter kind against ComfyUI's (and for DoRA PEFT's) arithmetic, which differs from
+    ltx2blas's rules by design: their products are f32 (ComfyUI) or bf16 matmuls (PEFT), and the
+    delta is not rounded to bf16 before it is added."""
+    w = bf16(rng, (rows, cols), 0.02)
+    a, b = bf16(rng, (32, cols), 0.02), bf16(rng, (rows, 32), 0.02)
+    diff = bf16(rng, (rows, cols), 0.0005)
+    w64 = reference.bf16_widen(w).astype(np.float64)
+    m_rows = (np.sqrt((w64 ** 2).sum(axis=1)) * 1.02).astype(np.float32)
+    m_cols = (np.sqrt((w64 ** 2).sum(axis=0)) * 1.02).astype(np.float32)
+    alpha = 16.0
+    out = {}
+    ours = ltx2blas.fuse_lora(w, a, b, 0.8 * alpha / 32)
+    out["lora vs ComfyUI"] = fraction(ours, up.comfy_lora(w, b, a, 0.8, alpha))
+    ours = ltx2blas.fuse_loras(w, [(diff, 0.8)])
+    out["diff vs ComfyUI"] = fraction(ours, up.comfy_diff(w, diff, 0.8))
+    for name, m in (("dora_scale [out, 1]", m_rows.reshape(-1, 1)), ("dora_scale [1, in]", m_cols.reshape(1, -1))):
+        ours = ltx2blas.fuse_dora(w, a, b, m, scale=alpha / 32, strength=0.8, style="comfy")
+        out[f"DoRA {name} vs ComfyUI"] = fraction(ours, up.comfy_dora(w, b, a, m, 0.8, alpha))
+    ours = ltx2blas.fuse_dora(w, a, b, m_rows, scale=alpha / 32, style="peft")
+    out["DoRA lora_magnitude_vector vs PEFT merge"] = fraction(
+        ours, up.peft_dora(w, a, b, m_rows, alpha / 32))
+    bias = bf16(rng, (rows,), 0.02)
+    term = rng.standard_normal(rows).astype(np.float32) * np.float32(0.01)
+    theirs = up.bits((up.bf16_tensor(bias).to(torch.float32) + 0.8 * torch.from_numpy(term)).to(torch.bfloat16))
+    out["diff_b vs ComfyUI"] = fraction(ltx2blas.fuse.fuse_bias(bias, [(term, 0.8)]), theirs)
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--cols", type=int, default=4096)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--out", help="write the figures here as JSON")
-    parser.add_argument("--only", choices=("rules", "layouts", "features"), action="append",
+    parser.add_argument("--only", choices=("rules", "layouts", "features", "adapters"),
+                        action="append",
                         help="measure only these parts (repeatable)")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(20261201)
@@ -167,14 +197,17 @@ def main(argv=None):
                   "python": platform.python_version(), "torch": torch.__version__,
                   "ltx2blas": ltx2blas.__version__},
               "shape": [args.rows, args.cols]}
-    only = set(args.only or ("rules", "layouts", "features"))
-    result["rules"], ads = rules(rng, args.rows, args.cols)
+    only = set(args.only or ("rules", "layouts", "features", "adapters"))
+    if only & {"rules", "layouts"}:
+        result["rules"], ads = rules(rng, args.rows, args.cols)
     if "rules" not in only:
-        del result["rules"]
+        result.pop("rules", None)
     if "layouts" in only:
         result["layouts"] = layouts(rng, args.rows, args.cols, ads)
     if "features" in only:
         result["features"] = features(np.random.default_rng(20261202), args.tokens)
+    if "adapters" in only:
+        result["adapter kinds"] = adapter_kinds(np.random.default_rng(20261203), args.rows, args.cols)
     result["seconds"] = round(time.time() - t0, 1)
     text = json.dumps(result, indent=2)
     print(text)

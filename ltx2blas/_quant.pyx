@@ -26,6 +26,7 @@ cdef extern from "quant.h" nogil:
                                  uint8_t *scales, ltx_idx padded_cols, ltx_idx cols, ltx_idx r0,
                                  ltx_idx r1)
 
+    void ltx_round_bf16(const float *src, uint16_t *dst, ltx_idx n)
     void ltx_dora_merge_rows(const uint16_t *w, uint16_t *delta, ltx_idx cols, ltx_idx r0,
                              ltx_idx r1, double *row_sq)
     void ltx_sum_squares_rows(const uint16_t *x, ltx_idx cols, ltx_idx r0, ltx_idx r1,
@@ -188,3 +189,13 @@ def dora_store(const uint16_t[:, ::1] v, const float[::1] factor, bint per_row,
             ltx_dora_store_rows(&v[0, 0], &factor[0] if per_row else NULL,
                                 NULL if per_row else &factor[0], &weight[0, 0], &out[0, 0], cols,
                                 r0, min(r0 + ROWS_PER_TASK, rows), strength, blend)
+
+
+def round_bf16(const float[::1] values):
+    """bf16 bits of f32 values, nearest-even (NaN to the quiet NaN with its sign)."""
+    out = np.empty(values.shape[0], np.uint16)
+    cdef uint16_t[::1] o = out
+    if values.shape[0]:
+        with nogil:
+            ltx_round_bf16(&values[0], &o[0], values.shape[0])
+    return out

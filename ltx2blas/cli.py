@@ -79,7 +79,8 @@ def _cmd_fuse(args):
 
     loras = [_lora_arg(item) for item in args.lora]
     report = fuse_checkpoint(
-        args.model, loras, args.output, rule=args.rule, threads=args.threads,
+        args.model, loras, args.output, rule=args.rule, alpha=args.alpha,
+        allow_unmatched=args.allow_unmatched, threads=args.threads,
         progress=None if (args.dry_run or args.quiet) else _ProgressPrinter(),
         check_finite=args.check_finite, force=args.force, fp8_rounding=args.fp8_rounding,
         seed=args.seed, dry_run=args.dry_run)
@@ -111,13 +112,20 @@ def build_parser():
     p = sub.add_parser("fuse", help="fuse adapter files into a safetensors checkpoint",
                        description="Fuse LoRA adapters into a checkpoint, tensor by tensor, "
                                    "writing a new checkpoint.")
-    p.add_argument("model", help="model .safetensors file or sharded .safetensors.index.json")
+    p.add_argument("model", help="model .safetensors file, sharded .safetensors.index.json, or "
+                                 "diffusers model folder")
     p.add_argument("--lora", action="append", required=True, metavar="PATH[:STRENGTH]",
                    help="adapter file and strength (default 1.0); repeat for several")
     p.add_argument("-o", "--output", required=True, help="output .safetensors file")
     p.add_argument("--rule", choices=("addmm", "sum"), default="addmm",
                    help="how several adapters on one weight combine: addmm (upstream LTX-2 "
                         "today, the default) or sum (its first release)")
+    p.add_argument("--alpha", choices=("scale", "ignore"), default="scale",
+                   help="scale a pair by its file's alpha / rank (ComfyUI, PEFT; the default) "
+                        "or ignore alpha (upstream LTX-2)")
+    p.add_argument("--allow-unmatched", action="store_true",
+                   help="fuse what matches when some adapter modules match no weight, and list "
+                        "them (by default that is an error and nothing is written)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="threads (default: every CPU this process may use)")
     p.add_argument("--dry-run", action="store_true",

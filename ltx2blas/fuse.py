@@ -20,8 +20,8 @@ from .errors import (
     ShapeError,
 )
 
-__all__ = ["fuse_lora", "fuse_loras", "fuse_dora", "aggregate_delta", "buffer_bytes",
-           "DEFAULT_TILE"]
+__all__ = ["fuse_lora", "fuse_loras", "fuse_dora", "fuse_bias", "aggregate_delta",
+           "buffer_bytes", "DEFAULT_TILE"]
 
 #: Output tile (rows, cols) each thread computes at a time. The f32 accumulator tile
 #: (512 x 256 x 4 B = 512 KiB) stays in L2 between the product and the rounding store.
@@ -129,6 +129,44 @@ def aggregate_delta(rows, cols, adapters, *, rule="addmm", threads=None, tile=No
     elif out.shape != (rows, cols) or out.dtype != np.uint16 or not out.flags.c_contiguous:
         raise LayoutError(f"out must be C-contiguous uint16 [{rows}, {cols}]")
     _fuse_into(out, adapters, threads, out, False, tile, rule=rule, weight_format="delta")
+    return out
+
+
+def _bias_f32(x, name):
+    """(f32 values, dtype name "BF16" / "F16" / "F32") of a bias-like vector."""
+    if not isinstance(x, np.ndarray):
+        raise DTypeError(f"{name} must be a numpy array, got {type(x).__name__}")
+    if x.dtype == np.uint16 or x.dtype.name == "bfloat16":
+        return bf16_to_f32(np.ascontiguousarray(x)), "BF16"
+    if x.dtype in (np.float16, np.float32):
+        return x.astype(np.float32), "F16" if x.dtype == np.float16 else "F32"
+    raise DTypeError(f"{name} must be bf16, float16 or float32, got {x.dtype}")
+
+
+def fuse_bias(bias, items, *, out=None):
+    """Fold adapters' bias terms into a module's bias: ``acc = f32(bias)``, then for each
+    ``(b, s)`` in order ``acc = acc + f32(f32(s) * f32(b))``, rounded once into the bias's own
+    dtype (bf16 bits, float16 or float32).  ``b`` is a LoRA's ``lora_B.bias`` (its ``s`` the
+    LoRA's scale) or ComfyUI's ``diff_b`` (``s`` the strength).  Byte-identical to
+    :func:`ltx2blas.reference.fuse_bias`; ``out`` may be ``bias``."""
+    from . import _quant
+
+    acc, kind = _bias_f32(bias, "bias")
+    acc = acc.reshape(-1)
+    for i, (b, s) in enumerate(items):
+        term, _ = _bias_f32(b, f"bias term {i}")
+        if term.size != acc.size:
+            raise ShapeError(f"bias term {i} has {term.size} values, the bias {acc.size}")
+        with np.errstate(over="ignore", invalid="ignore"):
+            acc = acc + np.float32(_strength_f32(s, i)) * term.reshape(-1)
+    if kind == "BF16":
+        result = _quant.round_bf16(np.ascontiguousarray(acc, np.float32))
+    else:
+        result = acc.astype(np.float16 if kind == "F16" else np.float32)
+    result = result.reshape(np.shape(bias))
+    if out is None:
+        return result.view(bias.dtype) if bias.dtype.itemsize == result.dtype.itemsize else result
+    np.copyto(out.view(result.dtype) if out.dtype != result.dtype else out, result)
     return out
 
 

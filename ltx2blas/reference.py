@@ -105,6 +105,23 @@ def fuse_loras(weight, adapters, rule="addmm"):
     return bf16_round(bf16_widen(weight) + bf16_widen(agg))
 
 
+def fuse_bias(bias, items):
+    """Bias terms (spec §1): acc = f32(bias); acc = acc + f32(f32(s) * f32(b)) for each (b, s)
+    in order; rounded once into the bias's dtype (bf16 bits, float16, float32).  b is bf16
+    bits, float16 or float32."""
+    def f32(x):
+        x = np.asarray(x)
+        return bf16_widen(x) if x.dtype == np.uint16 else x.astype(np.float32)
+
+    bias = np.asarray(bias)
+    acc = f32(bias)
+    for b, s in items:
+        acc = acc + np.float32(s) * f32(b)
+    if bias.dtype == np.uint16:
+        return bf16_round(acc)
+    return acc.astype(bias.dtype)
+
+
 DORA_EPS = np.float32(2.0 ** -23)  # ComfyUI's eps: f32's machine epsilon (its CPU dtype)
 
 

@@ -165,18 +165,32 @@ def test_a_without_b_and_lonely_alpha_are_errors(files, tmp_path):
         ltx2blas.fuse_checkpoint(paths["model"], [(lonely, 1.0)], paths["out"])
 
 
-def test_unused_keys_and_unmatched_pairs_are_reported(files, tmp_path, rng):
+def test_unmatched_pairs_are_an_error_unless_allowed(files, tmp_path, rng):
     paths, model, a1, _ = files
     extra = dict(a1)
     extra["diffusion_model.elsewhere.lora_A.weight"] = ("BF16", np.zeros((2, 8), np.uint16))
     extra["diffusion_model.elsewhere.lora_B.weight"] = ("BF16", np.zeros((8, 2), np.uint16))
-    extra["text_encoder.layer.diff"] = ("F32", np.zeros(3, np.float32))
+    extra["lora_te_text_model_layer_0_q_proj.lora_down.weight"] = ("BF16", np.zeros((2, 8), np.uint16))
+    extra["lora_te_text_model_layer_0_q_proj.lora_up.weight"] = ("BF16", np.zeros((8, 2), np.uint16))
+    extra["notes.something"] = ("F32", np.zeros(3, np.float32))
     path = ck.write(tmp_path / "extra.safetensors", extra)
-    report = ltx2blas.fuse_checkpoint(paths["model"], [(path, 1.0)], paths["out"])
+    with pytest.raises(errors.KeyMatchError) as err:
+        ltx2blas.fuse_checkpoint(paths["model"], [(path, 1.0)], paths["out"])
+    text = str(err.value)
+    assert "2 adapter modules match no weight" in text and "diffusion_model.elsewhere" in text
+    assert "lora_te_text_model_layer_0_q_proj (text encoder)" in text
+    assert "1 keys of no known role" in text and "nothing was written" in text
+    assert not paths["out"].exists()
+    report = ltx2blas.fuse_checkpoint(paths["model"], [(path, 1.0)], paths["out"],
+                                      allow_unmatched=True)
     a = report.adapters[0]
-    assert a.unused_keys == ["text_encoder.layer.diff"]
-    assert a.unmatched_modules == ["diffusion_model.elsewhere"]
-    assert "1 pairs match no weight" in report.summary() and "1 keys unused" in report.summary()
+    assert a.unused_keys == ["notes.something"]
+    assert sorted(a.unmatched_modules) == ["diffusion_model.elsewhere",
+                                           "lora_te_text_model_layer_0_q_proj"]
+    assert a.unmatched_components == {"lora_te_text_model_layer_0_q_proj": "text encoder"}
+    assert "2 modules match no weight and were not fused" in report.summary()
+    assert "1 keys of no known role" in report.summary()
+    assert report.modules_fused == 2
 
 
 def test_kohya_flattened_names(files, tmp_path, rng):

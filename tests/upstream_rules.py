@@ -222,3 +222,54 @@ def features_v2(hidden, mask, out_features):
     normed = normed.reshape(b, t, d * l)
     normed = torch.where(mask.bool()[:, :, None], normed, torch.zeros_like(normed))
     return normed.to(hidden.dtype) * math.sqrt(out_features / d)
+
+
+# ---- ComfyUI's LoRA-family patches on the CPU (comfy/lora.py, weight_adapter): the weight in
+# f32, the product in f32, scaled, added, cast back to the weight's dtype ----
+
+def comfy_lora(weight, up, down, strength, alpha=None):
+    w = bf16_tensor(weight).to(torch.float32)
+    mat1, mat2 = bf16_tensor(up).to(torch.float32), bf16_tensor(down).to(torch.float32)
+    scale = alpha / mat2.shape[0] if alpha is not None else 1.0
+    diff = torch.mm(mat1, mat2)
+    w += ((strength * scale) * diff).type(w.dtype)
+    return bits(w.to(torch.bfloat16))
+
+
+def comfy_diff(weight, diff, strength):
+    w = bf16_tensor(weight).to(torch.float32)
+    w += strength * bf16_tensor(diff).to(torch.float32)
+    return bits(w.to(torch.bfloat16))
+
+
+def comfy_dora(weight, up, down, dora_scale, strength, alpha=None):
+    """weight_decompose: the norm on the output axis of the unpatched weight, on the input axis
+    of the patched one, plus f32's eps; strength blends."""
+    w = bf16_tensor(weight).to(torch.float32)
+    mat1, mat2 = bf16_tensor(up).to(torch.float32), bf16_tensor(down).to(torch.float32)
+    scale = alpha / mat2.shape[0] if alpha is not None else 1.0
+    diff = torch.mm(mat1, mat2) * scale
+    calc = w + diff
+    m = torch.from_numpy(np.asarray(dora_scale, np.float32))
+    if m.shape[0] == calc.shape[0]:
+        norm = w.reshape(w.shape[0], -1).norm(dim=1, keepdim=True)
+    else:
+        norm = calc.transpose(0, 1).reshape(calc.shape[1], -1).norm(dim=1, keepdim=True).transpose(0, 1)
+    norm = norm + torch.finfo(w.dtype).eps
+    calc *= (m / norm).type(w.dtype)
+    if strength != 1.0:
+        calc -= w
+        w += strength * calc
+    else:
+        w[:] = calc
+    return bits(w.to(torch.bfloat16))
+
+
+def peft_dora(weight, lora_a, lora_b, magnitude, scaling):
+    """PEFT's merge of a DoRA Linear, in the weight's dtype (bf16): delta = B @ A * scaling,
+    norm of W + delta per output row, W' = (m / norm) * (W + delta)."""
+    w = bf16_tensor(weight)
+    delta = (bf16_tensor(lora_b) @ bf16_tensor(lora_a)) * scaling
+    norm = torch.linalg.norm(w + delta, dim=1).to(w.dtype)
+    factor = torch.from_numpy(np.asarray(magnitude, np.float32)).to(w.dtype) / norm
+    return bits(factor.view(-1, 1) * (w + delta))

@@ -5,10 +5,10 @@ fused in place by :func:`ltx2blas.fuse_loras`, written, and the buffer reused; e
 tensor is copied byte for byte, file to file.  Peak memory is about twice the largest fused
 tensor with its adapter factors (the reader's two buffers), whatever the checkpoint's size.
 """
+import errno
 import functools
 import hashlib
 import json
-import math
 import os
 import resource
 import threading
@@ -17,18 +17,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._dtypes import bf16_to_f32
 from ..errors import (
     AlreadyFusedError,
     DTypeError,
     FormatError,
     Ltx2IOError,
-    ShapeError,
 )
-from ..fuse import fuse_loras
+from ..fuse import fuse_bias, fuse_dora, fuse_loras
 from ..quantized import fuse_quantized
-from . import keys as keymatch
+from . import adapters as plans
 from . import layouts as layoutmod
+from .adapters import FP8View, Source, as_numpy, dtype_name
 from .safetensors import (SafetensorsFile, SafetensorsWriter, open_regular, page_aligned,
                           pread_exact)
 
@@ -40,19 +39,6 @@ RULE_TEXT = {
     "sum": "W' = layout(W + bf16(delta_1 + ... + delta_n)); delta = bf16(bf16(B*s) @ A), f32 "
            "textbook order",
 }
-
-
-@dataclass
-class AdapterReport:
-    path: str
-    strength: float
-    sha256: str = ""
-    pairs_used: int = 0
-    keys_used: int = 0
-    unused_keys: list = field(default_factory=list)        # not LoRA factors
-    unmatched_modules: list = field(default_factory=list)  # pairs that match no weight
-    alpha_scaled: int = 0                                  # pairs whose strength alpha/rank scaled
-    rounded_to_bf16: list = field(default_factory=list)    # factors stored as F32/F16
 
 
 @dataclass
@@ -70,6 +56,7 @@ class FuseReport:
     metadata: dict = field(default_factory=dict)
     rule: str = "addmm"
     layouts: dict = field(default_factory=dict)  # layout kind -> modules fused in it
+    biases_fused: int = 0
 
     @property
     def gflops(self):
@@ -77,25 +64,32 @@ class FuseReport:
 
     def summary(self):
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.layouts.items()))
+        biases = f" and {self.biases_fused} biases" if self.biases_fused else ""
         lines = [("would fuse" if self.dry_run else "fused") +
-                 f" {self.modules_fused} modules ({kinds or 'none'}; several adapters by the "
-                 f"{self.rule} rule), copied {self.tensors_copied} other tensors"
+                 f" {self.modules_fused} modules{biases} ({kinds or 'none'}; several adapters by "
+                 f"the {self.rule} rule), copied {self.tensors_copied} other tensors"
                  f" ({self.tensors_total} in all); {self.gflop:.1f} GFLOP"]
         if not self.dry_run:
             lines.append(f"{self.seconds:.1f} s, {self.gflops:.1f} GFLOP/s, peak memory "
                          f"{self.peak_rss_mib:.0f} MiB -> {self.output}")
         for i, a in enumerate(self.adapters):
-            text = (f"adapter {i}: {a.path} x {a.strength:g}: {a.pairs_used} pairs "
-                    f"({a.keys_used} keys) used")
+            kinds = ", ".join(f"{n} {k}" for k, n in sorted(a.kinds.items()))
+            text = (f"adapter {i}: {a.path} x {a.strength:g}: {a.pairs_used} modules "
+                    f"({kinds or 'none'}; {a.keys_used} keys) used")
             if a.alpha_scaled:
-                text += f", {a.alpha_scaled} scaled by alpha/rank"
+                text += f"; alpha: {a.alpha_scaled} scaled by alpha/rank"
+            if a.alpha_ignored:
+                text += (f"; alpha: {a.alpha_ignored} ignored" +
+                         (" (--alpha ignore)" if a.alpha_mode == "ignore" else ""))
             if a.unmatched_modules:
-                text += (f"; {len(a.unmatched_modules)} pairs match no weight (e.g. "
-                         f"{a.unmatched_modules[0]})")
+                first = a.unmatched_modules[0]
+                where = a.unmatched_components.get(first)
+                text += (f"; {len(a.unmatched_modules)} modules match no weight and were not "
+                         f"fused (e.g. {first}{f' ({where})' if where else ''})")
             if a.unused_keys:
-                text += f"; {len(a.unused_keys)} keys unused (e.g. {a.unused_keys[0]})"
+                text += f"; {len(a.unused_keys)} keys of no known role (e.g. {a.unused_keys[0]})"
             if a.rounded_to_bf16:
-                text += f"; {len(a.rounded_to_bf16)} factors rounded from F32/F16 to bf16"
+                text += f"; {len(a.rounded_to_bf16)} tensors rounded from F32/F16 to bf16"
             lines.append(text)
         return "\n".join(lines)
 
@@ -122,10 +116,21 @@ class Checkpoint:
     """One safetensors file, or the shards of a ``*.safetensors.index.json``, as a single map
     of tensor name -> (file, TensorInfo), in file order."""
 
+    #: a diffusers model folder's weights: sharded (the index) or one file
+    DIFFUSERS_FILES = ("diffusion_pytorch_model.safetensors.index.json",
+                       "diffusion_pytorch_model.safetensors")
+
     def __init__(self, path):
         self.path = os.fspath(path)
         self.files = []
         self.entries = {}
+        if os.path.isdir(self.path):
+            found = [os.path.join(self.path, n) for n in self.DIFFUSERS_FILES
+                     if os.path.isfile(os.path.join(self.path, n))]
+            if not found:
+                raise Ltx2IOError(errno.EISDIR, f"model {self.path} is a folder without "
+                                                f"{' or '.join(self.DIFFUSERS_FILES)}")
+            self.path = found[0]
         try:
             if self.path.endswith(".json"):
                 self._open_index()
@@ -317,6 +322,10 @@ class _Prefetcher:
         self.thread.join()
 
 
+def _round_up(n, to):
+    return -(-n // to) * to
+
+
 def _sha256(fd, chunk=1 << 20):
     # One reused buffer that stays in cache: a fresh 16 MiB bytes object per read cost a quarter
     # more time than the hashing itself (page faults and zeroing). Not mmap: a file truncated
@@ -343,180 +352,24 @@ def _parse_loras(loras):
     return out
 
 
-class _Source:
-    """An adapter: a safetensors file, or a mapping of name -> array (fuse_state_dict)."""
-
-    def __init__(self, source):
-        if isinstance(source, (str, os.PathLike)):
-            self.file = SafetensorsFile(source)
-            self.name = self.file.path
-            self.keys = list(self.file.tensors)
-        else:
-            self.file = None
-            self.mapping = source
-            self.name = "<state dict>"
-            self.keys = list(source)
-
-    def shape(self, key):
-        return self.file.tensors[key].shape if self.file else tuple(_as_numpy(self.mapping[key]).shape)
-
-    def dtype(self, key):
-        if self.file:
-            return self.file.tensors[key].dtype
-        return _dtype_name(_as_numpy(self.mapping[key]))
-
-    def array(self, key):
-        return self.file.read(key) if self.file else _as_numpy(self.mapping[key])
-
-    def close(self):
-        if self.file:
-            self.file.close()
-
-
-def _as_numpy(tensor):
-    """A numpy view of a numpy array or (zero-copy) of a CPU torch tensor."""
-    if isinstance(tensor, np.ndarray):
-        return tensor
-    if type(tensor).__module__.split(".")[0] == "torch":
-        t = tensor.detach()
-        if t.device.type != "cpu":
-            raise DTypeError(f"torch tensor on {t.device}: move it to the CPU first")
-        name = str(t.dtype).replace("torch.", "")
-        import torch  # present, since a torch tensor is
-
-        if name == "bfloat16":
-            return t.view(torch.int16).numpy().view(np.uint16)
-        if name in ("float8_e4m3fn", "float8_e5m2"):
-            return _FP8View(t.view(torch.uint8).numpy(), name)
-        return t.numpy()
-    return np.asarray(tensor)
-
-
-class _FP8View(np.ndarray):
-    """uint8 codes of a torch fp8 tensor, carrying which format they are."""
-
-    def __new__(cls, array, torch_name):
-        view = array.view(cls)
-        view.fp8 = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}[torch_name]
-        return view
-
-    def __array_finalize__(self, obj):
-        self.fp8 = getattr(obj, "fp8", None)
-
-
-def _dtype_name(array):
-    if isinstance(array, _FP8View):
-        return array.fp8
-    dt = array.dtype
-    if dt == np.uint16 or dt.name == "bfloat16":
-        return "BF16"
-    if dt.name == "float8_e4m3fn":
-        return "F8_E4M3"
-    if dt.name == "float8_e5m2":
-        return "F8_E5M2"
-    return {"float32": "F32", "float16": "F16", "uint8": "U8"}.get(dt.name, dt.name.upper())
-
-
-def _alpha_value(source, key):
-    value = np.asarray(source.array(key))
-    if value.size != 1:
-        raise ShapeError(f"{source.name}: alpha {key!r} has {value.size} elements, not one")
-    dtype = source.dtype(key)
-    if dtype == "BF16":
-        return float(bf16_to_f32(value).reshape(-1)[0])
-    if dtype not in ("F32", "F16", "F64"):
-        raise DTypeError(f"{source.name}: alpha {key!r} is {dtype}, expected a float")
-    return float(value.reshape(-1)[0])
-
-
-def _factor_bf16(source, key, report, space=None):
-    """An adapter factor as bf16 bits; F32/F16 factors are rounded to bf16 (spec §1 multiplies
-    bf16 factors) and recorded in the report.  A bf16 factor of a file is read into ``space``
-    (uint8, at least its size) when given."""
-    from ..reference import bf16_round
-
-    dtype = source.dtype(key)
-    if dtype == "BF16" and source.file is not None and space is not None:
-        shape = source.shape(key)
-        return source.file.read(key, space[:2 * math.prod(shape)].view(np.uint16).reshape(shape))
-    array = source.array(key)
-    if dtype == "BF16":
-        return np.ascontiguousarray(array.view(np.uint16) if array.dtype != np.uint16 else array)
-    if dtype in ("F32", "F16"):
-        report.rounded_to_bf16.append(key)
-        with np.errstate(over="ignore", invalid="ignore"):
-            return bf16_round(np.asarray(array, dtype=np.float32))
-    raise DTypeError(f"{source.name}: adapter factor {key!r} is {dtype}; expected BF16 (or F32/F16)")
-
-
-def _plan(model_shapes, layout_of, sources, strengths):
-    """{model key: [(source index, Pair, scale)]} and the adapter reports; ``layout_of(key)``
-    gives a weight's Layout (or raises for one that cannot be fused)."""
-    plan, reports = {}, []
-    for index, (source, strength) in enumerate(zip(sources, strengths)):
-        report = AdapterReport(path=source.name, strength=strength)
-        matched = keymatch.match(source.keys, model_shapes, adapter_name=source.name)
-        report.unused_keys = matched.unused
-        report.unmatched_modules = [p.module for p in matched.unmatched]
-        for pair in matched.pairs:
-            layout = layout_of(pair.target)
-            out_f, in_f = layout.shape
-            a_shape, b_shape = source.shape(pair.a), source.shape(pair.b)
-            if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != in_f or \
-                    b_shape[0] != out_f or a_shape[0] != b_shape[1]:
-                where = "" if not layout.quantized else f" ({layout.kind}, stored {list(model_shapes[pair.target])})"
-                raise ShapeError(f"{source.name}: {pair.module}: lora_A {a_shape} and lora_B "
-                                 f"{b_shape} do not fit weight {pair.target} [{out_f}, {in_f}]"
-                                 f"{where}")
-            scale = strength
-            if pair.alpha is not None and a_shape[0] > 0:
-                scale = strength * _alpha_value(source, pair.alpha) / a_shape[0]
-                report.alpha_scaled += 1
-            plan.setdefault(pair.target, []).append((index, pair, scale))
-            report.pairs_used += 1
-            report.keys_used += 2 + (pair.alpha is not None)
-        reports.append(report)
-    return plan, reports
-
-
-def _round_up(n, to):
-    return -(-n // to) * to
-
-
-def _factor_place(source, key):
-    """Bytes a bf16 factor takes in _factors' ``space``: its own, up to a multiple of 64."""
-    return _round_up(2 * math.prod(source.shape(key)), 64)
-
-
-def _factor_space(adapters, sources):
-    """Bytes that _factors places in ``space``."""
-    return sum(_factor_place(sources[i], key) for i, pair, _ in adapters for key in (pair.a, pair.b))
-
-
-def _factors(adapters, sources, reports, space=None):
-    """[(A, B, scale)] of the planned adapters of one weight, as bf16 bits; read into
-    ``space`` (uint8, _factor_space bytes) when given."""
-    pairs, at = [], 0
-    for index, pair, scale in adapters:
-        ab = []
-        for key in (pair.a, pair.b):
-            ab.append(_factor_bf16(sources[index], key, reports[index],
-                                   None if space is None else space[at:]))
-            at += _factor_place(sources[index], key)
-        pairs.append((ab[0], ab[1], scale))
-    return pairs
-
-
-def _fuse_one(weight, pairs, layout, name, options, scales=(), delta=None):
-    """Fuse the adapters' factors ``pairs`` into ``weight`` (bits, in place); for a quantised
-    layout also into its ``scales`` arrays (in place), the delta held in ``delta`` memory."""
+def _fuse_one(weight, loaded, layout, name, options, scales=(), delta=None):
+    """Fuse one weight's ``loaded`` adapter tensors into ``weight`` (bits, in place); for a
+    quantised layout also into its ``scales`` arrays (in place), the delta held in ``delta``
+    memory; a DoRA adapter by fuse_dora."""
+    if loaded and loaded[0].item.kind == "dora":
+        item, (a, b) = loaded[0].item, loaded[0].arrays
+        style = "peft" if "magnitude" in item.pair.keys else "comfy"
+        fuse_dora(weight, a, b, loaded[0].magnitude, scale=item.scale, strength=item.strength,
+                  style=style, threads=options.threads, out=weight)
+        return
+    adapters = [(*ld.arrays, ld.item.scale) for ld in loaded]
     if layout.quantized:
-        fuse_quantized(layout.kind, weight, pairs, scale=scales[0],
+        fuse_quantized(layout.kind, weight, adapters, scale=scales[0],
                        scale_2=scales[1] if len(scales) > 1 else None,
                        fmt=layout.fmt if layout.fmt != "packed" else None, rule=options.rule,
                        threads=options.threads, in_place=True, delta_buffer=delta)
         return
-    fuse_loras(weight, pairs, rule=options.rule, threads=options.threads, out=weight,
+    fuse_loras(weight, adapters, rule=options.rule, threads=options.threads, out=weight,
                check_finite=options.check_finite, weight_format=layout.fmt,
                fp8_rounding=options.fp8_rounding if layout.kind == "fp8" else "nearest",
                seed=options.seed, name=name)
@@ -564,11 +417,6 @@ def _delta_view(buffer, layout):
     return buffer[: layout.shape[0] * layout.shape[1]].reshape(layout.shape)
 
 
-def _gflop(shape, adapters, sources):
-    out_f, in_f = shape
-    return sum(2.0 * out_f * in_f * sources[i].shape(p.a)[0] for i, p, _ in adapters) / 1e9
-
-
 def _peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -581,13 +429,13 @@ def _check_output_is_not_an_input(output, inputs):
             raise Ltx2IOError(22, f"output {output} is an input file ({path}); write elsewhere")
 
 
-def _prepare(entries, metadata, read_bytes, sources, loras, rule, fp8_rounding, retry_dtype=None):
-    """(plan, reports, {fused weight: Layout}) for a model of ``entries`` (name -> (dtype,
-    shape)); every weight's layout is settled here, before anything is written.
-    ``retry_dtype``: the fp8 format that U8 weights hold when no quantised layout claims them
-    (fuse_state_dict's ``weight_format``)."""
-    if rule not in RULE_TEXT:
-        raise ValueError(f"rule must be 'addmm' or 'sum', got {rule!r}")
+def _prepare(entries, metadata, read_bytes, sources, loras, options, retry_dtype=None):
+    """(Plan, {fused weight: Layout}) for a model of ``entries`` (name -> (dtype, shape));
+    every weight's layout and every adapter tensor's place are settled here, before anything
+    is written.  ``retry_dtype``: the fp8 format that U8 weights hold when no quantised layout
+    claims them (fuse_state_dict's ``weight_format``)."""
+    if options["rule"] not in RULE_TEXT:
+        raise ValueError(f"rule must be 'addmm' or 'sum', got {options['rule']!r}")
     configs, marker = layoutmod.comfy_configs(metadata, entries, read_bytes)
     cache = {}
 
@@ -602,23 +450,35 @@ def _prepare(entries, metadata, read_bytes, sources, loras, rule, fp8_rounding, 
                                               configs, marker)
         return cache[key]
 
-    shapes = {n: shape for n, (_, shape) in entries.items()}
-    plan, reports = _plan(shapes, layout_of, sources, [s for _, s in loras])
-    layouts = {n: layout_of(n) for n in plan}
-    _check_options(rule, fp8_rounding, layouts)
-    return plan, reports, layouts
+    plan = plans.make_plan(entries, layout_of, sources, [s for _, s in loras],
+                           alpha=options["alpha"], allow_unmatched=options["allow_unmatched"])
+    layouts = {n: layout_of(n) for n in plan.weights}
+    _check_options(options["rule"], options["fp8_rounding"], layouts)
+    return plan, layouts
+
+
+def _report(output, dry_run, plan, layouts, total, rule, order, sources):
+    report = FuseReport(output=os.fspath(output), dry_run=dry_run, adapters=plan.reports,
+                        tensors_total=total, rule=rule, layouts=_layout_counts(layouts))
+    report.fused = [(n, [it.source for it in plan.weights[n]]) for n in order if n in plan.weights]
+    report.modules_fused = len(report.fused)
+    report.biases_fused = len(plan.biases)
+    report.gflop = sum(plans.gflop(layouts[n].shape, plan.weights[n], sources)
+                       for n in plan.weights)
+    return report
 
 
 def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progress=None,
                     check_finite=False, force=False, fp8_rounding="nearest", seed=0,
-                    dry_run=False):
+                    dry_run=False, alpha="scale", allow_unmatched=False):
     """Fuse adapter files into a safetensors checkpoint, writing a new one.
 
     Parameters
     ----------
     model : path
-        A ``.safetensors`` file or a sharded ``*.safetensors.index.json`` (the output is one
-        file either way).
+        A ``.safetensors`` file, a sharded ``*.safetensors.index.json``, or a diffusers model
+        folder (``diffusion_pytorch_model.safetensors`` or its sharded index); the output is one
+        file either way.
     loras : list of (path, strength)
     output : path
         Written through a temporary file in its folder, fsynced and renamed into place; never an
@@ -634,9 +494,16 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
         the stochastic bits seeded per tensor name.
     dry_run : bool
         Validate and match everything, write nothing.
+    alpha : "scale" (default) or "ignore"
+        Scale a pair's strength by its file's alpha / rank (ComfyUI, PEFT), or not (upstream
+        LTX-2, which never reads alpha).
+    allow_unmatched : bool
+        Fuse what matches when some adapter modules match no weight (or some keys have no known
+        role), and list them in the report; by default that is an error and nothing is written.
 
     Weights stored in a scaled or quantised layout (:mod:`ltx2blas.files.layouts`) are fused
-    by their layout's rule, their rewritten scales written right after them.
+    by their layout's rule, their rewritten scales written right after them; bias terms of an
+    adapter are added to the module's bias.
 
     Returns
     -------
@@ -650,25 +517,21 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
     sources = []
     try:
         for path, _ in loras:
-            sources.append(_Source(path))
+            sources.append(Source(path))
         if FUSED_KEY in ckpt.metadata and not force:
             raise AlreadyFusedError(f"{model}: its metadata says adapters are already fused into "
                                     f"it ({ckpt.metadata[FUSED_KEY][:200]}); pass force=True "
                                     "(--force) to fuse again")
         entries_of = {n: (info.dtype, info.shape) for n, (_, info) in ckpt.entries.items()}
         dtypes = {n: dtype for n, (dtype, _) in entries_of.items()}
-        plan, reports, layouts = _prepare(entries_of, ckpt.metadata,
-                                          lambda n: _read_tensor(ckpt, n), sources, loras, rule,
-                                          fp8_rounding)
-        report = FuseReport(output=os.fspath(output), dry_run=dry_run, adapters=reports,
-                            tensors_total=len(ckpt.entries), rule=rule,
-                            layouts=_layout_counts(layouts))
+        opts = dict(rule=rule, alpha=alpha, allow_unmatched=allow_unmatched,
+                    fp8_rounding=fp8_rounding)
+        plan, layouts = _prepare(entries_of, ckpt.metadata, lambda n: _read_tensor(ckpt, n),
+                                 sources, loras, opts)
         order = layoutmod.output_order(list(ckpt.entries), layouts)
-        report.fused = [(n, [i for i, _, _ in plan[n]]) for n in order if n in plan]
-        report.modules_fused = len(report.fused)
-        report.tensors_copied = report.tensors_total - report.modules_fused - sum(
+        report = _report(output, dry_run, plan, layouts, len(ckpt.entries), rule, order, sources)
+        report.tensors_copied = report.tensors_total - report.modules_fused - len(plan.biases) - sum(
             len(lay.rewritten) for lay in layouts.values())
-        report.gflop = sum(_gflop(layouts[n].shape, plan[n], sources) for n in plan)
         _check_output_is_not_an_input(os.fspath(output), ckpt.paths() + [s.name for s in sources])
         if dry_run:
             report.seconds = time.perf_counter() - t0
@@ -679,51 +542,55 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
         hashes = [None] * len(sources)
         hasher = threading.Thread(target=_hash_all, args=(sources, hashes), daemon=True)
         hasher.start()
-        for r in reports:
+        for r in plan.reports:
             r.sha256 = "0" * 64
         counts = _layout_counts(layouts)
-        metadata = _fused_metadata(ckpt.metadata, reports, dtypes, plan, fp8_rounding, seed, rule,
-                                   counts)
+        metadata = _fused_metadata(ckpt.metadata, plan.reports, dtypes, plan.weights,
+                                   fp8_rounding, seed, rule, counts)
 
         entries = [(n, ckpt.entries[n][1].dtype, ckpt.entries[n][1].shape,
                     ckpt.entries[n][1].nbytes) for n in order]
-        fused_order = [n for n in order if n in plan]
+        fused_order = [n for n in order if n in plan.weights]
         options = _Options(rule, threads, check_finite, fp8_rounding, seed)
         delta = _delta_buffer(layouts)
         pending = {}  # rewritten scales, written right after their weight
         done_gflop = 0.0
         with SafetensorsWriter(output, entries, metadata) as writer:
-            reader = _Prefetcher(ckpt, fused_order,
-                                 lambda name, space: _factors(plan[name], sources, reports, space),
-                                 lambda name: _factor_space(plan[name], sources),
-                                 lambda name: writer.file_offset(name) % writer.ALIGN, writer.ALIGN)
+            reader = _Prefetcher(
+                ckpt, fused_order,
+                lambda name, space: plans.factors(plan.weights[name], sources, plan.reports, space),
+                lambda name: plans.factor_space(plan.weights[name], sources),
+                lambda name: writer.file_offset(name) % writer.ALIGN, writer.ALIGN)
             try:
                 for count, name in enumerate(order, 1):
                     f, info = ckpt.entries[name]
-                    if name in plan:
+                    if name in plan.weights:
                         layout = layouts[name]
-                        weight, pairs = reader.take(name)
+                        weight, loaded = reader.take(name)
                         scales = [_read_tensor(ckpt, c) for c in layout.rewritten]
-                        _fuse_one(weight, pairs, layout, name, options, scales,
+                        _fuse_one(weight, loaded, layout, name, options, scales,
                                   _delta_view(delta, layout))
                         pending.update(zip(layout.rewritten, scales))
                         # Written from the read buffer, which is reused once the write is done.
                         writer.write(name, weight, release=functools.partial(reader.release, weight))
-                        done_gflop += _gflop(layout.shape, plan[name], sources)
+                        done_gflop += plans.gflop(layout.shape, plan.weights[name], sources)
                     elif name in pending:
                         writer.write(name, pending.pop(name))
+                    elif name in plan.biases:
+                        writer.write(name, fuse_bias(_read_tensor(ckpt, name),
+                                                     plans.bias_terms(plan.biases[name], sources)))
                     else:
                         writer.copy(name, f.fileno(), info.begin, info.nbytes, f.path)
                     if progress is not None:
                         progress(Progress(count, len(order), done_gflop, report.gflop,
                                           time.perf_counter() - t0, name))
                 hasher.join()
-                for r, h in zip(reports, hashes):
+                for r, h in zip(plan.reports, hashes):
                     if isinstance(h, BaseException):
                         raise Ltx2IOError(5, f"hashing {r.path} failed: {h}") from h
                     r.sha256 = h
-                metadata = _fused_metadata(ckpt.metadata, reports, dtypes, plan, fp8_rounding,
-                                           seed, rule, counts)
+                metadata = _fused_metadata(ckpt.metadata, plan.reports, dtypes, plan.weights,
+                                           fp8_rounding, seed, rule, counts)
                 writer.set_metadata(metadata)
                 writer.commit()
             finally:
@@ -744,32 +611,38 @@ def _read_tensor(ckpt, name):
 
 
 def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=None,
-                    check_finite=False, fp8_rounding="nearest", seed=0, weight_format=None):
+                    check_finite=False, fp8_rounding="nearest", seed=0, weight_format=None,
+                    alpha="scale", allow_unmatched=False):
     """Fuse adapters into tensors a loader already holds, in place.
 
     ``state_dict`` maps names to numpy arrays (bf16 as uint16 or ml_dtypes.bfloat16; fp8 as
     ml_dtypes float8 arrays, or uint8 codes with ``weight_format``) or CPU torch tensors
     (bfloat16, float8_e4m3fn, float8_e5m2, uint8; viewed without a copy, torch itself is not
     needed to use the rest of ltx2blas).  Scaled and quantised layouts are recognised from the
-    tensors beside each weight, as in a checkpoint, and their scales rewritten in place.
-    ``loras``: (path or mapping of adapter tensors, strength) pairs.  Names and rules as for
-    :func:`fuse_checkpoint`.  Returns a FuseReport."""
+    tensors beside each weight, as in a checkpoint, and their scales rewritten in place; bias
+    terms are added to the biases in place.  ``loras``: (path or mapping of adapter tensors,
+    strength) pairs.  Names and rules as for :func:`fuse_checkpoint`.  Returns a FuseReport."""
     loras = _parse_loras(loras)
     t0 = time.perf_counter()
     views = {}
     for name, tensor in state_dict.items():
-        views[name] = _as_numpy(tensor)
-    sources = [_Source(src) for src, _ in loras]
+        views[name] = as_numpy(tensor)
+    sources = [Source(src) for src, _ in loras]
     try:
-        entries_of = {n: (_dtype_name(v), tuple(v.shape)) for n, v in views.items()}
-        plan, reports, layouts = _prepare(entries_of, {}, lambda n: views[n].tobytes(), sources,
-                                          loras, rule, fp8_rounding, retry_dtype=weight_format)
-        report = FuseReport(output="<in place>", dry_run=False, adapters=reports,
-                            tensors_total=len(views), rule=rule, layouts=_layout_counts(layouts))
-        report.fused = [(n, [i for i, _, _ in plan[n]]) for n in views if n in plan]
-        report.modules_fused = len(report.fused)
+        entries_of = {n: (dtype_name(v), tuple(v.shape)) for n, v in views.items()}
+        opts = dict(rule=rule, alpha=alpha, allow_unmatched=allow_unmatched,
+                    fp8_rounding=fp8_rounding)
+        plan, layouts = _prepare(entries_of, {}, lambda n: views[n].tobytes(), sources, loras,
+                                 opts, retry_dtype=weight_format)
+        report = _report("<in place>", False, plan, layouts, len(views), rule, list(views), sources)
         report.tensors_copied = 0
-        report.gflop = sum(_gflop(layouts[n].shape, plan[n], sources) for n in plan)
+        for name in list(plan.weights) + list(plan.biases):
+            tensors = [name] + list(layouts[name].rewritten if name in layouts else ())
+            for what in tensors:
+                arr = _plain(views[what])
+                if not arr.flags.c_contiguous or not arr.flags.writeable:
+                    raise DTypeError(f"tensor {what} must be contiguous and writeable to fuse in "
+                                     "place")
         options = _Options(rule, threads, check_finite, fp8_rounding, seed)
         delta = _delta_buffer(layouts)
         done_gflop = 0.0
@@ -777,16 +650,15 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
             layout = layouts[name]
             weight = _plain(views[name])
             scales = [_plain(views[c]) for c in layout.rewritten]
-            for what, arr in [(name, weight)] + list(zip(layout.rewritten, scales)):
-                if not arr.flags.c_contiguous or not arr.flags.writeable:
-                    raise DTypeError(f"tensor {what} must be contiguous and writeable to fuse in "
-                                     "place")
-            pairs = _factors(plan[name], sources, reports)
-            _fuse_one(weight, pairs, layout, name, options, scales, _delta_view(delta, layout))
-            done_gflop += _gflop(layout.shape, plan[name], sources)
+            loaded = plans.factors(plan.weights[name], sources, plan.reports)
+            _fuse_one(weight, loaded, layout, name, options, scales, _delta_view(delta, layout))
+            done_gflop += plans.gflop(layout.shape, plan.weights[name], sources)
             if progress is not None:
                 progress(Progress(count, report.modules_fused, done_gflop, report.gflop,
                                   time.perf_counter() - t0, name))
+        for name, items in plan.biases.items():
+            bias = _plain(views[name])
+            fuse_bias(bias, plans.bias_terms(items, sources), out=bias)
         report.seconds = time.perf_counter() - t0
         report.peak_rss_mib = _peak_rss_mib()
         return report
@@ -796,7 +668,7 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
 
 
 def _plain(array):
-    return array.view(np.ndarray) if isinstance(array, _FP8View) else array
+    return array.view(np.ndarray) if isinstance(array, FP8View) else array
 
 
 def _version():

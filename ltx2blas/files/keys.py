@@ -83,23 +83,37 @@ COMPONENTS = (
 )
 
 
+def _replace(name, old, new, anchored):
+    """``old`` -> ``new`` in ``name`` (only at the start if anchored), leaving an occurrence
+    that already reads ``new`` alone: where ``new`` extends ``old`` ("prompt_adaln" ->
+    "prompt_adaln_single"), a second entry must not extend it again."""
+    extends = len(new) > len(old) and new.startswith(old)
+    if anchored:
+        if name.startswith(old) and not (extends and name.startswith(new)):
+            return new + name[len(old):]
+        return name
+    out, at = [], 0
+    while (hit := name.find(old, at)) >= 0:
+        if extends and name.startswith(new, hit):
+            out.append(name[at:hit + len(new)])
+            at = hit + len(new)
+        else:
+            out.append(name[at:hit] + new)
+            at = hit + len(old)
+    return "".join(out) + name[at:]
+
+
 def to_diffusers(name):
     """An LTX-2 transformer module name in diffusers' naming."""
     for ltx, diff, anchored in RENAMES:
-        if anchored:
-            name = diff + name[len(ltx):] if name.startswith(ltx) else name
-        else:
-            name = name.replace(ltx, diff)
+        name = _replace(name, ltx, diff, anchored)
     return name
 
 
 def to_ltx(name):
     """A diffusers LTX-2 transformer module name in LTX-2's naming."""
     for ltx, diff, anchored in reversed(RENAMES):
-        if anchored:
-            name = ltx + name[len(diff):] if name.startswith(diff) else name
-        else:
-            name = name.replace(diff, ltx)
+        name = _replace(name, diff, ltx, anchored)
     return name
 
 

@@ -363,3 +363,9 @@ void ltx_dora_store_rows(const uint16_t *v, const float *row_factor, const float
         }
     }
 }
+
+void ltx_round_bf16(const float *src, uint16_t *dst, ltx_idx n)
+{
+    for (ltx_idx i = 0; i < n; i++)
+        dst[i] = bf16_of(src[i]);
+}

@@ -74,4 +74,7 @@ void ltx_dora_store_rows(const uint16_t *v, const float *row_factor, const float
                          const uint16_t *w, uint16_t *out, ltx_idx cols, ltx_idx r0, ltx_idx r1,
                          float strength, int blend);
 
+/* dst[i] = bf16(src[i]): the library's bf16 rounding, for arrays the Python layers round. */
+void ltx_round_bf16(const float *src, uint16_t *dst, ltx_idx n);
+
 #endif

@@ -1,0 +1,359 @@
+"""Adapter files and what they fuse into: sources, the plan of a fuse, and its factors.
+
+A plan says, for every weight and bias an adapter touches, which of its tensors fuse there, as
+what kind (a LoRA pair, DoRA, a full-weight difference, a bias term) and at what scale, and
+checks shapes, dtypes and combinations before anything is read or written.  Adapter modules
+that match no weight, and keys of no known role, stop the fuse unless the caller allows them.
+"""
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .._dtypes import bf16_to_f32
+from ..errors import DTypeError, KeyMatchError, ShapeError
+from . import keys as keymatch
+from .safetensors import SafetensorsFile
+
+ALPHA_MODES = ("scale", "ignore")
+FLOATS = ("BF16", "F32", "F16")
+INTEGERS = ("I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
+
+
+@dataclass
+class AdapterReport:
+    path: str
+    strength: float
+    sha256: str = ""
+    pairs_used: int = 0
+    keys_used: int = 0
+    unused_keys: list = field(default_factory=list)        # keys of no known role
+    unmatched_modules: list = field(default_factory=list)  # modules that match no weight
+    unmatched_components: dict = field(default_factory=dict)  # module -> component named
+    alpha_mode: str = "scale"
+    alpha_scaled: int = 0                                  # pairs scaled by alpha/rank
+    alpha_ignored: int = 0                                 # pairs whose alpha was not applied
+    rounded_to_bf16: list = field(default_factory=list)    # factors stored as F32/F16
+    kinds: dict = field(default_factory=dict)              # kind -> count
+
+
+@dataclass
+class Item:
+    """One adapter's contribution to one weight."""
+    source: int
+    pair: keymatch.Pair
+    kind: str          # "lora", "dora" or "diff"
+    scale: float       # LoRA and diff: the delta's scale; DoRA: the LoRA's own (alpha/rank)
+    strength: float    # the user's strength (DoRA blends by it)
+
+
+@dataclass
+class BiasItem:
+    """One adapter's bias term for one model bias."""
+    source: int
+    key: str           # the adapter tensor (lora_B.bias or diff_b)
+    scale: float
+
+
+@dataclass
+class Plan:
+    weights: dict      # model weight key -> [Item], in adapter order
+    biases: dict       # model bias key -> [BiasItem]
+    reports: list      # AdapterReport per adapter
+
+
+# ---- sources ----
+
+class Source:
+    """An adapter: a safetensors file, or a mapping of name -> array (fuse_state_dict)."""
+
+    def __init__(self, source):
+        if isinstance(source, (str, os.PathLike)):
+            self.file = SafetensorsFile(source)
+            self.name = self.file.path
+            self.keys = list(self.file.tensors)
+        else:
+            self.file = None
+            self.mapping = source
+            self.name = "<state dict>"
+            self.keys = list(source)
+
+    def shape(self, key):
+        return self.file.tensors[key].shape if self.file else tuple(as_numpy(self.mapping[key]).shape)
+
+    def dtype(self, key):
+        if self.file:
+            return self.file.tensors[key].dtype
+        return dtype_name(as_numpy(self.mapping[key]))
+
+    def array(self, key):
+        return self.file.read(key) if self.file else as_numpy(self.mapping[key])
+
+    def close(self):
+        if self.file:
+            self.file.close()
+
+
+def as_numpy(tensor):
+    """A numpy view of a numpy array or (zero-copy) of a CPU torch tensor."""
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    if type(tensor).__module__.split(".")[0] == "torch":
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            raise DTypeError(f"torch tensor on {t.device}: move it to the CPU first")
+        name = str(t.dtype).replace("torch.", "")
+        import torch  # present, since a torch tensor is
+
+        if name == "bfloat16":
+            return t.view(torch.int16).numpy().view(np.uint16)
+        if name in ("float8_e4m3fn", "float8_e5m2"):
+            return FP8View(t.view(torch.uint8).numpy(), name)
+        return t.numpy()
+    return np.asarray(tensor)
+
+
+class FP8View(np.ndarray):
+    """uint8 codes of a torch fp8 tensor, carrying which format they are."""
+
+    def __new__(cls, array, torch_name):
+        view = array.view(cls)
+        view.fp8 = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}[torch_name]
+        return view
+
+    def __array_finalize__(self, obj):
+        self.fp8 = getattr(obj, "fp8", None)
+
+
+def dtype_name(array):
+    """The safetensors dtype name of an array."""
+    if isinstance(array, FP8View):
+        return array.fp8
+    dt = array.dtype
+    if dt == np.uint16 or dt.name == "bfloat16":
+        return "BF16"
+    if dt.name == "float8_e4m3fn":
+        return "F8_E4M3"
+    if dt.name == "float8_e5m2":
+        return "F8_E5M2"
+    names = {"float32": "F32", "float16": "F16", "float64": "F64", "uint8": "U8", "int8": "I8",
+             "int16": "I16", "int32": "I32", "int64": "I64", "uint32": "U32", "uint64": "U64"}
+    return names.get(dt.name, dt.name.upper())
+
+
+# ---- the plan ----
+
+def _alpha_value(source, key):
+    value = np.asarray(source.array(key))
+    if value.size != 1:
+        raise ShapeError(f"{source.name}: alpha {key!r} has {value.size} elements, not one")
+    dtype = source.dtype(key)
+    if dtype == "BF16":
+        return float(bf16_to_f32(value).reshape(-1)[0])
+    if dtype not in FLOATS + ("F64",) + INTEGERS:
+        raise DTypeError(f"{source.name}: alpha {key!r} is {dtype}, expected a number")
+    return float(value.reshape(-1)[0])
+
+
+def _check(source, key, shape, dtypes, what):
+    got_shape, got_dtype = tuple(source.shape(key)), source.dtype(key)
+    if shape is not None and got_shape != tuple(shape):
+        raise ShapeError(f"{source.name}: {what} {key!r} has shape {list(got_shape)}, expected "
+                         f"{list(shape)}")
+    if got_dtype not in dtypes:
+        raise DTypeError(f"{source.name}: {what} {key!r} is {got_dtype}; expected "
+                         f"{' or '.join(dtypes)}")
+
+
+def _unmatched_error(source, matched):
+    parts = []
+    for pair in matched.unmatched[:5]:
+        parts.append(pair.module + (f" ({pair.component})" if pair.component else ""))
+    named = sorted({p.component for p in matched.unmatched if p.component})
+    text = (f"{source.name}: {len(matched.unmatched)} adapter modules match no weight of the "
+            f"model: {', '.join(parts)}{', ...' if len(matched.unmatched) > 5 else ''}")
+    if named:
+        text += (f"; the names point to the {' and '.join(named)}, which this checkpoint does "
+                 "not hold")
+    if matched.unused:
+        text += (f"; and {len(matched.unused)} keys of no known role (e.g. "
+                 f"{matched.unused[0]!r})")
+    return KeyMatchError(text + "; nothing was written (allow_unmatched=True, --allow-unmatched, "
+                         "fuses the rest)")
+
+
+def make_plan(model_entries, layout_of, sources, strengths, alpha="scale",
+              allow_unmatched=False):
+    """The Plan of fusing ``sources`` at ``strengths`` into a model of ``model_entries``
+    (name -> (dtype, shape)); ``layout_of(key)`` gives a weight's Layout or raises."""
+    if alpha not in ALPHA_MODES:
+        raise ValueError(f"alpha must be 'scale' or 'ignore', got {alpha!r}")
+    plan = Plan({}, {}, [])
+    for index, (source, strength) in enumerate(zip(sources, strengths)):
+        report = AdapterReport(path=source.name, strength=strength, alpha_mode=alpha)
+        matched = keymatch.match(source.keys, model_entries, adapter_name=source.name)
+        report.unused_keys = matched.unused
+        report.unmatched_modules = [p.module for p in matched.unmatched]
+        report.unmatched_components = {p.module: p.component for p in matched.unmatched
+                                       if p.component}
+        if (matched.unmatched or matched.unused) and not allow_unmatched:
+            raise _unmatched_error(source, matched)
+        for pair in matched.pairs:
+            _plan_pair(plan, index, source, strength, pair, layout_of, model_entries, report,
+                       alpha)
+        plan.reports.append(report)
+    for target, items in plan.weights.items():
+        if any(item.kind == "dora" for item in items) and len(items) > 1:
+            raise KeyMatchError(f"weight {target}: a DoRA adapter rescales the whole weight and "
+                                f"is not combined with others on it ({len(items)} adapters "
+                                "touch it)")
+    return plan
+
+
+def _plan_pair(plan, index, source, strength, pair, layout_of, model_entries, report, alpha):
+    layout = layout_of(pair.target)
+    out_f, in_f = layout.shape
+    where = f"weight {pair.target} [{out_f}, {in_f}]" + (
+        f" ({layout.kind}, stored {list(model_entries[pair.target][1])})" if layout.quantized else "")
+    keys = pair.keys
+    rank = None
+    if pair.kind == "lora":
+        a_shape, b_shape = source.shape(pair.a), source.shape(pair.b)
+        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != in_f or \
+                b_shape[0] != out_f or a_shape[0] != b_shape[1]:
+            raise ShapeError(f"{source.name}: {pair.module}: lora_A {a_shape} and lora_B "
+                             f"{b_shape} do not fit {where}")
+        rank = a_shape[0]
+    elif pair.kind == "diff":
+        _check(source, keys["diff"], (out_f, in_f), FLOATS, "diff")
+    lora_scale = 1.0
+    if pair.alpha is not None:
+        if alpha == "scale" and rank:
+            lora_scale = _alpha_value(source, pair.alpha) / rank
+            report.alpha_scaled += 1
+        else:
+            report.alpha_ignored += 1
+    kind = pair.kind
+    if pair.kind == "lora" and ({"magnitude", "dora_scale"} & set(keys)):
+        kind = "dora"
+        mkey = keys.get("magnitude") or keys["dora_scale"]
+        shapes = [(out_f,), (out_f, 1)] if "magnitude" in keys else [(out_f, 1), (1, in_f)]
+        if tuple(source.shape(mkey)) not in shapes:
+            raise ShapeError(f"{source.name}: DoRA magnitude {mkey!r} has shape "
+                             f"{list(source.shape(mkey))}; {where} takes "
+                             f"{' or '.join(str(list(s)) for s in shapes)}")
+        _check(source, mkey, None, ("F32", "BF16"), "DoRA magnitude")
+        if layout.kind != "bf16":
+            raise DTypeError(f"{source.name}: {pair.module} is a DoRA adapter; ltx2blas fuses "
+                             f"DoRA into bf16 weights, and {pair.target} is {layout.kind}")
+    if pair.kind in ("lora", "diff"):
+        # a LoRA's delta scales by strength x alpha/rank; DoRA applies alpha/rank inside and
+        # blends by strength; a difference has no alpha
+        scale = {"lora": strength * lora_scale, "dora": lora_scale, "diff": strength}[kind]
+        plan.weights.setdefault(pair.target, []).append(Item(index, pair, kind, scale, strength))
+        report.pairs_used += 1
+        report.kinds[kind] = report.kinds.get(kind, 0) + 1
+    for role, bias_scale in (("up_bias", strength * lora_scale), ("diff_b", strength)):
+        if role not in keys:
+            continue
+        if pair.bias_target is None:
+            raise KeyMatchError(f"{source.name}: {keys[role]!r} is a bias term, but the model's "
+                                f"{pair.target[:-len('.weight')]} has no bias")
+        bias_dtype, bias_shape = model_entries[pair.bias_target]
+        if bias_dtype not in FLOATS or tuple(bias_shape) != (out_f,):
+            raise DTypeError(f"bias {pair.bias_target} is {bias_dtype} {list(bias_shape)}; ltx2blas "
+                             f"adds bias terms to {'/'.join(FLOATS)} biases of {out_f} values")
+        _check(source, keys[role], (out_f,), FLOATS, "bias term")
+        plan.biases.setdefault(pair.bias_target, []).append(
+            BiasItem(index, keys[role], bias_scale))
+        report.kinds["bias"] = report.kinds.get("bias", 0) + 1
+        if pair.kind == "bias":
+            report.pairs_used += 1
+    report.keys_used += len(keys)
+
+
+# ---- factors ----
+
+def _round_up(n, to):
+    return -(-n // to) * to
+
+
+def _bf16_keys(item):
+    """The adapter tensors of an item that are read as bf16 (into the reader's space)."""
+    return (item.pair.keys["diff"],) if item.kind == "diff" else (item.pair.a, item.pair.b)
+
+
+def factor_space(items, sources):
+    """Bytes that ``factors`` places in its ``space``."""
+    return sum(_round_up(2 * math.prod(sources[it.source].shape(key)), 64)
+               for it in items for key in _bf16_keys(it))
+
+
+def factor_bf16(source, key, report, space=None):
+    """An adapter tensor as bf16 bits; F32/F16 ones are rounded to bf16 (spec §1 multiplies
+    bf16 factors) and recorded in the report.  A bf16 tensor of a file is read into ``space``
+    (uint8, at least its size) when given."""
+    from .. import _quant
+
+    dtype = source.dtype(key)
+    if dtype == "BF16" and source.file is not None and space is not None:
+        shape = source.shape(key)
+        return source.file.read(key, space[:2 * math.prod(shape)].view(np.uint16).reshape(shape))
+    array = source.array(key)
+    if dtype == "BF16":
+        return np.ascontiguousarray(array.view(np.uint16) if array.dtype != np.uint16 else array)
+    if dtype in ("F32", "F16"):
+        report.rounded_to_bf16.append(key)
+        values = np.ascontiguousarray(array, dtype=np.float32)
+        return _quant.round_bf16(values.reshape(-1)).reshape(values.shape)
+    raise DTypeError(f"{source.name}: adapter tensor {key!r} is {dtype}; expected BF16 (or "
+                     "F32/F16)")
+
+
+@dataclass
+class Loaded:
+    """An item's tensors, ready to fuse."""
+    item: Item
+    arrays: tuple      # LoRA/DoRA (A, B); diff (diff,)
+    magnitude: np.ndarray = None
+
+
+def factors(items, sources, reports, space=None):
+    """[Loaded] of one weight's items, bf16 tensors read into ``space`` (uint8,
+    factor_space bytes) when given."""
+    out, at = [], 0
+    for it in items:
+        arrays = []
+        for key in _bf16_keys(it):
+            arrays.append(factor_bf16(sources[it.source], key, reports[it.source],
+                                      None if space is None else space[at:]))
+            at += _round_up(2 * math.prod(sources[it.source].shape(key)), 64)
+        magnitude = None
+        if it.kind == "dora":
+            keys = it.pair.keys
+            mkey = keys.get("magnitude") or keys["dora_scale"]
+            magnitude = np.ascontiguousarray(sources[it.source].array(mkey))
+            if sources[it.source].dtype(mkey) == "BF16":
+                magnitude = magnitude.view(np.uint16)
+            if "magnitude" in keys:
+                magnitude = magnitude.reshape(-1)
+        out.append(Loaded(it, tuple(arrays), magnitude))
+    return out
+
+
+def bias_terms(items, sources):
+    """[(b, scale)] of one bias's items, as stored (bf16 bits, f16 or f32)."""
+    terms = []
+    for it in items:
+        b = np.ascontiguousarray(sources[it.source].array(it.key))
+        if sources[it.source].dtype(it.key) == "BF16":
+            b = b.view(np.uint16)
+        terms.append((b.reshape(-1), it.scale))
+    return terms
+
+
+def gflop(shape, items, sources):
+    out_f, in_f = shape
+    return sum(2.0 * out_f * in_f * sources[it.source].shape(it.pair.a)[0] for it in items
+               if it.kind != "diff") / 1e9
