@@ -119,6 +119,39 @@ def quantized_cases(ref):
     return cases
 
 
+def adapter_kind_cases(ref):
+    """Adapter kinds beyond the LoRA pair (spec §1): a full-weight difference among LoRAs by
+    each rule, DoRA by each style and axis, bias terms."""
+    rng = np.random.default_rng(20260404)
+
+    def bf16(shape, scale):
+        return ref.bf16_round(rng.standard_normal(shape).astype(np.float32) * np.float32(scale))
+
+    rows, cols = 24, 40
+    cases = {}
+    weight = bf16((rows, cols), 0.02)
+    a, b = bf16((6, cols), 0.05), bf16((rows, 6), 0.05)
+    diff = bf16((rows, cols), 0.002)
+    for rule in ("addmm", "sum"):
+        cases[f"kind_diff_{rule}"] = {
+            "weight": weight, "diff": diff, "lora_a": a, "lora_b": b, "rule": np.array(rule),
+            "expected": ref.fuse_loras(weight, [(diff, 0.7), (a, b, -1.2)], rule)}
+    w64 = ref.bf16_widen(weight).astype(np.float64)
+    for style, m in (("peft", np.sqrt((w64 ** 2).sum(axis=1)).astype(np.float32)),
+                     ("comfy_out", np.sqrt((w64 ** 2).sum(axis=1)).astype(np.float32).reshape(-1, 1)),
+                     ("comfy_in", np.sqrt((w64 ** 2).sum(axis=0)).astype(np.float32).reshape(1, -1))):
+        m = m * np.float32(1.03)
+        cases[f"kind_dora_{style}"] = {
+            "weight": weight, "lora_a": a, "lora_b": b, "magnitude": m, "scale": np.float64(0.5),
+            "strength": np.float64(0.8), "style": np.array(style.split("_")[0]),
+            "expected": ref.fuse_dora(weight, a, b, m, 0.5, 0.8, style.split("_")[0])}
+    bias = bf16((rows,), 0.02)
+    terms = [bf16((rows,), 0.01), rng.standard_normal(rows).astype(np.float32) * np.float32(0.01)]
+    cases["kind_bias"] = {"bias": bias, "term0": terms[0], "term1": terms[1],
+                          "expected": ref.fuse_bias(bias, [(terms[0], 0.5), (terms[1], -1.5)])}
+    return cases
+
+
 def feature_cases(ref):
     """Text feature extractor cases (spec §4): hidden states, mask, projections, the bf16
     features and the exact (f64) projections."""
@@ -154,6 +187,7 @@ def main(argv=None):
     bad = 0
     cases = {f"fuse_{name}": case for name, case in fuse_cases(ref).items()}
     cases.update(quantized_cases(ref))
+    cases.update(adapter_kind_cases(ref))
     cases.update(feature_cases(ref))
     for name, case in cases.items():
         path = os.path.join(HERE, f"{name}.npz")

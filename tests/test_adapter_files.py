@@ -344,3 +344,23 @@ def test_cli_alpha_and_allow_unmatched(model, tmp_path, rng):
     assert np.array_equal(read(tmp_path / "o.safetensors")[M + Q + ".weight"],
                           reference.fuse_lora(tensors[M + Q + ".weight"][1], a, b, 0.5))
     assert os.path.exists(tmp_path / "o.safetensors")
+
+
+def test_state_dict_takes_every_kind(rng):
+    """fuse_state_dict plans the same kinds in place: DoRA, a difference, bias terms."""
+    tensors = ck.model(rng)
+    state = {n: v.copy() for n, (_, v) in tensors.items()}
+    a, b = factors(rng, rank=4)
+    m = rng.uniform(0.3, 0.5, 64).astype(np.float32)
+    diff = random_bf16(rng, (96, 48), 0.002)
+    term = random_bf16(rng, (96,), 0.01)
+    adapter = {f"{Q}.lora_A.weight": a, f"{Q}.lora_B.weight": b, f"{Q}.lora_magnitude_vector": m,
+               f"{FF}.diff": diff, f"{FF}.diff_b": term}
+    report = ltx2blas.fuse_state_dict(state, [(adapter, 0.5)])
+    assert report.adapters[0].kinds == {"dora": 1, "diff": 1, "bias": 1}
+    assert np.array_equal(state[M + Q + ".weight"],
+                          reference.fuse_dora(tensors[M + Q + ".weight"][1], a, b, m, 1.0, 0.5, "peft"))
+    assert np.array_equal(state[M + FF + ".weight"],
+                          reference.fuse_loras(tensors[M + FF + ".weight"][1], [(diff, 0.5)]))
+    assert np.array_equal(state[M + FF + ".bias"],
+                          reference.fuse_bias(tensors[M + FF + ".bias"][1], [(term, 0.5)]))

@@ -119,3 +119,34 @@ def test_text_features_reproduce_golden(path):
         bound = gamma(x.shape[0], x.shape[1], w.dtype) * mag + np.spacing(np.abs(y[mask])) / 2
         assert np.all(np.abs(y[mask] - case[f"expected{i}"][mask]) <= bound)
         assert np.array_equal(y[~mask], case[f"expected{i}"][~mask].astype(np.float32))
+
+
+KIND_CASES = sorted(glob.glob(os.path.join(GOLDENS, "kind_*.npz")))
+
+
+def test_adapter_kind_goldens_exist():
+    names = {os.path.basename(p) for p in KIND_CASES}
+    assert {"kind_diff_addmm.npz", "kind_diff_sum.npz", "kind_dora_peft.npz",
+            "kind_dora_comfy_out.npz", "kind_dora_comfy_in.npz", "kind_bias.npz"} <= names
+
+
+@pytest.mark.parametrize("path", KIND_CASES, ids=os.path.basename)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_adapter_kinds_reproduce_golden(path, threads):
+    with np.load(path) as f:
+        c = {k: f[k] for k in f.files}
+    name = os.path.basename(path)
+    if name.startswith("kind_diff"):
+        items = [(c["diff"], 0.7), (c["lora_a"], c["lora_b"], -1.2)]
+        got = ltx2blas.fuse_loras(c["weight"], items, rule=str(c["rule"]), threads=threads)
+        again = reference.fuse_loras(c["weight"], items, str(c["rule"]))
+    elif name.startswith("kind_dora"):
+        args = (c["weight"], c["lora_a"], c["lora_b"], c["magnitude"])
+        got = ltx2blas.fuse_dora(*args, scale=float(c["scale"]), strength=float(c["strength"]),
+                                 style=str(c["style"]), threads=threads)
+        again = reference.fuse_dora(*args, float(c["scale"]), float(c["strength"]), str(c["style"]))
+    else:
+        items = [(c["term0"], 0.5), (c["term1"], -1.5)]
+        got = ltx2blas.fuse.fuse_bias(c["bias"], items)
+        again = reference.fuse_bias(c["bias"], items)
+    assert np.array_equal(got, c["expected"]) and np.array_equal(again, c["expected"])
