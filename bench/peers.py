@@ -73,10 +73,14 @@ def scalar_library():
     if cc is None:
         _LIB = False
         return None
-    out = os.path.join(tempfile.mkdtemp(prefix="ltx2blas-scalar-"), "scalar_loops.so")
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", os.path.join(HERE, "scalar_loops.c"), "-o", out],
-                   check=True)
-    lib = ctypes.CDLL(out)
+    folder = tempfile.mkdtemp(prefix="ltx2blas-scalar-")
+    out = os.path.join(folder, "scalar_loops.so")
+    try:
+        subprocess.run([cc, "-O2", "-shared", "-fPIC", os.path.join(HERE, "scalar_loops.c"), "-o",
+                        out], check=True)
+        lib = ctypes.CDLL(out)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # loaded: the file is no longer needed
     p = ctypes.c_void_p
     n = ctypes.c_ssize_t
     lib.lora_scalar.argtypes = [p, p, p, n, n, n]

@@ -13,11 +13,14 @@ Public API::
 
 ``ltx2blas.reference`` holds the arithmetic contract as plain numpy loops.
 """
+import importlib
 from importlib.metadata import PackageNotFoundError, version as _version
 
-from . import errors, reference
+from . import errors
 from .errors import (
     AlreadyFusedError,
+    ArgumentError,
+    ArgumentTypeError,
     DTypeError,
     FormatError,
     KeyMatchError,
@@ -30,16 +33,37 @@ from .errors import (
     NumericsError,
     ShapeError,
 )
-from .fuse import fuse_dora, fuse_lora, fuse_loras
-from .quantized import QuantizedWeight, fuse_quantized
-from .features import normalized_features, text_features
-from .files.checkpoint import FuseReport, fuse_checkpoint, fuse_state_dict
-from .linear_layer import linear
 
 try:
     __version__ = _version("ltx2blas")
 except PackageNotFoundError:  # running from a build tree
     __version__ = "unknown"
+
+# The compiled parts, numpy and scipy load on first use, not on import: the command line then
+# starts (and answers Ctrl-C) before any of them has loaded.
+_LAZY = {
+    "fuse_lora": ".fuse", "fuse_loras": ".fuse", "fuse_dora": ".fuse",
+    "fuse_quantized": ".quantized", "QuantizedWeight": ".quantized",
+    "normalized_features": ".features", "text_features": ".features",
+    "FuseReport": ".files.checkpoint", "fuse_checkpoint": ".files.checkpoint",
+    "fuse_state_dict": ".files.checkpoint",
+    "linear": ".linear_layer",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    if name in ("reference", "fuse", "quantized", "features", "linear_layer", "files"):
+        return importlib.import_module("." + name, __name__)
+    raise AttributeError(f"module 'ltx2blas' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "fuse_lora",
@@ -56,6 +80,8 @@ __all__ = [
     "reference",
     "errors",
     "Ltx2BlasError",
+    "ArgumentError",
+    "ArgumentTypeError",
     "ShapeError",
     "DTypeError",
     "LayoutError",

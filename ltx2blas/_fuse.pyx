@@ -35,6 +35,14 @@ cdef enum:
     KIND_LORA = 0
     KIND_DIFF = 1
 
+# The most terms of a rank one pass over a tile takes: a larger rank is split into passes of
+# this depth, each continuing the accumulation where the one before stopped (the textbook
+# order still), so that no buffer grows with the rank.
+cdef enum:
+    PASS_DEPTH_C = 4096
+
+PASS_DEPTH = PASS_DEPTH_C
+
 
 cdef struct Adapters:
     int count
@@ -93,6 +101,28 @@ cdef inline void finish_bf16_tile(const Job *job, uint16_t *tile, Py_ssize_t ldo
             return
 
 
+cdef inline void load_bs(const Job *job, const Adapters *ad, int a, Py_ssize_t o0, int mt,
+                         Py_ssize_t k0, int kc, Slot *slot) noexcept nogil:
+    """Adapter a's B rows o0.., columns k0..k0+kc, widened into its place in the slot's bs
+    buffer (row stride kc): f32(bf16(B * s)), or for a later addmm term f32(B) unscaled."""
+    cdef const ltx_kernels *kern = job.kern
+    cdef float *dst = slot.bs + ad.bs_offset[a]
+    cdef const uint16_t *src = ad.b[a] + o0 * ad.rank[a] + k0
+    cdef bint unscaled = job.rule == RULE_ADDMM and a > 0   # addmm scales the product
+    cdef Py_ssize_t r
+    if kc == ad.rank[a]:  # whole rows: one contiguous run
+        if unscaled:
+            kern.widen_bf16(src, dst, <Py_ssize_t>mt * kc)
+        else:
+            kern.scale_round_widen(src, ad.scale[a], dst, <Py_ssize_t>mt * kc)
+        return
+    for r in range(mt):
+        if unscaled:
+            kern.widen_bf16(src + r * ad.rank[a], dst + r * kc, kc)
+        else:
+            kern.scale_round_widen(src + r * ad.rank[a], ad.scale[a], dst + r * kc, kc)
+
+
 cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot,
                     int64_t *bad) noexcept nogil:
     cdef Py_ssize_t ti = t // job.tiles_n, tj = t % job.tiles_n
@@ -103,7 +133,8 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
     cdef int shape = 2 * (mt != job.mb) + (nt != job.nb)
     cdef const ltx_kernels *kern = job.kern
     cdef Py_ssize_t q, r
-    cdef int a, rank
+    cdef int a, rank, kc
+    cdef Py_ssize_t k0
     cdef float *bs
     cdef float *panel
     cdef const float *result = slot.acc
@@ -114,14 +145,8 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
 
     if slot.strip != ti:
         for a in range(ad.count):
-            if ad.kind[a] == KIND_DIFF:
-                continue
-            if job.rule == RULE_ADDMM and a > 0:  # addmm scales the product, not B
-                kern.widen_bf16(ad.b[a] + o0 * ad.rank[a], slot.bs + ad.bs_offset[a],
-                                <Py_ssize_t>mt * ad.rank[a])
-            else:
-                kern.scale_round_widen(ad.b[a] + o0 * ad.rank[a], ad.scale[a],
-                                       slot.bs + ad.bs_offset[a], <Py_ssize_t>mt * ad.rank[a])
+            if ad.kind[a] == KIND_LORA and ad.rank[a] <= PASS_DEPTH_C:
+                load_bs(job, ad, a, o0, mt, 0, ad.rank[a], slot)
         if job.pairs:
             kern.pack_pairs_cols(slot.bs, ad.rank[0], slot.bs_pairs, (ad.rank[0] + 1) // 2, mt,
                                  ad.rank[0])
@@ -163,12 +188,28 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
                 else:
                     kern.scale_round_widen(ad.a[a] + origin + r * job.cols, ad.scale[a],
                                            slot.acc + r * nt, nt)
-        else:
+        elif ad.rank[a] <= PASS_DEPTH_C:
             rank = ad.rank[a]
             panel = slot.panels + ad.panel_offset[a]
             kern.widen_bf16_rows(ad.a[a] + i0, job.cols, panel, nt, rank, nt)
             exact_product(kern, mt, nt, rank, slot.bs + ad.bs_offset[a], rank, panel, slot.acc,
                           ad.depth[4 * a + shape])
+        else:
+            # passes of PASS_DEPTH_C terms: sgemm (to its verified depth) in the first only,
+            # the sequential kernel continuing each element's sum in the later ones
+            panel = slot.panels + ad.panel_offset[a]
+            bs = slot.bs + ad.bs_offset[a]
+            k0 = 0
+            while k0 < ad.rank[a]:
+                kc = <int>min(<Py_ssize_t>PASS_DEPTH_C, ad.rank[a] - k0)
+                load_bs(job, ad, a, o0, mt, k0, kc, slot)
+                kern.widen_bf16_rows(ad.a[a] + k0 * job.cols + i0, job.cols, panel, nt, kc, nt)
+                if k0 == 0:
+                    exact_product(kern, mt, nt, kc, bs, kc, panel, slot.acc,
+                                  ad.depth[4 * a + shape])
+                else:
+                    kern.seq_gemm(mt, nt, kc, bs, kc, panel, nt, slot.acc, nt)
+                k0 += kc
         if job.rule == RULE_SUM:
             kern.accumulate_rounded(slot.acc, slot.total, <Py_ssize_t>mt * nt)
         elif job.rule == RULE_ADDMM and a == 0:
@@ -189,6 +230,32 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
                                  job.fmt == 2, job.stochastic, job.key, origin, job.cols)
         if job.check and q >= 0:
             bad[t] = origin + q
+
+
+cdef inline size_t up64(size_t n) noexcept nogil:
+    return (n + 63) & ~(<size_t>63)
+
+
+cdef (size_t, size_t, size_t, size_t, size_t, size_t) slot_layout(
+        int mb, int nb, Py_ssize_t width, bint several, bint dry_run, bint pairs) noexcept:
+    """One thread's buffers: bs rows [mb, width], A panels [width, nb], the product tile, the
+    several-adapter total, the dry run's scratch tile, the bs pairs; and their sum.  ``width``
+    is the sum over LoRAs of min(rank, PASS_DEPTH)."""
+    cdef size_t bs_len = up64(<size_t>mb * width * sizeof(float))
+    cdef size_t panels_len = up64(<size_t>width * nb * sizeof(float))
+    cdef size_t tile_len = up64(<size_t>mb * nb * sizeof(float))
+    cdef size_t scratch_len = up64(<size_t>mb * nb * sizeof(uint16_t))
+    cdef size_t pairs_len = up64(<size_t>mb * ((width + 1) // 2) * sizeof(uint32_t))
+    return (bs_len, panels_len, tile_len, scratch_len, pairs_len,
+            bs_len + panels_len + tile_len * (1 + several) + scratch_len * dry_run
+            + pairs_len * pairs)
+
+
+def slot_bytes(int mb, int nb, ranks, bint several, bint pairs=False, bint dry_run=False):
+    """Bytes of one thread's buffers for LoRAs of ``ranks`` (what fuse_tiles allocates per
+    thread)."""
+    cdef Py_ssize_t width = sum(min(int(r), PASS_DEPTH_C) for r in ranks)
+    return slot_layout(mb, nb, width, several, dry_run, pairs)[5]
 
 
 def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list lora_a,
@@ -263,7 +330,7 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
                 ad.b[a] = NULL
             else:
                 ad.rank[a] = <int>view.shape[0]
-                rank_sum += view.shape[0]
+                rank_sum += min(view.shape[0], PASS_DEPTH_C)
                 view = lora_b[a]
                 keep.append(view)
                 ad.b[a] = &view[0, 0]
@@ -283,13 +350,8 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
 
         # Per-thread buffers, allocated here so that a failure happens before any tile is
         # written. Panel offsets are multiples of nb floats; every part is 64-byte aligned.
-        bs_len = (<size_t>mb * rank_sum * sizeof(float) + 63) & ~(<size_t>63)
-        panels_len = (<size_t>rank_sum * nb * sizeof(float) + 63) & ~(<size_t>63)
-        tile_len = (<size_t>mb * nb * sizeof(float) + 63) & ~(<size_t>63)
-        scratch_len = (<size_t>mb * nb * sizeof(uint16_t) + 63) & ~(<size_t>63)
-        pairs_len = (<size_t>mb * ((rank_sum + 1) // 2) * sizeof(uint32_t) + 63) & ~(<size_t>63)
-        slot_len = (bs_len + panels_len + tile_len * (1 + several) + scratch_len * dry_run
-                    + pairs_len * job.pairs)
+        bs_len, panels_len, tile_len, scratch_len, pairs_len, slot_len = slot_layout(
+            mb, nb, rank_sum, several, dry_run, job.pairs)
         buffers = <char *>ltx_aligned_alloc(slot_len * threads)
         slots = <Slot *>malloc(threads * sizeof(Slot))
         if buffers == NULL or slots == NULL:

@@ -13,6 +13,7 @@ import threading
 from contextlib import contextmanager
 
 from . import _gemm
+from .errors import ArgumentError, ArgumentTypeError
 
 
 def _cgroup_cpus():
@@ -61,13 +62,13 @@ def resolve_threads(threads):
     if threads is None:
         return default_threads()
     if isinstance(threads, bool):
-        raise TypeError(f"threads must be None or a positive int, got {threads!r}")
+        raise ArgumentTypeError(f"threads must be None or a positive int, got {threads!r}")
     try:
         threads = operator.index(threads)
     except TypeError:
-        raise TypeError(f"threads must be None or a positive int, got {threads!r}") from None
+        raise ArgumentTypeError(f"threads must be None or a positive int, got {threads!r}") from None
     if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
+        raise ArgumentError(f"threads must be >= 1, got {threads}")
     return threads if _gemm.have_openmp() else 1
 
 

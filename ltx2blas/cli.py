@@ -9,7 +9,6 @@ import json
 import os
 import sys
 
-from .errors import FormatError, Ltx2BlasError, NumericsError
 
 
 def _cmd_info(args):
@@ -28,14 +27,37 @@ def _cmd_demo(args):
 
 
 def _lora_arg(text):
-    """PATH or PATH:STRENGTH (the strength after the last colon, when it is a number)."""
-    path, sep, tail = text.rpartition(":")
-    if sep and path:
+    """PATH or PATH:STRENGTH: the strength after the colon that ends an existing file's name
+    (or after the last colon, when no prefix names a file).  Raises ArgumentError for a
+    strength that is not a number."""
+    if os.path.isfile(text):
+        return text, 1.0
+    colon = text.find(":")
+    while colon >= 0:
+        head, tail = text[:colon], text[colon + 1:]
+        if head and os.path.isfile(head):
+            return head, _strength(tail, text)
+        colon = text.find(":", colon + 1)
+    head, sep, tail = text.rpartition(":")
+    if sep and head:
         try:
-            return path, float(tail)
+            return head, float(tail)
         except ValueError:
             pass
     return text, 1.0
+
+
+def _strength(tail, text):
+    from .errors import ArgumentError
+
+    try:
+        value = float(tail)
+    except ValueError:
+        raise ArgumentError(f"--lora {text}: the strength {tail!r} is not a number (PATH or "
+                            "PATH:STRENGTH)") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ArgumentError(f"--lora {text}: the strength {tail!r} is not finite")
+    return value
 
 
 class _ProgressPrinter:
@@ -75,20 +97,31 @@ def _duration(seconds):
 
 
 def _cmd_fuse(args):
+    from .errors import ArgumentError
     from .files.checkpoint import fuse_checkpoint
 
+    if args.output is None and not args.dry_run:
+        raise ArgumentError("-o/--output is required (unless --dry-run)")
     loras = [_lora_arg(item) for item in args.lora]
     report = fuse_checkpoint(
-        args.model, loras, args.output, rule=args.rule, alpha=args.alpha,
+        args.model, loras, args.output or os.devnull, rule=args.rule, alpha=args.alpha,
         allow_unmatched=args.allow_unmatched, threads=args.threads,
         progress=None if (args.dry_run or args.quiet) else _ProgressPrinter(),
         check_finite=args.check_finite, force=args.force, fp8_rounding=args.fp8_rounding,
         seed=args.seed, dry_run=args.dry_run)
-    print(report.summary())
+    lines = [report.summary()]
     if args.dry_run and args.verbose:
-        for name, adapters in report.fused:
-            print(f"  {name}  <- adapters {adapters}")
+        lines += [f"  {name}  <- adapters {adapters}" for name, adapters in report.fused]
+    _print("\n".join(lines))
     return 0
+
+
+def _print(text, stream=None):
+    """Print what any terminal takes: the output is already written, so a name the stream's
+    encoding lacks must not turn success into an error."""
+    stream = stream or sys.stdout
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    print(text.encode(encoding, "backslashreplace").decode(encoding), file=stream)
 
 
 def _positive_int(text):
@@ -116,7 +149,7 @@ def build_parser():
                                  "diffusers model folder")
     p.add_argument("--lora", action="append", required=True, metavar="PATH[:STRENGTH]",
                    help="adapter file and strength (default 1.0); repeat for several")
-    p.add_argument("-o", "--output", required=True, help="output .safetensors file")
+    p.add_argument("-o", "--output", help="output .safetensors file (not needed with --dry-run)")
     p.add_argument("--rule", choices=("addmm", "sum"), default="addmm",
                    help="how several adapters on one weight combine: addmm (upstream LTX-2 "
                         "today, the default) or sum (its first release)")
@@ -157,6 +190,8 @@ def build_parser():
 
 def exit_code(exc):
     """The exit code for an error (see the module docstring)."""
+    from .errors import FormatError, NumericsError
+
     if isinstance(exc, NumericsError):
         return 5
     if isinstance(exc, FormatError):
@@ -166,19 +201,27 @@ def exit_code(exc):
     return 2
 
 
+def _message(exc):
+    """One line for an error: its own message, without the [Errno N] an OSError prefixes."""
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return (text.splitlines() or [type(exc).__name__])[0]
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
-    except (Ltx2BlasError, OSError, ValueError, TypeError) as exc:
-        if not isinstance(exc, (Ltx2BlasError, OSError)) and os.environ.get("LTX2BLAS_DEBUG"):
-            raise
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"ltx2blas: error: {message}", file=sys.stderr)
-        return exit_code(exc)
     except KeyboardInterrupt:
         print("ltx2blas: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        from .errors import Ltx2BlasError
+
+        if not isinstance(exc, (Ltx2BlasError, OSError, ValueError, TypeError)) or (
+                not isinstance(exc, (Ltx2BlasError, OSError)) and os.environ.get("LTX2BLAS_DEBUG")):
+            raise
+        _print(f"ltx2blas: error: {_message(exc)}", sys.stderr)
+        return exit_code(exc)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,13 @@ from .fuse import fuse_lora
 
 
 def random_bf16(rng, shape, scale):
-    return reference.bf16_round(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+    """Gaussian bf16 bits, rounded by the library's own rounding in place of a chain of numpy
+    temporaries (the demo stays well under a gigabyte)."""
+    from . import _quant
+
+    x = rng.standard_normal(shape, dtype=np.float32)
+    x *= np.float32(scale)
+    return _quant.round_bf16(x.reshape(-1)).reshape(shape)
 
 
 def sgemm_rate(threads, n=2048, repeats=3):

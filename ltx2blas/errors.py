@@ -10,6 +10,15 @@ class Ltx2BlasError(Exception):
     """Base class of every error ltx2blas raises on purpose."""
 
 
+class ArgumentError(Ltx2BlasError, ValueError):
+    """An argument of the wrong value: an unknown option name, a count out of range, an output
+    that is an input."""
+
+
+class ArgumentTypeError(Ltx2BlasError, TypeError):
+    """An argument of the wrong type (a string where a number or a sequence belongs)."""
+
+
 class ShapeError(Ltx2BlasError, ValueError):
     """Array shapes or ranks that do not fit together."""
 

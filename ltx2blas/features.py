@@ -17,7 +17,7 @@ import numpy as np
 from . import _features
 from ._dtypes import bf16_to_f32, is_ml_bfloat16
 from ._threads import blas_single_threaded, resolve_threads
-from .errors import DTypeError, LayoutError, ShapeError
+from .errors import ArgumentError, ArgumentTypeError, DTypeError, LayoutError, ShapeError
 from .linear_layer import plan
 
 __all__ = ["text_features", "normalized_features"]
@@ -38,7 +38,7 @@ def _bits_or_f32(array, name):
 
 def _validate(hidden_states, attention_mask, version):
     if version not in _VERSIONS:
-        raise ValueError(f"version must be 'v1' or 'v2', got {version!r}")
+        raise ArgumentError(f"version must be 'v1' or 'v2', got {version!r}")
     hidden = _bits_or_f32(hidden_states, "hidden_states")
     if hidden.ndim != 4:
         raise ShapeError(f"hidden_states must be [B, T, D, L], got shape {hidden.shape}")
@@ -111,18 +111,18 @@ def text_features(hidden_states, attention_mask, projections, *, version="v1", t
     width = depth * layers
     projections = list(projections)
     if not projections:
-        raise ValueError("projections must hold at least one (weight, bias)")
+        raise ArgumentError("projections must hold at least one (weight, bias)")
     if version == "v1" and len(projections) != 1:
-        raise ValueError(f"version 'v1' has one projection, got {len(projections)}")
+        raise ArgumentError(f"version 'v1' has one projection, got {len(projections)}")
     if audio_video and version != "v1":
-        raise ValueError("audio_video applies to version 'v1'; V2's audio stream is its second "
+        raise ArgumentError("audio_video applies to version 'v1'; V2's audio stream is its second "
                          "projection")
     weights, biases = [], []
     for i, item in enumerate(projections):
         try:
             weight, bias = item
         except (TypeError, ValueError):
-            raise TypeError(f"projections[{i}] must be (weight, bias)") from None
+            raise ArgumentTypeError(f"projections[{i}] must be (weight, bias)") from None
         w = _bits_or_f32(weight, f"projections[{i}] weight")
         if w.ndim != 2 or w.shape[1] != width:
             raise ShapeError(f"projections[{i}] weight has shape {w.shape}, expected "
@@ -190,7 +190,7 @@ def normalized_features(hidden_states, attention_mask, *, version="v1", out_feat
     hidden, mask = _validate(hidden_states, attention_mask, version)
     batch, tokens, depth, layers = hidden.shape
     if version == "v2" and not out_features:
-        raise ValueError("version 'v2' rescales by sqrt(out_features / D): pass out_features")
+        raise ArgumentError("version 'v2' rescales by sqrt(out_features / D): pass out_features")
     width = depth * layers
     identity = np.zeros((1, width), np.uint16)  # a weight only to drive the normaliser
     flat = hidden.reshape(batch * tokens, width)

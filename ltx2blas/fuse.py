@@ -4,6 +4,7 @@ The arithmetic is spec §1 (see :mod:`ltx2blas.reference`), and the result is by
 that loop for every shape, rank, strength and thread count.  How: :mod:`ltx2blas._gemm`.
 """
 import numbers
+import operator
 
 import numpy as np
 
@@ -12,6 +13,8 @@ from ._dtypes import bf16_bits, bf16_to_f32, ml_fp8_format
 from ._threads import blas_single_threaded, resolve_threads
 from .reference import stochastic_key
 from .errors import (
+    ArgumentError,
+    ArgumentTypeError,
     DTypeError,
     LayoutError,
     NonFiniteInputError,
@@ -100,15 +103,15 @@ def fuse_loras(weight, adapters, *, rule="addmm", threads=None, out=None, check_
     :func:`ltx2blas.reference.fuse_loras` (``reference.fuse_loras_fp8`` for fp8 weights).
     """
     if rule not in _RULES:
-        raise ValueError(f"rule must be 'addmm' or 'sum', got {rule!r}")
+        raise ArgumentError(f"rule must be 'addmm' or 'sum', got {rule!r}")
     try:
         adapters = [tuple(item) for item in adapters]
     except TypeError:
-        raise TypeError("adapters must be a sequence of (lora_a, lora_b, strength) or "
+        raise ArgumentTypeError("adapters must be a sequence of (lora_a, lora_b, strength) or "
                         "(diff, strength)") from None
     for i, item in enumerate(adapters):
         if len(item) not in (2, 3):
-            raise TypeError(f"adapters[{i}] must be (lora_a, lora_b, strength) or (diff, "
+            raise ArgumentTypeError(f"adapters[{i}] must be (lora_a, lora_b, strength) or (diff, "
                             f"strength), got {len(item)} items")
     return _fuse_into(weight, adapters, threads, out, check_finite, tile, rule=rule,
                       weight_format=weight_format, fp8_rounding=fp8_rounding, seed=seed,
@@ -122,7 +125,7 @@ def aggregate_delta(rows, cols, adapters, *, rule="addmm", threads=None, tile=No
     weight.  Byte-identical to :func:`ltx2blas.reference.aggregate_delta`; ``out`` (uint16
     [rows, cols], C-contiguous) is filled when given."""
     if rule not in _RULES:
-        raise ValueError(f"rule must be 'addmm' or 'sum', got {rule!r}")
+        raise ArgumentError(f"rule must be 'addmm' or 'sum', got {rule!r}")
     adapters = [tuple(item) for item in adapters]
     if out is None:
         out = np.empty((rows, cols), np.uint16)
@@ -194,7 +197,7 @@ def fuse_dora(weight, lora_a, lora_b, magnitude, *, scale=1.0, strength=1.0, sty
     _check_layout(w, "weight")
     rows, cols = w.shape
     if style not in ("peft", "comfy"):
-        raise ValueError(f"style must be 'peft' or 'comfy', got {style!r}")
+        raise ArgumentError(f"style must be 'peft' or 'comfy', got {style!r}")
     if not isinstance(magnitude, np.ndarray):
         raise DTypeError(f"magnitude must be a numpy array, got {type(magnitude).__name__}")
     m = bf16_to_f32(magnitude) if magnitude.dtype == np.uint16 or magnitude.dtype.name == \
@@ -232,21 +235,15 @@ def fuse_dora(weight, lora_a, lora_b, magnitude, *, scale=1.0, strength=1.0, sty
 
 def buffer_bytes(ranks, threads=1, tile=None, several=None):
     """Bytes of panel buffers a fuse allocates (its extra memory, beyond the output when not
-    in place).  Per thread: f32 bf16(B*s) rows [tile_rows x sum(ranks)], A panels
-    [sum(ranks) x tile_cols] and the product tile [tile_rows x tile_cols] (twice for several
-    adapters), each rounded up to 64 bytes; for one adapter of rank up to SEQUENTIAL_DEPTH, also
-    its bf16(B*s) rows in pairs [tile_rows x ceil(rank / 2)] for the dot-product kernel."""
-    mb, nb = DEFAULT_TILE if tile is None else tile
-    total_rank = sum(ranks)
+    in place): per thread, the f32 bf16(B*s) rows [tile_rows x width], A panels
+    [width x tile_cols] and the product tile (twice for several adapters), width the sum of
+    min(rank, PASS_DEPTH) -- a larger rank runs in passes -- and for one adapter of rank up to
+    SEQUENTIAL_DEPTH its rows in bf16 pairs for the dot-product kernel.  The driver's own
+    count (_fuse.slot_bytes)."""
+    mb, nb = _tile(tile)
     several = len(ranks) > 1 if several is None else several
-
-    def up(n):
-        return (n + 63) // 64 * 64
-
-    slot = up(4 * mb * total_rank) + up(4 * total_rank * nb) + up(4 * mb * nb) * (1 + several)
-    if not several and total_rank <= _gemm.SEQUENTIAL_DEPTH:
-        slot += up(4 * mb * ((total_rank + 1) // 2))
-    return slot * threads
+    pairs = not several and sum(ranks) <= _gemm.SEQUENTIAL_DEPTH
+    return _fuse.slot_bytes(mb, nb, list(ranks), several, pairs) * threads
 
 
 class _Magnitudes:
@@ -286,7 +283,7 @@ def _bf16_value(bits):
 
 def _strength_f32(strength, index):
     if isinstance(strength, (bool, np.bool_)) or not isinstance(strength, numbers.Real):
-        raise TypeError(f"adapter {index}: strength must be a real number, got {strength!r}")
+        raise ArgumentTypeError(f"adapter {index}: strength must be a real number, got {strength!r}")
     with np.errstate(over="ignore"):
         s = np.float32(strength)
     if not np.isfinite(s):
@@ -328,7 +325,7 @@ def _weight_bits(weight, weight_format, name="weight"):
         else:
             return "bf16", bf16_bits(weight, name)
     if weight_format not in _FORMAT_CODES:
-        raise ValueError(f"weight_format must be one of {sorted(_FORMAT_CODES)}, got {weight_format!r}")
+        raise ArgumentError(f"weight_format must be one of {sorted(_FORMAT_CODES)}, got {weight_format!r}")
     if weight_format in ("bf16", "delta"):
         return weight_format, bf16_bits(weight, name)
     if not (dt == np.dtype(np.uint8) or inferred == weight_format):
@@ -509,7 +506,8 @@ def _probe_depths(prepared, route, rows, cols, mb, nb):
             for en, n in ((0, nb), (1, edge_n)):
                 if (em == 0 and rows < mb) or (en == 0 and cols < nb):
                     continue  # no tile of this shape
-                depths[i, 2 * em + en] = _gemm.blas_depth(m, n, ad.rank, ad.rank)
+                depth = min(ad.rank, _fuse.PASS_DEPTH)  # the first pass's, as the tile runs it
+                depths[i, 2 * em + en] = _gemm.blas_depth(m, n, depth, depth)
     return depths
 
 
@@ -518,9 +516,9 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
     """The fuse: validate and prepare, check ``out``, choose the route, probe sgemm, run."""
     fmt, w = _weight_bits(weight, weight_format)
     if fp8_rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"fp8_rounding must be 'nearest' or 'stochastic', got {fp8_rounding!r}")
+        raise ArgumentError(f"fp8_rounding must be 'nearest' or 'stochastic', got {fp8_rounding!r}")
     if fp8_rounding == "stochastic" and fmt in ("bf16", "delta"):
-        raise ValueError("fp8_rounding='stochastic' applies to fp8 weights; this one is bf16")
+        raise ArgumentError("fp8_rounding='stochastic' applies to fp8 weights; this one is bf16")
     if w.ndim != 2:
         raise ShapeError(f"weight must be 2-D [out, in], got shape {w.shape}")
     _check_layout(w, "weight")
@@ -538,7 +536,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
             raise NonFiniteWeightError(
                 f"weight ({fmt}) is already non-finite at {at} (code {int(w[at]):#x}) "
                 "before fusing")
-    if not prepared:
+    if not prepared or rows == 0 or cols == 0:  # nothing to add: no probe, no buffer
         if fmt == "delta":
             result.fill(0)
         elif result is not w:
@@ -572,13 +570,13 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
 
 
 def _tile(tile):
-    mb, nb = DEFAULT_TILE if tile is None else tile
     try:
-        mb, nb = int(mb), int(nb)
+        mb, nb = DEFAULT_TILE if tile is None else tile
+        mb, nb = operator.index(mb), operator.index(nb)
     except (TypeError, ValueError):
-        raise ValueError(f"tile must be two ints in [1, 65536], got {tile!r}") from None
+        raise ArgumentError(f"tile must be two ints in [1, 65536], got {tile!r}") from None
     if not (1 <= mb <= 65536 and 1 <= nb <= 65536):
-        raise ValueError(f"tile must be two ints in [1, 65536], got {tile!r}")
+        raise ArgumentError(f"tile must be two ints in [1, 65536], got {tile!r}")
     return mb, nb
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from . import _linear
 from ._dtypes import bf16_to_f32, is_ml_bfloat16
 from ._threads import blas_single_threaded, resolve_threads
-from .errors import DTypeError, LayoutError, ShapeError
+from .errors import ArgumentError, DTypeError, LayoutError, ShapeError
 
 __all__ = ["linear", "plan", "error_bound", "gamma", "buffer_bytes"]
 
@@ -181,7 +181,7 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
     x_kind = _kind(x, "x")
     _kind(weight, "weight")
     if accumulate not in ("f32", "f64"):
-        raise ValueError(f"accumulate must be 'f32' or 'f64', got {accumulate!r}")
+        raise ArgumentError(f"accumulate must be 'f32' or 'f64', got {accumulate!r}")
     if x.ndim < 1:
         raise ShapeError("x must have at least one dimension [..., in], got a 0-d array")
     if weight.ndim != 2:
@@ -221,10 +221,10 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
 
     route, blocks = plan(rows, weight.dtype, accumulate, blocks)
     if len(blocks) != 3:
-        raise ValueError(f"blocks must be three ints (rows, features, chunk), got {blocks!r}")
+        raise ArgumentError(f"blocks must be three ints (rows, features, chunk), got {blocks!r}")
     mb, ob, kb = (int(v) for v in blocks)
     if not all(1 <= v <= 1 << 20 for v in (mb, ob, kb)):
-        raise ValueError(f"blocks must be three ints in [1, 2^20], got {blocks!r}")
+        raise ArgumentError(f"blocks must be three ints in [1, 2^20], got {blocks!r}")
     # sgemm takes 32-bit sizes: rows and chunks are cut to fit, and the leading dimensions
     # (the row lengths of x, weight and y) must fit too.
     if cols > _INT_MAX or feats > _INT_MAX:

@@ -31,8 +31,15 @@ import numpy as np
 from . import _gemm, _quant
 from ._dtypes import ml_fp8_format
 from ._threads import resolve_threads
-from .errors import (DTypeError, LayoutError, NonFiniteInputError, NonFiniteResultError,
-                     NonFiniteWeightError, ShapeError)
+from .errors import (
+    ArgumentError,
+    DTypeError,
+    LayoutError,
+    NonFiniteInputError,
+    NonFiniteResultError,
+    NonFiniteWeightError,
+    ShapeError,
+)
 from .fuse import aggregate_delta
 
 __all__ = ["fuse_quantized", "QuantizedWeight", "LAYOUTS", "logical_shape"]
@@ -172,7 +179,7 @@ def fuse_quantized(layout, weight, adapters, *, scale, scale_2=None, fmt=None, r
         derive from the values, so these cannot be fused.  Nothing is written then.
     """
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise ArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     codes, fmt = _codes(weight, layout, fmt)
     rows, cols = logical_shape(layout, codes.shape)
     _check_shapes(layout, codes, rows, cols)
@@ -188,14 +195,14 @@ def fuse_quantized(layout, weight, adapters, *, scale, scale_2=None, fmt=None, r
         if _nonfinite_codes(block, "F8_E4M3") >= 0:
             raise NonFiniteWeightError("nvfp4 block scales hold a NaN code")
         if scale_2 is None:
-            raise ValueError("nvfp4 needs scale_2, the per-tensor f32 scale")
+            raise ArgumentError("nvfp4 needs scale_2, the per-tensor f32 scale")
         second = _f32(scale_2, "scale_2")
     else:
         block = _f32(scale, "scale", (rows // BLOCK, cols // BLOCK) if layout.endswith("_block")
                      else None)
         second = None
         if scale_2 is not None:
-            raise ValueError(f"scale_2 belongs to nvfp4, not {layout}")
+            raise ArgumentError(f"scale_2 belongs to nvfp4, not {layout}")
     if fmt is not None:
         first = _nonfinite_codes(codes, fmt)
         if first >= 0:

@@ -9,6 +9,22 @@ bf16 values are uint16 bit patterns throughout; fp8 values uint8 codes.
 import numpy as np
 
 
+def bits(x, dtype):
+    """The stored bits of ``x`` as ``dtype`` (uint16 for bf16, uint8 for fp8 codes): an
+    ml_dtypes bfloat16 / float8 array is viewed, never converted by value; integer codes are
+    taken as they are; anything else is refused (a float array is not a bit pattern)."""
+    x = np.asarray(x)
+    want = np.dtype(dtype)
+    if x.dtype == want:
+        return x
+    if x.dtype.itemsize == want.itemsize and x.dtype.name in ("bfloat16", "float8_e4m3fn",
+                                                              "float8_e5m2"):
+        return x.view(want)
+    if x.dtype.kind in "iu":
+        return x.astype(want)
+    raise TypeError(f"expected {want} bit patterns (or an ml_dtypes array of them), got {x.dtype}")
+
+
 def bf16_round(x):
     """f32 -> bf16 bits, round to nearest even.
 
@@ -24,13 +40,13 @@ def bf16_round(x):
 
 def bf16_widen(h):
     """bf16 bits -> f32, exact."""
-    return (np.asarray(h, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return (bits(h, np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def lora_delta(lora_a, lora_b, strength):
     """delta[o, i] = bf16(sum_k bf16(B[o, k] * s) * A[k, i]), f32 sum from 0.0 in k order."""
-    lora_a = np.asarray(lora_a, dtype=np.uint16)
-    lora_b = np.asarray(lora_b, dtype=np.uint16)
+    lora_a = bits(lora_a, np.uint16)
+    lora_b = bits(lora_b, np.uint16)
     rank, cols = lora_a.shape
     rows = lora_b.shape[0]
     s = np.float32(strength)
@@ -196,7 +212,7 @@ def fp8_widen(codes, fmt):
         else:
             value = (1 + fraction / 2**mant) * 2.0 ** (exponent - bias)
         table[code] = sign * value
-    return table[np.asarray(codes, dtype=np.uint8)]
+    return table[bits(codes, np.uint8)]
 
 
 def fp8_round(x, fmt):
@@ -233,7 +249,7 @@ def _fp8_round(x, spec):
 def fuse_loras_fp8(weight, adapters, fmt, rule="addmm"):
     """fp8 weight (spec §2): W' = fp8(bf16(f32(total) + f32(bf16(W)))), total the bf16 delta of
     one adapter (fuse_lora's) or aggregate_delta's of several; nearest-even into fp8."""
-    weight = np.asarray(weight, dtype=np.uint8)
+    weight = bits(weight, np.uint8)
     total = adapter_delta(adapters[0]) if len(adapters) == 1 else aggregate_delta(adapters, rule)
     w_bf16 = bf16_round(fp8_widen(weight, fmt))       # exact
     return fp8_round(bf16_widen(bf16_round(bf16_widen(total) + bf16_widen(w_bf16))), fmt)
@@ -325,7 +341,7 @@ def fp6_unpack(packed, cols):
     """Upstream's fp6: each group of 4 six-bit codes s e e m m m (the e4m3 code's sign, its two
     low exponent bits and its mantissa) packed big-endian into 3 bytes; unpacked to e4m3 codes
     whose two high exponent bits are 0."""
-    p = np.asarray(packed, np.uint8).reshape(packed.shape[0], -1, 3).astype(np.uint32)
+    p = bits(packed, np.uint8).reshape(packed.shape[0], -1, 3).astype(np.uint32)
     word = (p[..., 0] << 16) | (p[..., 1] << 8) | p[..., 2]
     six = np.stack([(word >> s) & 0x3F for s in (18, 12, 6, 0)], axis=-1).reshape(p.shape[0], cols)
     return (((six >> 5) << 7) | (six & 0x1F)).astype(np.uint8)
@@ -333,7 +349,7 @@ def fp6_unpack(packed, cols):
 
 def fp6_pack(codes):
     """e4m3 codes [out, in] -> upstream's packed fp6 [out, in * 3 / 4] (drops bits 6 and 5)."""
-    c = np.asarray(codes, np.uint8).astype(np.uint32)
+    c = bits(codes, np.uint8).astype(np.uint32)
     six = (((c >> 7) & 1) << 5) | (c & 0x1F)
     six = six.reshape(c.shape[0], -1, 4)
     word = (six[..., 0] << 18) | (six[..., 1] << 12) | (six[..., 2] << 6) | six[..., 3]
@@ -369,7 +385,7 @@ def e2m1_round(x):
 
 
 def e2m1_widen(codes):
-    codes = np.asarray(codes, np.uint8)
+    codes = bits(codes, np.uint8)
     v = E2M1_VALUES[codes & 7]
     return np.where(codes & 8, -v, v).astype(np.float32)
 
@@ -383,18 +399,18 @@ def nvfp4_scale_offset(row, col, padded_cols):
 
 
 def nvfp4_unpack(packed):
-    p = np.asarray(packed, np.uint8)
+    p = bits(packed, np.uint8)
     return np.stack([p >> 4, p & 0xF], axis=-1).reshape(p.shape[0], -1)
 
 
 def nvfp4_pack(codes):
-    c = np.asarray(codes, np.uint8).reshape(codes.shape[0], -1, 2)
+    c = bits(codes, np.uint8).reshape(codes.shape[0], -1, 2)
     return ((c[..., 0] << 4) | c[..., 1]).astype(np.uint8)
 
 
 def _nvfp4_block_scales(swizzled, rows, cols):
     """The [rows, cols / 16] block scales (f32) out of the tiled array."""
-    flat = np.asarray(swizzled, np.uint8).reshape(-1)
+    flat = bits(swizzled, np.uint8).reshape(-1)
     r, c = np.meshgrid(np.arange(rows), np.arange(cols // NVFP4_GROUP), indexing="ij")
     return fp8_widen(flat[nvfp4_scale_offset(r, c, swizzled.shape[1])], "F8_E4M3")
 

@@ -53,3 +53,19 @@ def pairs_table(request):
     _gemm.use_kernels(request.param)
     yield request.param
     _gemm.use_kernels(None)
+
+
+def pytest_runtest_teardown(item):
+    """Files over a megabyte a test made in its tmp_path go when it ends: pytest keeps the temp
+    folders of the last runs, and checkpoints would pile up there."""
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if tmp is None or not os.path.isdir(tmp):
+        return
+    for root, _, names in os.walk(tmp):
+        for name in names:
+            path = os.path.join(root, name)
+            try:
+                if not os.path.islink(path) and os.path.getsize(path) > 1 << 20:
+                    os.unlink(path)
+            except OSError:
+                pass

@@ -317,7 +317,7 @@ def test_ltx_adapter_into_a_diffusers_transformer_folder(tmp_path, rng):
 
 
 def test_folder_without_diffusers_weights_is_refused(tmp_path, model):
-    with pytest.raises(errors.Ltx2IOError, match="folder without"):
+    with pytest.raises(errors.ArgumentError, match="folder without"):
         ltx2blas.fuse_checkpoint(tmp_path, [(model[0], 1.0)], tmp_path / "o.safetensors")
 
 

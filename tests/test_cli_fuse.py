@@ -47,7 +47,7 @@ def test_dry_run(paths):
     ("missing", 4, "cannot open"),
     ("malformed", 3, "too short"),
     ("nomatch", 2, "matches no weight"),
-    ("same", 4, "is an input"),
+    ("same", 2, "is an input"),  # an argument that does not fit (README: exit 2)
 ])
 def test_errors_are_one_line_with_an_exit_code_per_kind(paths, tmp_path, case, code, text):
     model, lora, out = paths

@@ -175,11 +175,17 @@ def test_sigint_mid_write_removes_the_temp_file(many):
     assert temps(out.parent) == []
 
 
-def test_file_size_limit_is_a_clear_error(many):
+@pytest.mark.parametrize("limit", [100_000, "size - 1"])
+def test_file_size_limit_is_a_clear_error(many, limit):
+    """Checked before anything is written, naming the limit (at one byte short too, where the
+    write itself used to fail with EINVAL)."""
     mp, ap, out = many
-    r = child(mp, ap, out, 100_000, "fsize")  # the output needs ~250 kB
+    if limit == "size - 1":
+        ltx2blas.fuse_checkpoint(mp, [(ap, 1.0)], out.parent / "full.safetensors")
+        limit = os.path.getsize(out.parent / "full.safetensors") - 1
+    r = child(mp, ap, out, limit, "fsize")
     assert r.returncode == 4, r.stderr
-    assert "Ltx2IOError" in r.stdout and "too large" in r.stdout.lower()
+    assert "Ltx2IOError" in r.stdout and "file size limit (ulimit -f)" in r.stdout
     assert out.read_bytes() == b"the previous output"
     assert temps(out.parent) == []
 

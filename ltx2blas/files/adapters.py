@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._dtypes import bf16_to_f32
-from ..errors import DTypeError, KeyMatchError, ShapeError
+from ..errors import ArgumentError, DTypeError, KeyMatchError, ShapeError
 from . import keys as keymatch
 from .safetensors import SafetensorsFile
 
@@ -188,7 +188,7 @@ def make_plan(model_entries, layout_of, sources, strengths, alpha="scale",
     """The Plan of fusing ``sources`` at ``strengths`` into a model of ``model_entries``
     (name -> (dtype, shape)); ``layout_of(key)`` gives a weight's Layout or raises."""
     if alpha not in ALPHA_MODES:
-        raise ValueError(f"alpha must be 'scale' or 'ignore', got {alpha!r}")
+        raise ArgumentError(f"alpha must be 'scale' or 'ignore', got {alpha!r}")
     plan = Plan({}, {}, [])
     for index, (source, strength) in enumerate(zip(sources, strengths)):
         report = AdapterReport(path=source.name, strength=strength, alpha_mode=alpha)

@@ -5,8 +5,9 @@ fused in place by :func:`ltx2blas.fuse_loras`, written, and the buffer reused; e
 tensor is copied byte for byte, file to file.  Peak memory is about twice the largest fused
 tensor with its adapter factors (the reader's two buffers), whatever the checkpoint's size.
 """
-import errno
+import collections.abc
 import functools
+import numbers
 import hashlib
 import json
 import os
@@ -19,17 +20,20 @@ import numpy as np
 
 from ..errors import (
     AlreadyFusedError,
+    ArgumentError,
+    ArgumentTypeError,
     DTypeError,
     FormatError,
     Ltx2IOError,
 )
+from .._threads import resolve_threads
 from ..fuse import fuse_bias, fuse_dora, fuse_loras
 from ..quantized import fuse_quantized
 from . import adapters as plans
 from . import layouts as layoutmod
 from .adapters import FP8View, Source, as_numpy, dtype_name
 from .safetensors import (SafetensorsFile, SafetensorsWriter, open_regular, page_aligned,
-                          pread_exact)
+                          parse_json, pread_exact)
 
 _package = "ltx2blas"
 FUSED_KEY = "ltx2blas.fused"
@@ -128,8 +132,8 @@ class Checkpoint:
             found = [os.path.join(self.path, n) for n in self.DIFFUSERS_FILES
                      if os.path.isfile(os.path.join(self.path, n))]
             if not found:
-                raise Ltx2IOError(errno.EISDIR, f"model {self.path} is a folder without "
-                                                f"{' or '.join(self.DIFFUSERS_FILES)}")
+                raise ArgumentError(f"model {self.path} is a folder without "
+                                    f"{' or '.join(self.DIFFUSERS_FILES)}")
             self.path = found[0]
         try:
             if self.path.endswith(".json"):
@@ -153,10 +157,14 @@ class Checkpoint:
             raw = pread_exact(fd, size, 0, self.path)
         finally:
             os.close(fd)
+        def fail(message):
+            raise FormatError(f"{self.path}: {message}")
+
         try:
-            index = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"{self.path}: not a JSON index ({exc})") from exc
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"{self.path}: the index is not UTF-8 ({exc.reason})") from None
+        index = parse_json(text, fail, "the index")
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
@@ -209,11 +217,22 @@ def _hash_all(sources, out):
             out[i] = exc
 
 
+def _fused_history(base):
+    """The fuses an input's metadata records (a list), [] for none or an unreadable entry."""
+    try:
+        history = json.loads(base.get(FUSED_KEY, "[]"))
+    except ValueError:
+        return []
+    return history if isinstance(history, list) else []
+
+
 def _fused_metadata(base, reports, dtypes, plan, fp8_rounding, seed, rule, layout_counts):
+    """The input's metadata, with this fuse appended to the history of fuses it records."""
     metadata = dict(base)
-    metadata[FUSED_KEY] = json.dumps(
-        [{"file": os.path.basename(r.path), "sha256": r.sha256, "strength": r.strength,
-          "pairs": r.pairs_used, "alpha_scaled": r.alpha_scaled} for r in reports])
+    metadata[FUSED_KEY] = json.dumps(_fused_history(base) + [
+        {"file": os.path.basename(r.path), "sha256": r.sha256, "strength": r.strength,
+         "pairs": r.pairs_used, "alpha": r.alpha_mode, "alpha_scaled": r.alpha_scaled,
+         "rule": rule} for r in reports])
     metadata["ltx2blas.version"] = _version()
     metadata["ltx2blas.rule"] = f"{rule}: {RULE_TEXT[rule]}"
     metadata["ltx2blas.layouts"] = json.dumps(dict(sorted(layout_counts.items())))
@@ -342,12 +361,17 @@ def _sha256(fd, chunk=1 << 20):
 
 
 def _parse_loras(loras):
+    if isinstance(loras, (str, bytes, os.PathLike)) or not hasattr(loras, "__iter__"):
+        raise ArgumentTypeError(f"loras must be a list of (path, strength) pairs, got "
+                                f"{type(loras).__name__}")
     out = []
-    for item in loras:
+    for i, item in enumerate(loras):
         try:
             source, strength = item
         except (TypeError, ValueError):
-            raise TypeError("loras must be a list of (path, strength) pairs") from None
+            raise ArgumentTypeError("loras must be a list of (path, strength) pairs") from None
+        if isinstance(strength, (bool, str, bytes)) or not isinstance(strength, numbers.Real):
+            raise ArgumentTypeError(f"loras[{i}]: strength must be a number, got {strength!r}")
         out.append((source, float(strength)))
     return out
 
@@ -387,13 +411,13 @@ class _Options:
 
 def _check_options(rule, fp8_rounding, layouts):
     if rule not in RULE_TEXT:
-        raise ValueError(f"rule must be 'addmm' or 'sum', got {rule!r}")
+        raise ArgumentError(f"rule must be 'addmm' or 'sum', got {rule!r}")
     if fp8_rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"fp8_rounding must be 'nearest' or 'stochastic', got {fp8_rounding!r}")
+        raise ArgumentError(f"fp8_rounding must be 'nearest' or 'stochastic', got {fp8_rounding!r}")
     if fp8_rounding == "stochastic":
         scaled = [n for n, lay in layouts.items() if lay.quantized]
         if scaled:
-            raise ValueError(f"stochastic rounding applies to plain fp8 weights; {scaled[0]} is "
+            raise ArgumentError(f"stochastic rounding applies to plain fp8 weights; {scaled[0]} is "
                              f"{layouts[scaled[0]].kind}, fused by its layout's own rounding")
 
 
@@ -426,7 +450,7 @@ def _check_output_is_not_an_input(output, inputs):
     for path in inputs:
         if os.path.realpath(path) == out_real or (
                 os.path.exists(output) and os.path.exists(path) and os.path.samefile(output, path)):
-            raise Ltx2IOError(22, f"output {output} is an input file ({path}); write elsewhere")
+            raise ArgumentError(f"output {output} is an input file ({path}); write elsewhere")
 
 
 def _prepare(entries, metadata, read_bytes, sources, loras, options, retry_dtype=None):
@@ -435,7 +459,7 @@ def _prepare(entries, metadata, read_bytes, sources, loras, options, retry_dtype
     is written.  ``retry_dtype``: the fp8 format that U8 weights hold when no quantised layout
     claims them (fuse_state_dict's ``weight_format``)."""
     if options["rule"] not in RULE_TEXT:
-        raise ValueError(f"rule must be 'addmm' or 'sum', got {options['rule']!r}")
+        raise ArgumentError(f"rule must be 'addmm' or 'sum', got {options['rule']!r}")
     configs, marker = layoutmod.comfy_configs(metadata, entries, read_bytes)
     cache = {}
 
@@ -511,7 +535,8 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
     """
     loras = _parse_loras(loras)
     if not loras:
-        raise ValueError("no adapters given")
+        raise ArgumentError("no adapters given")
+    resolve_threads(threads)  # a bad count is refused before any file is opened
     t0 = time.perf_counter()
     ckpt = Checkpoint(model)
     sources = []
@@ -622,7 +647,11 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
     tensors beside each weight, as in a checkpoint, and their scales rewritten in place; bias
     terms are added to the biases in place.  ``loras``: (path or mapping of adapter tensors,
     strength) pairs.  Names and rules as for :func:`fuse_checkpoint`.  Returns a FuseReport."""
+    if not isinstance(state_dict, collections.abc.Mapping):
+        raise ArgumentTypeError(f"state_dict must map names to tensors, got "
+                                f"{type(state_dict).__name__}")
     loras = _parse_loras(loras)
+    resolve_threads(threads)
     t0 = time.perf_counter()
     views = {}
     for name, tensor in state_dict.items():

@@ -18,53 +18,111 @@ no temporary file.  Where the file system allows, the data goes out with O_DIREC
 aligned staging buffers, written by a background thread while the caller computes the next
 tensor: a checkpoint's worth of output does not have to pass through (and evict) the page cache.
 """
+import contextlib
 import errno
+import gc
 import json
 import os
+import resource
 import shutil
 import stat
+import sys
 import threading
-from dataclasses import dataclass
-
 import numpy as np
 
-from ..errors import FormatError, Ltx2IOError
+from ..errors import ArgumentError, FormatError, Ltx2IOError
+from ._header import DuplicateKey, object_pairs, read_entries
+from ._header import TensorInfo  # noqa: F401  (the type of SafetensorsFile.tensors' values)
 
 MAX_HEADER = 100_000_000
 MAX_TENSORS = 1_000_000
 
-#: dtype name -> itemsize. BF16, F8_* come back as their uint bits.
-ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
-            "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+#: dtype name -> bits per element: every dtype the reference reader takes.  Tensors of any of
+#: them are copied byte for byte; NUMPY_DTYPE names those that can be read as arrays.
+BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8,
+        "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16,
+        "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64,
+        "U64": 64}
+#: dtype name -> itemsize of the dtypes read as arrays. BF16, F8_* come back as their uint bits.
+ITEMSIZE = {name: bits // 8 for name, bits in BITS.items() if bits % 8 == 0}
 NUMPY_DTYPE = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F8_E4M3": np.uint8,
-               "F8_E5M2": np.uint8, "I16": np.int16, "U16": np.uint16, "F16": np.float16,
+               "F8_E5M2": np.uint8, "F8_E8M0": np.uint8, "F8_E4M3FNUZ": np.uint8,
+               "F8_E5M2FNUZ": np.uint8, "I16": np.int16, "U16": np.uint16, "F16": np.float16,
                "BF16": np.uint16, "I32": np.int32, "U32": np.uint32, "F32": np.float32,
-               "I64": np.int64, "U64": np.uint64, "F64": np.float64}
+               "C64": np.complex64, "I64": np.int64, "U64": np.uint64, "F64": np.float64}
 _ALIGN = 8  # the header is padded with spaces to a multiple of this, as the reference does
+_U64 = 2**64
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    dtype: str
-    shape: tuple
-    begin: int  # absolute file offset
-    end: int
+def byte_size(dtype, shape):
+    """Bytes of a tensor of ``dtype`` and ``shape`` as the reference counts them, or None if
+    the count overflows 64 bits or ends in a fraction of a byte."""
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel >= _U64:
+            return None
+    bits = numel * BITS[dtype]
+    if bits >= _U64 or bits % 8:
+        return None
+    return bits // 8
 
-    @property
-    def nbytes(self):
-        return self.end - self.begin
 
-    @property
-    def numel(self):
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+def _encodable(text):
+    """Whether a header string is valid Unicode (no lone surrogates, which the reference's JSON
+    parser refuses)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+class _NotJSON(Exception):
+    pass
+
+
+def _refuse_constant(name):
+    raise _NotJSON(f"holds {name}, which is not JSON")
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """The cyclic collector off for a block that builds millions of small containers (a large
+    header): each collection would walk all of them again, which more than doubles the time.
+    Nothing built there is cyclic; the collector is switched back on only if it was on."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def parse_json(text, fail, what):
+    """A header or index as Python objects, strictly: duplicate keys, NaN and Infinity,
+    integers longer than any size and nesting past Python's limit are refused through
+    ``fail(message)``, which raises."""
+    try:
+        return json.loads(text, object_pairs_hook=object_pairs, parse_constant=_refuse_constant)
+    except DuplicateKey as exc:
+        fail(f"{what} has a duplicate key {exc.args[0]!r}")
+    except _NotJSON as exc:
+        fail(f"{what} {exc}")
+    except json.JSONDecodeError as exc:
+        fail(f"{what} is not valid JSON: {exc.msg} at character {exc.pos}")
+    except RecursionError:
+        fail(f"{what} nests JSON too deeply")
+    except ValueError as exc:  # Python's own limit on an integer's digits, or else
+        if "digits" in str(exc):
+            fail(f"{what} holds an integer of more than {sys.get_int_max_str_digits()} digits, "
+                 "larger than any size or offset")
+        fail(f"{what} is not valid JSON ({exc})")
 
 
 def open_regular(path, what="file"):
@@ -123,7 +181,8 @@ class SafetensorsFile:
         self._fd = open_regular(self.path, "safetensors file")
         try:
             self.size = os.fstat(self._fd).st_size
-            self._parse_header()
+            with gc_paused():
+                self._parse_header()
         except BaseException:
             self.close()
             raise
@@ -137,9 +196,13 @@ class SafetensorsFile:
         if self.size < 8:
             self._fail(f"{self.size} bytes: too short to hold the 8-byte header length")
         n = int.from_bytes(pread_exact(self._fd, 8, 0, self.path), "little")
-        if n > MAX_HEADER:
-            self._fail(f"header length {n} exceeds the limit of {MAX_HEADER}")
-        if 8 + n > self.size:
+        if n > MAX_HEADER or 8 + n > self.size:
+            first = os.pread(self._fd, 1, 8)
+            if first not in (b"{", b" ", b"\n", b"\t", b"\r"):
+                self._fail(f"not a safetensors file: its first 8 bytes, read as a header length, "
+                           f"give {n}, and no JSON header follows")
+            if n > MAX_HEADER:
+                self._fail(f"header length {n} exceeds the limit of {MAX_HEADER}")
             self._fail(f"header length {n} runs past the end of the {self.size}-byte file")
         raw = pread_exact(self._fd, n, 8, self.path)
         if raw.count(b'"data_offsets"') > MAX_TENSORS:
@@ -148,89 +211,97 @@ class SafetensorsFile:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             self._fail(f"header is not UTF-8 ({exc.reason} at byte {exc.start})")
-
-        def pairs(items):
-            keys = [k for k, _ in items]
-            if len(set(keys)) != len(keys):
-                dup = next(k for k in keys if keys.count(k) > 1)
-                self._fail(f"duplicate key {dup!r} in the header")
-            return dict(items)
-
-        def constant(name):
-            self._fail(f"header holds {name}, which is not JSON")
-
-        try:
-            header = json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
-        except json.JSONDecodeError as exc:
-            self._fail(f"header is not valid JSON: {exc.msg} at character {exc.pos}")
-        except RecursionError:
-            self._fail("header nests JSON too deeply to be a safetensors header")
+        header = parse_json(text, self._fail, "header")
         if not isinstance(header, dict):
             self._fail(f"header is a JSON {type(header).__name__}, not an object")
         self.data_start = 8 + n
         data_len = self.size - self.data_start
 
-        meta = header.pop("__metadata__", {})
+        meta = header.pop("__metadata__", None)
+        if meta is None:  # null, as the reference accepts
+            meta = {}
         if not isinstance(meta, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
             self._fail("__metadata__ must be a map of strings to strings")
+        for k, v in meta.items():
+            if not (_encodable(k) and _encodable(v)):
+                self._fail(f"__metadata__ entry {k!r} is not valid Unicode (a lone surrogate)")
         self.metadata = meta
+        # Counted after parsing: a field spelled with JSON escapes is the same field.
+        if len(header) > MAX_TENSORS:
+            self._fail(f"{len(header)} tensors in the header; the limit is {MAX_TENSORS}")
 
-        infos = []
-        for name, entry in header.items():
-            infos.append(self._entry(name, entry, data_len))
-        # The data must be tiled exactly: from 0, no gap, no overlap, nothing after.
-        position = 0
-        for info in sorted(infos, key=lambda i: (i.begin, i.end)):
-            if info.begin - self.data_start != position:
-                kind = "overlaps the one before" if info.begin - self.data_start < position else \
-                    "leaves a gap before it" if position else "does not start the data at 0"
-                self._fail(f"tensor {info.name!r}: data_offsets {kind}")
-            position = info.end - self.data_start
-        if position != data_len:
-            self._fail(f"{data_len - position} bytes after the last tensor's data" if
-                       position < data_len else "the data section is truncated")
-        self.tensors = {i.name: i for i in sorted(infos, key=lambda i: i.begin)}
+        self.tensors, fault = read_entries(header, BITS, self.data_start, data_len)
+        if fault is not None:
+            self._describe(fault, header, data_len)
 
-    def _entry(self, name, entry, data_len):
+    def _describe(self, fault, header, data_len):
+        """Fail with what is wrong, for a fault found by read_entries."""
+        kind, what = fault
+        if kind == "entry":
+            self._entry_fault(what, header[what], data_len)
+        if kind in ("start", "gap", "overlap"):
+            kind = {"start": "does not start the data at 0", "gap": "leaves a gap before it",
+                    "overlap": "overlaps the one before"}[kind]
+            self._fail(f"tensor {what!r}: data_offsets {kind}")
+        self._fail(f"{what} bytes after the last tensor's data" if kind == "after"
+                   else "the data section is truncated")
+
+    def _entry_fault(self, name, entry, data_len):
+        """Say what is wrong with an entry the quick check refused."""
         where = f"tensor {name!r}"
+        if not _encodable(name):
+            self._fail(f"tensor name {name!r} is not valid Unicode (a lone surrogate)")
         if not isinstance(entry, dict):
             self._fail(f"{where}: entry is not an object")
-        if set(entry) != {"dtype", "shape", "data_offsets"}:
-            extra = sorted(set(entry) - {"dtype", "shape", "data_offsets"})
-            missing = sorted({"dtype", "shape", "data_offsets"} - set(entry))
-            self._fail(f"{where}: " + (f"missing field(s) {missing}" if missing else
-                                       f"unknown field(s) {extra}"))
+        missing = sorted({"dtype", "shape", "data_offsets"} - set(entry))
+        if missing:  # other fields are ignored, as the reference ignores them
+            self._fail(f"{where}: missing field(s) {missing}")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in BITS:
             self._fail(f"{where}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < 2**63 for d in shape):
-            self._fail(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+            self._fail(f"{where}: shape {shape!r} is not a list of integers")
+        for d in shape:
+            if not 0 <= d < _U64:
+                self._fail(f"{where}: shape entry {d} is outside 0 .. 2^64 - 1")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(
-                _is_int(v) and 0 <= v < 2**63 for v in offsets)):
-            self._fail(f"{where}: data_offsets {offsets!r} is not two non-negative integers")
+                _is_int(v) for v in offsets)):
+            self._fail(f"{where}: data_offsets {offsets!r} is not two integers")
         begin, end = offsets
+        if not (0 <= begin < _U64 and 0 <= end < _U64):
+            self._fail(f"{where}: data_offsets {offsets} are outside 0 .. 2^64 - 1")
         if end < begin:
             self._fail(f"{where}: data_offsets end {end} is before begin {begin}")
-        numel = 1
-        for d in shape:
-            numel *= d
-        if numel * ITEMSIZE[dtype] != end - begin:
+        size = byte_size(dtype, shape)
+        if size is None:
+            self._fail(f"{where}: shape {shape} of {dtype} has a byte size that overflows 64 "
+                       "bits or is not a whole number of bytes")
+        if size != end - begin:
             self._fail(f"{where}: {end - begin} bytes of data, but shape {shape} of {dtype} needs "
-                       f"{numel * ITEMSIZE[dtype]}")
+                       f"{size}")
         if end > data_len:
             self._fail(f"{where}: data_offsets end {end} is past the end of the data ({data_len})")
-        return TensorInfo(name, dtype, tuple(shape), self.data_start + begin,
-                          self.data_start + end)
+        self._fail(f"{where}: not a valid entry")
 
     # -- data ----------------------------------------------------------------------------
 
     def read(self, name, out=None):
         """The tensor as a numpy array (BF16 and F8 as their uint bits), read now."""
         info = self.tensors[name]
-        array = np.empty(info.shape, NUMPY_DTYPE[info.dtype]) if out is None else out
+        if out is None:
+            if info.dtype not in NUMPY_DTYPE:
+                raise FormatError(f"{self.path}: tensor {name!r} is {info.dtype}, which ltx2blas "
+                                  "copies but does not read as an array")
+            try:
+                array = np.empty(info.shape, NUMPY_DTYPE[info.dtype])
+            except (ValueError, OverflowError) as exc:
+                raise FormatError(f"{self.path}: tensor {name!r}: shape {list(info.shape)} "
+                                  f"cannot be held as an array ({exc})") from None
+        else:
+            array = out
         if array.nbytes != info.nbytes:
-            raise ValueError(f"buffer of {array.nbytes} bytes for {name!r} ({info.nbytes})")
+            raise ArgumentError(f"buffer of {array.nbytes} bytes for {name!r} ({info.nbytes})")
         read_into(self._fd, array, info.begin, self.path)
         return array
 
@@ -267,6 +338,47 @@ def header_bytes(entries, metadata):
     body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     body += b" " * (-(8 + len(body)) % _ALIGN)
     return len(body).to_bytes(8, "little") + body, offsets, offset
+
+
+def check_entries(entries, metadata):
+    """Refuse, before anything is written, a header the reference reader would refuse: an
+    unknown dtype, a byte count that is not the shape's, metadata that is not strings."""
+    for name, dtype, shape, nbytes in entries:
+        if not isinstance(name, str) or not _encodable(name) or name == "__metadata__":
+            raise FormatError(f"tensor name {name!r} cannot be written to a safetensors header")
+        if dtype not in BITS:
+            raise FormatError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if byte_size(dtype, shape) != nbytes:
+            raise FormatError(f"tensor {name!r}: {nbytes} bytes, but shape {list(shape)} of "
+                              f"{dtype} needs {byte_size(dtype, shape)}")
+    for key, value in (metadata or {}).items():
+        if not (isinstance(key, str) and isinstance(value, str)):
+            raise FormatError(f"metadata {key!r}: {value!r} is not a string; safetensors "
+                              "metadata maps strings to strings")
+        if not (_encodable(key) and _encodable(value)):
+            raise FormatError(f"metadata {key!r} is not valid Unicode (a lone surrogate)")
+
+
+def output_path(path):
+    """The file an output path names: a symbolic link is followed to its target (the link
+    then names the new file); anything there other than a regular file -- a folder, a device,
+    a FIFO, a socket -- is refused, as is a missing folder."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.islink(path):
+        path = os.path.realpath(path)
+    if os.path.lexists(path):
+        st = os.stat(path)
+        if stat.S_ISDIR(st.st_mode):
+            raise Ltx2IOError(errno.EISDIR, f"output {path} is a directory")
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if
+                    stat.S_ISSOCK(st.st_mode) else "a device or other special file")
+            raise Ltx2IOError(errno.EINVAL, f"output {path} is {kind}, not a regular file; "
+                                            "ltx2blas does not replace it")
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        raise Ltx2IOError(errno.ENOENT, f"output folder {folder} does not exist")
+    return path
 
 
 TEMP_MARK = ".ltx2blas-tmp-"
@@ -450,14 +562,14 @@ class SafetensorsWriter:
     manager, an exception (KeyboardInterrupt included) removes the temporary file."""
 
     def __init__(self, path, entries, metadata=None, check_space=True, direct=True):
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = output_path(path)
         folder = os.path.dirname(self.path)
-        if os.path.isdir(self.path):
-            raise Ltx2IOError(errno.EISDIR, f"output {self.path} is a directory")
-        if not os.path.isdir(folder):
-            raise Ltx2IOError(errno.ENOENT, f"output folder {folder} does not exist")
         self.entries = list(entries)
+        check_entries(self.entries, metadata)
         self._header, self.offsets, data_len = header_bytes(self.entries, metadata)
+        if len(self._header) - 8 > MAX_HEADER:
+            raise FormatError(f"output {self.path}: its header would be {len(self._header) - 8} "
+                              f"bytes, past the {MAX_HEADER}-byte limit readers enforce")
         self.size = len(self._header) + data_len
         clean_stale_temps(self.path)
         if check_space:
@@ -465,6 +577,10 @@ class SafetensorsWriter:
             if free < self.size:
                 raise Ltx2IOError(errno.ENOSPC, f"{folder} has {free} bytes free; the output needs "
                                                 f"{self.size}")
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            if limit != resource.RLIM_INFINITY and limit < self.size:
+                raise Ltx2IOError(errno.EFBIG, f"the file size limit (ulimit -f) is {limit} bytes; "
+                                               f"the output needs {self.size}")
         self.temp = os.path.join(folder, f".{os.path.basename(self.path)}{TEMP_MARK}"
                                          f"{os.getpid()}-{os.urandom(4).hex()}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -491,10 +607,10 @@ class SafetensorsWriter:
 
     def _next(self, name, nbytes):
         if self._index >= len(self.entries):
-            raise ValueError(f"{name!r}: every declared tensor was already written")
+            raise ArgumentError(f"{name!r}: every declared tensor was already written")
         want = self.entries[self._index]
         if want[0] != name or want[3] != nbytes:
-            raise ValueError(f"expected {want[0]!r} ({want[3]} bytes) next, got {name!r} ({nbytes})")
+            raise ArgumentError(f"expected {want[0]!r} ({want[3]} bytes) next, got {name!r} ({nbytes})")
         self._index += 1
 
     #: Page size of direct writes: an array passed to write() with ``release`` that starts at
@@ -537,12 +653,12 @@ class SafetensorsWriter:
         placeholders)."""
         header, _, _ = header_bytes(self.entries, metadata)
         if len(header) != len(self._header):
-            raise ValueError(f"new header is {len(header)} bytes, the written one {len(self._header)}")
+            raise ArgumentError(f"new header is {len(header)} bytes, the written one {len(self._header)}")
         self._header_patch = header
 
     def commit(self):
         if self._index != len(self.entries):
-            raise ValueError(f"{len(self.entries) - self._index} declared tensors not written")
+            raise ArgumentError(f"{len(self.entries) - self._index} declared tensors not written")
         self._sink.finish(self.size)
         try:
             patch = getattr(self, "_header_patch", None)
@@ -559,14 +675,27 @@ class SafetensorsWriter:
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = -1
-            os.replace(self.temp, self.path)
-            dir_fd = os.open(os.path.dirname(self.path), os.O_RDONLY)
+            # Everything that can fail is done before the rename: after it the output is in
+            # place, and nothing may turn that into an error.
             try:
-                os.fsync(dir_fd)
-            finally:
+                dir_fd = os.open(os.path.dirname(self.path), os.O_RDONLY)
+            except OSError as exc:
+                raise Ltx2IOError(exc.errno, f"cannot open the output folder "
+                                             f"{os.path.dirname(self.path)} to make the new file "
+                                             f"durable: {exc.strerror}") from exc
+            try:
+                os.replace(self.temp, self.path)
+            except BaseException:
                 os.close(dir_fd)
+                raise
         except OSError as exc:
             raise Ltx2IOError(exc.errno, f"finishing {self.path} failed: {exc.strerror}") from exc
+        try:
+            os.fsync(dir_fd)
+        except OSError:
+            pass  # the file is complete and in place; only the rename's durability is at stake
+        finally:
+            os.close(dir_fd)
 
     def abort(self):
         if getattr(self, "_sink", None) is not None:
