@@ -9,32 +9,21 @@ whole.
 """
 from cython.parallel cimport parallel, prange
 from libc.math cimport NAN, isnan
-from libc.stdint cimport int64_t, uint16_t, uint32_t
+from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy
 
-from ._gemm cimport LTX_STREAM_LANES, kernels, ltx_kernels, sgemm_wxt
+from ._gemm cimport LTX_STREAM_LANES, kernels, ltx_kernels, sgemm_wxt, stream_product
 from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num
 
 
-cdef inline float f32_of_bits(uint32_t u) noexcept nogil:
-    cdef float f
-    memcpy(&f, &u, 4)
-    return f
-
-
-cdef inline float bf16_round(float f) noexcept nogil:
-    """f32(bf16(f)): nearest-even, NaN to the quiet NaN with its sign (as kernels.c does)."""
-    cdef uint32_t u
-    memcpy(&u, &f, 4)
-    if f != f:
-        return f32_of_bits((u & 0x80000000u) | 0x7FC00000u)
-    return f32_of_bits((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u)
+cdef extern from "kernels.h" nogil:
+    float ltx_bf16_round(float f)       # f32(bf16(f)), the library's one rounding
+    float ltx_bf16_value(uint16_t h)
 
 
 cdef inline float load(const void *src, bint bf16, Py_ssize_t i) noexcept nogil:
     if bf16:
-        return f32_of_bits(<uint32_t>(<const uint16_t *>src)[i] << 16)
+        return ltx_bf16_value((<const uint16_t *>src)[i])
     return (<const float *>src)[i]
 
 
@@ -127,11 +116,11 @@ cdef void normalize_row(const Job *job, Py_ssize_t r, Py_ssize_t s0, Py_ssize_t 
         for j in range(kt):
             v = load(row, job.bf16, c0 + j)
             if job.v2:
-                nb = bf16_round(v * inv[l])
+                nb = ltx_bf16_round(v * inv[l])
                 for p in range(job.count):
-                    job.proj[p].x[base + j] = bf16_round(nb * job.proj[p].scale)
+                    job.proj[p].x[base + j] = ltx_bf16_round(nb * job.proj[p].scale)
             else:
-                v = bf16_round(((v - mean[l]) / rng[l]) * <float>8.0)
+                v = ltx_bf16_round(((v - mean[l]) / rng[l]) * <float>8.0)
                 for p in range(job.count):
                     job.proj[p].x[base + j] = v
             l += 1
@@ -164,8 +153,8 @@ cdef void run_task(const Job *job, Py_ssize_t task, Py_ssize_t s0, Py_ssize_t s1
         kt = <int>min(<Py_ssize_t>job.kb, job.width - c0)
         xp = pr.x + c * job.n * job.kb + m0 * kt
         if job.stream:
-            job.kern.stream_wxt(mt, ot, kt, xp, kt, pr.w16 + o0 * job.width + c0, job.width, acc,
-                                panel)
+            stream_product(job.kern, mt, ot, kt, xp, kt, pr.w16 + o0 * job.width + c0, job.width,
+                           acc, panel)
         else:
             if pr.w16 != NULL:
                 job.kern.widen_bf16_rows(pr.w16 + o0 * job.width + c0, job.width, panel, kt, ot, kt)

@@ -13,8 +13,8 @@ from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
-from ._gemm cimport (exact_product, exact_product_fused, exact_product_fused_pairs, kernels,
-                     ltx_kernels)
+from ._gemm cimport (continue_product, exact_product, exact_product_fused,
+                     exact_product_fused_pairs, kernels, ltx_kernels)
 from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num
 
 import numpy as np
@@ -208,7 +208,7 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
                     exact_product(kern, mt, nt, kc, bs, kc, panel, slot.acc,
                                   ad.depth[4 * a + shape])
                 else:
-                    kern.seq_gemm(mt, nt, kc, bs, kc, panel, nt, slot.acc, nt)
+                    continue_product(kern, mt, nt, kc, bs, kc, panel, nt, slot.acc, nt)
                 k0 += kc
         if job.rule == RULE_SUM:
             kern.accumulate_rounded(slot.acc, slot.total, <Py_ssize_t>mt * nt)

@@ -1,4 +1,5 @@
-# The seam: every GEMM that ltx2blas runs goes through the functions declared here.
+# The seam: every matrix product ltx2blas computes -- sgemm, dgemm and the kernel table's
+# product kernels -- goes through the functions declared here (see _gemm.pyx).
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
 cdef extern from "kernels.h" nogil:
@@ -58,6 +59,14 @@ cdef void dgemm_wxt(int m, int n, int k, const double *x, int ldx, const double 
 
 cdef void exact_product(const ltx_kernels *kern, int m, int n, int k, const float *x, int ldx,
                         const float *y, float *c, int blas_depth) noexcept nogil
+
+cdef void continue_product(const ltx_kernels *kern, int m, int n, int k, const float *x,
+                           Py_ssize_t ldx, const float *y, Py_ssize_t ldy, float *c,
+                           Py_ssize_t ldc) noexcept nogil
+
+cdef void stream_product(const ltx_kernels *kern, int mt, int n, int kt, const float *x,
+                         Py_ssize_t ldx, const uint16_t *w, Py_ssize_t ldw, float *acc,
+                         float *lanes) noexcept nogil
 
 cdef void exact_product_fused(const ltx_kernels *kern, int m, int n, int k, const float *x,
                               int ldx, const float *y, const uint16_t *w, Py_ssize_t ldw,

@@ -12,7 +12,8 @@ from cython.parallel cimport parallel, prange
 from libc.stdint cimport uint16_t
 from libc.stdlib cimport free, malloc
 
-from ._gemm cimport LTX_STREAM_LANES, dgemm_wxt, kernels, ltx_kernels, sgemm_wxt
+from ._gemm cimport (LTX_STREAM_LANES, dgemm_wxt, kernels, ltx_kernels, sgemm_wxt,
+                     stream_product)
 from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num
 
 
@@ -78,8 +79,8 @@ cdef void linear_task(const Job *job, Py_ssize_t task, Slot *slot) noexcept nogi
                     kern.f32_to_f64(job.x32 + (m0 + r) * job.cols + c0, xp64 + r * kt, kt)
             dgemm_wxt(mt, ot, kt, xp64, kt, wp64, kt, 1.0, acc64, mt)
         elif job.stream:
-            kern.stream_wxt(mt, ot, kt, job.x32 + m0 * job.cols + c0, job.cols,
-                            job.w16 + o0 * job.cols + c0, job.cols, acc32, <float *>slot.w_panel)
+            stream_product(kern, mt, ot, kt, job.x32 + m0 * job.cols + c0, job.cols,
+                           job.w16 + o0 * job.cols + c0, job.cols, acc32, <float *>slot.w_panel)
         else:
             if job.w16 != NULL:
                 kern.widen_bf16_rows(job.w16 + o0 * job.cols + c0, job.cols,
@@ -102,6 +103,33 @@ cdef void linear_task(const Job *job, Py_ssize_t task, Slot *slot) noexcept nogi
                 y[m * job.feats + r] = <float>acc64[r * mt + m]
             else:
                 y[m * job.feats + r] = acc32[r * mt + m]
+
+
+cdef inline size_t up64(size_t n) noexcept nogil:
+    return (n + 63) & ~(<size_t>63)
+
+
+cdef (size_t, size_t, size_t) buffer_layout(int mb, int ob, int kb, bint f64, bint stream,
+                                            bint bf16_weight, bint bf16_x) noexcept:
+    """One thread's buffers: the widened weight panel [ob, kb] (unless the weight is f32 and
+    the accumulation f32; on the streaming route, the kernel's lane sums instead), the widened
+    input panel [mb, kb] (unless likewise), and the accumulator [ob, mb]."""
+    cdef size_t elem = sizeof(double) if f64 else sizeof(float)
+    cdef size_t w_len = 0, x_len = 0
+    if stream:
+        w_len = <size_t>ob * mb * LTX_STREAM_LANES * sizeof(float)
+    elif f64 or bf16_weight:
+        w_len = up64(<size_t>ob * kb * elem)
+    if f64 or bf16_x:
+        x_len = up64(<size_t>mb * kb * elem)
+    return w_len, x_len, up64(<size_t>mb * ob * elem)
+
+
+def thread_buffer_bytes(int mb, int ob, int kb, bint f64, bint stream, bint bf16_weight,
+                        bint bf16_x):
+    """Bytes of one thread's buffers, as LinearPlan allocates them."""
+    w_len, x_len, acc_len = buffer_layout(mb, ob, kb, f64, stream, bf16_weight, bf16_x)
+    return w_len + x_len + acc_len
 
 
 cdef class LinearPlan:
@@ -127,7 +155,6 @@ cdef class LinearPlan:
         cdef const uint16_t[:, ::1] w16
         cdef const float[::1] b32
         cdef const double[::1] b64
-        cdef size_t elem = sizeof(double) if f64 else sizeof(float)
         cdef size_t w_len, x_len, acc_len, slot_len
         cdef int s
         self.keep = (x, w, bias32, bias64, y)
@@ -168,17 +195,8 @@ cdef class LinearPlan:
         self.tasks = (self.job.rows + mb - 1) // mb * self.job.panels
         self.threads = threads
 
-        # Per-thread buffers: a widened weight panel (unless the weight is f32 and the
-        # accumulation f32; on the streaming route, its lane sums instead), a widened input
-        # panel (unless likewise), the accumulator.
-        if self.job.stream:
-            w_len = <size_t>ob * mb * LTX_STREAM_LANES * sizeof(float)
-        elif f64 or self.job.w16:
-            w_len = (<size_t>ob * kb * elem + 63) & ~(<size_t>63)
-        else:
-            w_len = 0
-        x_len = (<size_t>mb * kb * elem + 63) & ~(<size_t>63) if (f64 or self.job.x16) else 0
-        acc_len = (<size_t>mb * ob * elem + 63) & ~(<size_t>63)
+        w_len, x_len, acc_len = buffer_layout(mb, ob, kb, f64, self.job.stream,
+                                              self.job.w16 != NULL, self.job.x16 != NULL)
         slot_len = w_len + x_len + acc_len
         self.buffers = <char *>ltx_aligned_alloc(slot_len * threads)
         self.slots = <Slot *>malloc(threads * sizeof(Slot))

@@ -6,11 +6,13 @@ inputs alone, so the bytes are the same for any thread count.  Validation happen
 :mod:`ltx2blas.quantized`; these trust shapes, dtypes and contiguity.
 """
 from cython.parallel cimport prange
-from libc.stdint cimport uint8_t, uint16_t
+from libc.stdint cimport uint8_t, uint16_t, uint64_t
+
+cdef extern from "kernels.h" nogil:
+    float ltx_fp8_value(unsigned int code, int e5m2)
 
 cdef extern from "quant.h" nogil:
     ctypedef Py_ssize_t ltx_idx
-    float ltx_fp8_value(unsigned int code, int e5m2)
     float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx count,
                              float scale, int e5m2)
     void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, float scale,
@@ -36,6 +38,7 @@ cdef extern from "quant.h" nogil:
     void ltx_dora_store_rows(const uint16_t *v, const float *row_factor, const float *col_factor,
                              const uint16_t *w, uint16_t *out, ltx_idx cols, ltx_idx r0,
                              ltx_idx r1, float strength, int blend)
+    uint64_t ltx_stochastic_key(uint64_t seed, const unsigned char *name, size_t len)
 
 import numpy as np
 
@@ -199,3 +202,10 @@ def round_bf16(const float[::1] values):
         with nogil:
             ltx_round_bf16(&values[0], &o[0], values.shape[0])
     return out
+
+
+def stochastic_key(seed, str name):
+    """The stochastic rounding's per-tensor key for ``seed`` (an int, taken modulo 2**64) and
+    the tensor's ``name``."""
+    cdef bytes raw = name.encode("utf-8")
+    return ltx_stochastic_key(<uint64_t>(int(seed) & 0xFFFFFFFFFFFFFFFF), raw, len(raw))

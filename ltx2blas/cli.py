@@ -135,7 +135,10 @@ def _positive_int(text):
 
 
 def build_parser():
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="ltx2blas", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"ltx2blas {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="versions, BLAS, threads, CPU features, sgemm exact depth")

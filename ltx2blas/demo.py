@@ -1,7 +1,9 @@
-"""``ltx2blas demo``: fuse an LTX-2-shaped adapter in memory, check it against the reference
-loop, and report the speed as a fraction of the sgemm rate measured in the same run; then do
-the same through files: a small LTX-2-shaped checkpoint and adapter written to a temporary
-folder, fused by ``fuse_checkpoint``, checked, and removed."""
+"""``ltx2blas demo``: fuse an LTX-2-shaped adapter in memory and report the speed as a fraction
+of the sgemm rate measured in the same run, checking that sampled rows come out the same bytes
+when fused again on one thread with other tiles; then the same through files: a small
+LTX-2-shaped checkpoint and adapter written to a temporary folder, fused by
+``fuse_checkpoint``, checked against the in-memory fuse, and removed.  (Exactness against the
+textbook loop is the test suite's to show, not the demo's.)"""
 import os
 import shutil
 import tempfile
@@ -9,7 +11,6 @@ import time
 
 import numpy as np
 
-from . import _gemm, reference
 from ._threads import resolve_threads
 from .fuse import fuse_lora
 
@@ -25,15 +26,22 @@ def random_bf16(rng, shape, scale):
 
 
 def sgemm_rate(threads, n=2048, repeats=3):
-    """GFLOP/s of one square sgemm through the same BLAS, at ``threads`` BLAS threads."""
+    """GFLOP/s of one square sgemm through scipy (the BLAS ltx2blas calls), at ``threads``
+    BLAS threads."""
+    from scipy.linalg.blas import sgemm
     from threadpoolctl import threadpool_limits
 
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((n, n), dtype=np.float32)
-    y = rng.standard_normal((n, n), dtype=np.float32)
+    x = np.asfortranarray(rng.standard_normal((n, n), dtype=np.float32))
+    y = np.asfortranarray(rng.standard_normal((n, n), dtype=np.float32))
+    out = np.zeros((n, n), np.float32, order="F")
+
+    def product():
+        sgemm(1.0, x, y, beta=0.0, c=out, overwrite_c=True)
+
     with threadpool_limits(limits=threads, user_api="blas"):
-        _gemm.sgemm(x[:256], y)  # warm up the BLAS thread pool
-        best = min(_timed(lambda: _gemm.sgemm(x, y)) for _ in range(repeats))
+        product()  # warm up the BLAS thread pool
+        best = min(_timed(product) for _ in range(repeats))
     return 2.0 * n**3 / best / 1e9
 
 
@@ -63,13 +71,13 @@ def run_demo(threads=None, rank=384, shape=(4096, 4096), strength=0.8, seed=0, e
     gflops = 2.0 * rows * cols * rank / seconds / 1e9
 
     sample = np.sort(rng.choice(rows, size=min(rows, 32), replace=False))
-    expected = reference.fuse_lora(weight[sample], lora_a, lora_b[sample], strength)
-    same = np.array_equal(fused[sample], expected)
+    again = fuse_lora(weight[sample], lora_a, lora_b[sample], strength, threads=1, tile=(1, 64))
+    same = np.array_equal(fused[sample], again)
     peak = sgemm_rate(threads)
 
     echo(f"fused in {seconds * 1e3:.1f} ms on {threads} thread(s): {gflops:.1f} GFLOP/s")
     echo(f"sgemm in this run: {peak:.1f} GFLOP/s -> fuse at {gflops / peak:.2f} of the sgemm rate")
-    echo(f"{len(sample)} sampled rows against ltx2blas.reference: "
+    echo(f"{len(sample)} sampled rows fused again alone, on one thread in 1 x 64 tiles: "
          f"{'byte-identical' if same else 'MISMATCH'}")
     files_same = run_checkpoint_demo(threads, rank, rng, echo) if checkpoint else True
     return 0 if (same and files_same) else 1

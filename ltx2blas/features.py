@@ -15,9 +15,9 @@ import math
 import numpy as np
 
 from . import _features
-from ._dtypes import bf16_to_f32, is_ml_bfloat16
+from ._validate import bf16_or_f32, contiguous, f32_values, ndarray
 from ._threads import blas_single_threaded, resolve_threads
-from .errors import ArgumentError, ArgumentTypeError, DTypeError, LayoutError, ShapeError
+from .errors import ArgumentError, ArgumentTypeError, DTypeError, ShapeError
 from .linear_layer import plan
 
 __all__ = ["text_features", "normalized_features"]
@@ -25,28 +25,14 @@ __all__ = ["text_features", "normalized_features"]
 _VERSIONS = ("v1", "v2")
 
 
-def _bits_or_f32(array, name):
-    if not isinstance(array, np.ndarray):
-        raise DTypeError(f"{name} must be a numpy array, got {type(array).__name__}")
-    if array.dtype == np.dtype(np.float32) or array.dtype == np.dtype(np.uint16):
-        return array
-    if is_ml_bfloat16(array.dtype):
-        return array.view(np.uint16)
-    raise DTypeError(f"{name} must be float32 or bfloat16 (ml_dtypes.bfloat16, or uint16 bit "
-                     f"patterns) in native byte order, got {array.dtype}")
-
-
 def _validate(hidden_states, attention_mask, version):
     if version not in _VERSIONS:
         raise ArgumentError(f"version must be 'v1' or 'v2', got {version!r}")
-    hidden = _bits_or_f32(hidden_states, "hidden_states")
+    hidden = bf16_or_f32(hidden_states, "hidden_states")[1]
     if hidden.ndim != 4:
         raise ShapeError(f"hidden_states must be [B, T, D, L], got shape {hidden.shape}")
-    if not hidden.flags.c_contiguous:
-        raise LayoutError("hidden_states must be C-contiguous; pass np.ascontiguousarray(...)")
-    if not isinstance(attention_mask, np.ndarray):
-        raise DTypeError(f"attention_mask must be a numpy array, got {type(attention_mask).__name__}")
-    if attention_mask.dtype.kind not in "biu":
+    contiguous(hidden, "hidden_states")
+    if ndarray(attention_mask, "attention_mask").dtype.kind not in "biu":
         raise DTypeError(f"attention_mask must be bool or integer, got {attention_mask.dtype}")
     if attention_mask.shape != hidden.shape[:2]:
         raise ShapeError(f"attention_mask has shape {attention_mask.shape}, hidden_states "
@@ -123,17 +109,15 @@ def text_features(hidden_states, attention_mask, projections, *, version="v1", t
             weight, bias = item
         except (TypeError, ValueError):
             raise ArgumentTypeError(f"projections[{i}] must be (weight, bias)") from None
-        w = _bits_or_f32(weight, f"projections[{i}] weight")
+        w = bf16_or_f32(weight, f"projections[{i}] weight")[1]
         if w.ndim != 2 or w.shape[1] != width:
             raise ShapeError(f"projections[{i}] weight has shape {w.shape}, expected "
                              f"[out, {width}] (D * L = {depth} * {layers})")
-        if not w.flags.c_contiguous:
-            raise LayoutError(f"projections[{i}] weight must be C-contiguous")
+        contiguous(w, f"projections[{i}] weight")
         if bias is not None:
-            bias = _bits_or_f32(bias, f"projections[{i}] bias")
+            bias = np.ascontiguousarray(f32_values(bias, f"projections[{i}] bias"))
             if bias.shape != (w.shape[0],):
                 raise ShapeError(f"projections[{i}] bias has shape {bias.shape}, expected ({w.shape[0]},)")
-            bias = bf16_to_f32(bias) if bias.dtype == np.uint16 else np.ascontiguousarray(bias)
         weights.append(w)
         biases.append(bias)
     if len({w.dtype for w in weights}) != 1:

@@ -8,15 +8,14 @@ import operator
 
 import numpy as np
 
-from . import _fuse, _gemm
-from ._dtypes import bf16_bits, bf16_to_f32, ml_fp8_format
+from . import _fuse, _gemm, _probe, _quant
+from ._validate import (FP8, as_kind, bf16_bits, bf16_to_f32, contiguous, is_bf16, ml_fp8_format,
+                        ndarray, output)
 from ._threads import blas_single_threaded, resolve_threads
-from .reference import stochastic_key
 from .errors import (
     ArgumentError,
     ArgumentTypeError,
     DTypeError,
-    LayoutError,
     NonFiniteInputError,
     NonFiniteResultError,
     NonFiniteWeightError,
@@ -129,17 +128,15 @@ def aggregate_delta(rows, cols, adapters, *, rule="addmm", threads=None, tile=No
     adapters = [tuple(item) for item in adapters]
     if out is None:
         out = np.empty((rows, cols), np.uint16)
-    elif out.shape != (rows, cols) or out.dtype != np.uint16 or not out.flags.c_contiguous:
-        raise LayoutError(f"out must be C-contiguous uint16 [{rows}, {cols}]")
+    else:
+        out = output(bf16_bits(out, "out"), (rows, cols), {})
     _fuse_into(out, adapters, threads, out, False, tile, rule=rule, weight_format="delta")
     return out
 
 
 def _bias_f32(x, name):
     """(f32 values, dtype name "BF16" / "F16" / "F32") of a bias-like vector."""
-    if not isinstance(x, np.ndarray):
-        raise DTypeError(f"{name} must be a numpy array, got {type(x).__name__}")
-    if x.dtype == np.uint16 or x.dtype.name == "bfloat16":
+    if is_bf16(ndarray(x, name).dtype):
         return bf16_to_f32(np.ascontiguousarray(x)), "BF16"
     if x.dtype in (np.float16, np.float32):
         return x.astype(np.float32), "F16" if x.dtype == np.float16 else "F32"
@@ -152,8 +149,6 @@ def fuse_bias(bias, items, *, out=None):
     dtype (bf16 bits, float16 or float32).  ``b`` is a LoRA's ``lora_B.bias`` (its ``s`` the
     LoRA's scale) or ComfyUI's ``diff_b`` (``s`` the strength).  Byte-identical to
     :func:`ltx2blas.reference.fuse_bias`; ``out`` may be ``bias``."""
-    from . import _quant
-
     acc, kind = _bias_f32(bias, "bias")
     acc = acc.reshape(-1)
     for i, (b, s) in enumerate(items):
@@ -189,19 +184,14 @@ def fuse_dora(weight, lora_a, lora_b, magnitude, *, scale=1.0, strength=1.0, sty
     :func:`ltx2blas.reference.fuse_dora`'s, byte for byte.  ``magnitude`` is f32 or bf16.
 
     Raises NonFiniteResultError where a norm is zero (PEFT's rule then divides by zero)."""
-    from . import _quant
-
     w = bf16_bits(weight, "weight")
     if w.ndim != 2:
         raise ShapeError(f"weight must be 2-D [out, in], got shape {w.shape}")
-    _check_layout(w, "weight")
+    contiguous(w, "weight")
     rows, cols = w.shape
     if style not in ("peft", "comfy"):
         raise ArgumentError(f"style must be 'peft' or 'comfy', got {style!r}")
-    if not isinstance(magnitude, np.ndarray):
-        raise DTypeError(f"magnitude must be a numpy array, got {type(magnitude).__name__}")
-    m = bf16_to_f32(magnitude) if magnitude.dtype == np.uint16 or magnitude.dtype.name == \
-        "bfloat16" else magnitude
+    m = bf16_to_f32(magnitude) if is_bf16(ndarray(magnitude, "magnitude").dtype) else magnitude
     if m.dtype != np.float32:
         raise DTypeError(f"magnitude must be float32 or bf16, got {magnitude.dtype}")
     if style == "peft" and m.size == rows and m.ndim == 1:
@@ -230,7 +220,7 @@ def fuse_dora(weight, lora_a, lora_b, magnitude, *, scale=1.0, strength=1.0, sty
                                    f"{float(m.reshape(-1)[bad])!r} over a norm of "
                                    f"{float(norms[bad])!r} is not finite")
     _quant.dora_store(v, factor, per_row, w, result, strength, strength != 1, threads)
-    return result if given_out else _like(result, weight)
+    return result if given_out else as_kind(result, weight)
 
 
 def buffer_bytes(ranks, threads=1, tile=None, several=None):
@@ -242,7 +232,7 @@ def buffer_bytes(ranks, threads=1, tile=None, several=None):
     count (_fuse.slot_bytes)."""
     mb, nb = _tile(tile)
     several = len(ranks) > 1 if several is None else several
-    pairs = not several and sum(ranks) <= _gemm.SEQUENTIAL_DEPTH
+    pairs = not several and sum(ranks) <= _probe.SEQUENTIAL_DEPTH
     return _fuse.slot_bytes(mb, nb, list(ranks), several, pairs) * threads
 
 
@@ -270,7 +260,7 @@ def _pairs_exact(rank, bs_min, a_min, overflow_bound):
         least 2**-126, the smallest normal;
       * no overflow: rank * max|bf16(B*s)| * max|A| (with slack) below 2**127.
     Zero magnitudes (all-zero operands) add only zeros, which no flushing changes."""
-    if rank > _gemm.SEQUENTIAL_DEPTH or overflow_bound >= 2.0**127:
+    if rank > _probe.SEQUENTIAL_DEPTH or overflow_bound >= 2.0**127:
         return False
     if bs_min == 0 or a_min == 0:
         return True
@@ -292,13 +282,6 @@ def _strength_f32(strength, index):
     return s
 
 
-def _check_layout(bits, name):
-    if not bits.flags.c_contiguous:
-        raise LayoutError(
-            f"{name} must be C-contiguous (row-major, unit stride); pass "
-            f"np.ascontiguousarray({name}) to copy it")
-
-
 def _where(index, shape):
     return tuple(int(v) for v in np.unravel_index(index, shape))
 
@@ -307,14 +290,12 @@ def _where(index, shape):
 _FORMAT_CODES = {"bf16": 0, "F8_E4M3": 1, "F8_E5M2": 2, "delta": 3}
 _RULES = ("addmm", "sum")
 #: Largest finite value of each storage format: past it a result has overflowed.
-_FORMAT_LIMIT = {"bf16": _BF16_FINITE_LIMIT, "F8_E4M3": 448.0, "F8_E5M2": 57344.0}
+_FORMAT_LIMIT = {"bf16": _BF16_FINITE_LIMIT, **{k: f.largest for k, f in FP8.items()}}
 
 
 def _weight_bits(weight, weight_format, name="weight"):
     """(format, bits view: uint16 for bf16, uint8 for fp8) or DTypeError."""
-    if not isinstance(weight, np.ndarray):
-        raise DTypeError(f"{name} must be a numpy array, got {type(weight).__name__}")
-    dt = weight.dtype
+    dt = ndarray(weight, name).dtype
     inferred = ml_fp8_format(dt)
     if weight_format is None:
         if inferred:
@@ -338,9 +319,7 @@ def _first_nonfinite(bits, fmt):
     if fmt == "bf16":
         mag = _Magnitudes(bits)
         return mag.first_nonfinite, mag.max
-    from .reference import fp8_widen
-
-    values = fp8_widen(np.arange(256, dtype=np.uint8), fmt)
+    values = _quant.fp8_values(fmt == "F8_E5M2")
     present = np.zeros(256, bool)
     present[np.unique(bits)] = True
     bad = ~np.isfinite(values) & present
@@ -368,7 +347,7 @@ def _prepare_adapters(adapters, rows, cols):
             if diff.shape != (rows, cols):
                 raise ShapeError(f"adapter {i}: diff {diff.shape} does not fit weight "
                                  f"({rows}, {cols})")
-            _check_layout(diff, f"adapter {i} diff")
+            contiguous(diff, f"adapter {i} diff")
             prepared.append(_Adapter("diff", diff, None, s))
             continue
         lora_a, lora_b, strength = item
@@ -388,8 +367,8 @@ def _prepare_adapters(adapters, rows, cols):
                              f"lora_b {b.shape[1]} columns")
         if a.shape[0] > _INT_MAX:
             raise ShapeError(f"adapter {i}: rank {a.shape[0]} exceeds the BLAS integer range")
-        _check_layout(a, f"adapter {i} lora_a")
-        _check_layout(b, f"adapter {i} lora_b")
+        contiguous(a, f"adapter {i} lora_a")
+        contiguous(b, f"adapter {i} lora_b")
         s = _strength_f32(strength, i)
         if a.shape[0] > 0:
             prepared.append(_Adapter("lora", a, b, s))
@@ -400,19 +379,11 @@ def _output(out, w, fmt, prepared):
     """(the array written, whether it was given): a new one, or ``out`` checked."""
     if out is None:
         return np.empty_like(w), False
-    result = _weight_bits(out, fmt, "out")[1]
-    if result.shape != w.shape:
-        raise ShapeError(f"out has shape {result.shape}, expected {w.shape}")
-    _check_layout(result, "out")
-    if not result.flags.writeable:
-        raise LayoutError("out is read-only")
-    in_place = result.__array_interface__["data"][0] == w.__array_interface__["data"][0]
-    if not in_place and np.shares_memory(result, w):
-        raise LayoutError("out partially overlaps weight; pass out=weight or a separate array")
+    inputs = {}
     for i, ad in enumerate(prepared):
-        if np.shares_memory(result, ad.a) or (ad.b is not None and np.shares_memory(result, ad.b)):
-            raise LayoutError(f"out overlaps adapter {i}")
-    return result, True
+        inputs[f"adapter {i}"] = ad.a
+        inputs[f"adapter {i} lora_b"] = ad.b
+    return output(_weight_bits(out, fmt, "out")[1], w.shape, inputs, same_as=w), True
 
 
 class _Route:
@@ -507,7 +478,8 @@ def _probe_depths(prepared, route, rows, cols, mb, nb):
                 if (em == 0 and rows < mb) or (en == 0 and cols < nb):
                     continue  # no tile of this shape
                 depth = min(ad.rank, _fuse.PASS_DEPTH)  # the first pass's, as the tile runs it
-                depths[i, 2 * em + en] = _gemm.blas_depth(m, n, depth, depth)
+                depths[i, 2 * em + en] = _probe.blas_depth(m, n, depth, depth,
+                                                              pin=blas_single_threaded)
     return depths
 
 
@@ -521,7 +493,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
         raise ArgumentError("fp8_rounding='stochastic' applies to fp8 weights; this one is bf16")
     if w.ndim != 2:
         raise ShapeError(f"weight must be 2-D [out, in], got shape {w.shape}")
-    _check_layout(w, "weight")
+    contiguous(w, "weight")
     rows, cols = w.shape
     prepared = _prepare_adapters(adapters, rows, cols)
     threads = resolve_threads(threads)
@@ -541,7 +513,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
             result.fill(0)
         elif result is not w:
             np.copyto(result, w)
-        return result if given_out else _like(result, weight)
+        return result if given_out else as_kind(result, weight)
     route = _choose_route(prepared, fmt, rule, check_finite)
     # In place with the overflow check on and a bound that does not rule overflow out: a dry
     # run finds any overflow before a byte is written.
@@ -557,7 +529,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
             scales=np.array([ad.s for ad in prepared], dtype=np.float32), depths=depths,
             mb=mb, nb=nb, threads=max(1, min(threads, tiles)), allow_fma=route.fma,
             rule=_fuse.RULES[route.rule], stochastic=stochastic,
-            key=stochastic_key(int(seed), str(name)) if stochastic else 0,
+            key=_quant.stochastic_key(int(seed), str(name)) if stochastic else 0,
             plus_zero=route.plus_zero,
             kinds=np.array([_fuse.KINDS[ad.kind] for ad in prepared], dtype=np.intc))
         if dry_run:
@@ -566,7 +538,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
         bad = _fuse.fuse_tiles(check=check_finite, dry_run=False, pairs=route.pairs, **args)
     if check_finite:
         _raise_nonfinite_result(bad, w.shape, fmt)
-    return result if given_out else _like(result, weight)
+    return result if given_out else as_kind(result, weight)
 
 
 def _tile(tile):
@@ -578,11 +550,6 @@ def _tile(tile):
     if not (1 <= mb <= 65536 and 1 <= nb <= 65536):
         raise ArgumentError(f"tile must be two ints in [1, 65536], got {tile!r}")
     return mb, nb
-
-
-def _like(bits, template):
-    """Return the result as the kind the weight came in (bf16 kind, or fp8 dtype)."""
-    return bits.view(template.dtype) if template.dtype.itemsize == bits.dtype.itemsize else bits
 
 
 def _raise_nonfinite_result(bad, shape, fmt="bf16"):

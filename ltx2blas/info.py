@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 
-from . import _gemm
+from . import _gemm, _probe
 from ._threads import available_cpus, blas_single_threaded, default_threads
 from .fuse import DEFAULT_TILE
 
@@ -60,10 +60,8 @@ def collect(probe_depths=(32, 384, 450, 512)):
     libraries = _blas_libraries()
     blas = _scipy_blas(libraries)
     mb, nb = DEFAULT_TILE
-    depths = {}
-    with blas_single_threaded():
-        for k in probe_depths:
-            depths[k] = _gemm.verified_depth(mb, nb, k, k)
+    depths = {k: _probe.verified_depth(mb, nb, k, k, pin=blas_single_threaded)
+              for k in probe_depths}
     return {
         "ltx2blas": __version__,
         "python": sys.version.split()[0],
@@ -90,7 +88,7 @@ def collect(probe_depths=(32, 384, 450, 512)):
             "tile": [mb, nb],
             "by_rank": {str(k): d for k, d in depths.items()},
         },
-        "sgemm_above_rank": _gemm.SEQUENTIAL_DEPTH,
+        "sgemm_above_rank": _probe.SEQUENTIAL_DEPTH,
         "dot_product_fuse": _gemm.has_pairs_kernel(),
     }
 

@@ -14,10 +14,10 @@ import math
 
 import numpy as np
 
-from . import _linear
-from ._dtypes import bf16_to_f32, is_ml_bfloat16
+from . import _gemm, _linear
+from ._validate import bf16_or_f32, bf16_to_f32, contiguous, ndarray, output
 from ._threads import blas_single_threaded, resolve_threads
-from .errors import ArgumentError, DTypeError, LayoutError, ShapeError
+from .errors import ArgumentError, DTypeError, ShapeError
 
 __all__ = ["linear", "plan", "error_bound", "gamma", "buffer_bytes"]
 
@@ -40,31 +40,6 @@ BLOCKS = {"sgemm": (512, 256, 512), "stream": (16, 64, 1 << 18), "f64": (256, 12
 STREAM_WIDE_BLOCKS = (STREAM_ROWS, 128, 1 << 18)
 
 _INT_MAX = 2**31 - 1
-
-
-def _kind(array, name):
-    """'bf16' or 'f32', or DTypeError naming the argument."""
-    if not isinstance(array, np.ndarray):
-        raise DTypeError(f"{name} must be a numpy array, got {type(array).__name__}")
-    dt = array.dtype
-    if dt == np.dtype(np.float32):
-        return "f32"
-    if dt == np.dtype(np.uint16) or is_ml_bfloat16(dt):
-        return "bf16"
-    raise DTypeError(
-        f"{name} must be float32 or bfloat16 (ml_dtypes.bfloat16, or uint16 bit patterns), in "
-        f"native byte order; got {dt.str} ({dt})")
-
-
-def _contiguous(array, name):
-    if not array.flags.c_contiguous:
-        raise LayoutError(
-            f"{name} must be C-contiguous (row-major, unit stride); pass "
-            f"np.ascontiguousarray({name}) to copy it")
-
-
-def _bits(array):
-    return array.view(np.uint16) if array.dtype.itemsize == 2 else array
 
 
 def plan(rows, weight_dtype, accumulate="f32", blocks=None):
@@ -92,20 +67,15 @@ def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32",
     accumulator [features x rows]; on the streaming route, instead of the weight panel, lane
     sums [features x rows x 16], and a bf16 x is widened once, shared."""
     route, (mb, ob, kb) = plan(rows, weight_dtype, accumulate, blocks)
-    elem = 8 if route == "f64" else 4
     bf16_w = np.dtype(weight_dtype).itemsize == 2
     bf16_x = np.dtype(x_dtype).itemsize == 2
-
-    def up(n):
-        return (n + 63) // 64 * 64
-
-    if route == "stream":
-        w_panel = ob * mb * 16 * 4
-    else:
-        w_panel = up(ob * kb * elem) if (route == "f64" or bf16_w) else 0
-    x_panel = up(mb * kb * elem) if (route == "f64" or (bf16_x and route == "sgemm")) else 0
-    shared = 4 * rows * cols if (route == "stream" and bf16_x) else 0
-    return threads * (w_panel + x_panel + up(mb * ob * elem)) + shared
+    stream = route == "stream" and bf16_w
+    # On the streaming route a bf16 x is widened once, whole, and shared: the panel kernels
+    # then take it as f32.
+    per_thread = _linear.thread_buffer_bytes(mb, ob, kb, route == "f64", stream, bf16_w,
+                                             bf16_x and not stream)
+    shared = 4 * rows * cols if (stream and bf16_x) else 0
+    return threads * per_thread + shared
 
 
 def gamma(rows, cols, weight_dtype, accumulate="f32", blocks=None):
@@ -137,7 +107,8 @@ def error_bound(x, weight, bias=None, accumulate="f32", blocks=None):
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     k = weight.shape[1]
     g = gamma(rows, k, weight.dtype, accumulate, blocks)
-    magnitude = np.abs(_as_f64(x).reshape(-1, k)) @ np.abs(_as_f64(weight)).T
+    with blas_single_threaded():
+        magnitude = _gemm.dgemm_xwt(np.abs(_as_f64(x).reshape(-1, k)), np.abs(_as_f64(weight)))
     if bias is not None:
         magnitude = magnitude + np.abs(_as_f64(bias))
     return g * magnitude.reshape(x.shape[:-1] + (weight.shape[0],))
@@ -178,10 +149,35 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
     -------
     float32 array [..., out]
     """
-    x_kind = _kind(x, "x")
-    _kind(weight, "weight")
+    x_kind, x_bits = bf16_or_f32(x, "x")
+    _, w_bits = bf16_or_f32(weight, "weight")
     if accumulate not in ("f32", "f64"):
         raise ArgumentError(f"accumulate must be 'f32' or 'f64', got {accumulate!r}")
+    rows, feats, cols = _shapes(x, weight)
+    bias32 = _bias_f32(bias, feats)
+    y = _output(out, x.shape[:-1] + (feats,), x, weight, bias)
+    route, blocks = _checked_plan(rows, weight.dtype, accumulate, blocks)
+    threads = resolve_threads(threads)
+
+    if rows == 0 or feats == 0 or cols == 0:  # nothing to multiply
+        if rows and feats:
+            y.reshape(rows, feats)[...] = 0.0 if bias32 is None else bias32
+        if progress is not None:
+            progress(1.0)
+        return y
+    x2 = x_bits.reshape(rows, cols)
+    if route == "stream" and x_kind == "bf16":
+        # Few rows: widen them once here rather than per thread and chunk.
+        x2 = bf16_to_f32(x2)
+    bias64 = bias32.astype(np.float64) if (bias32 is not None and route == "f64") else None
+    tasks = _linear.LinearPlan(x2, w_bits, bias32, bias64, y.reshape(rows, feats), *blocks,
+                               threads, route == "f64", route == "stream")
+    _run_in_waves(tasks, threads, progress)
+    return y
+
+
+def _shapes(x, weight):
+    """(rows of x, out features, in features), the arrays' shapes and layouts checked."""
     if x.ndim < 1:
         raise ShapeError("x must have at least one dimension [..., in], got a 0-d array")
     if weight.ndim != 2:
@@ -190,73 +186,50 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
     if x.shape[-1] != cols:
         raise ShapeError(f"x has {x.shape[-1]} features, weight expects {cols} (x {x.shape}, "
                          f"weight {weight.shape})")
-    _contiguous(x, "x")
-    _contiguous(weight, "weight")
-    lead = x.shape[:-1]
-    rows = int(np.prod(lead, dtype=np.int64))
-    out_shape = lead + (feats,)
-
-    bias32 = None
-    if bias is not None:
-        b_kind = _kind(bias, "bias")
-        if bias.shape != (feats,):
-            raise ShapeError(f"bias must have shape ({feats},), got {bias.shape}")
-        bias32 = bf16_to_f32(bias) if b_kind == "bf16" else np.ascontiguousarray(bias)
-
-    if out is None:
-        y = np.empty(out_shape, dtype=np.float32)
-    else:
-        if not isinstance(out, np.ndarray) or out.dtype != np.dtype(np.float32):
-            raise DTypeError(f"out must be a float32 numpy array, got "
-                             f"{getattr(out, 'dtype', type(out).__name__)}")
-        if out.shape != out_shape:
-            raise ShapeError(f"out has shape {out.shape}, expected {out_shape}")
-        _contiguous(out, "out")
-        if not out.flags.writeable:
-            raise LayoutError("out is read-only")
-        for name, other in (("x", x), ("weight", weight), ("bias", bias)):
-            if other is not None and np.shares_memory(out, other):
-                raise LayoutError(f"out overlaps {name}")
-        y = out
-
-    route, blocks = plan(rows, weight.dtype, accumulate, blocks)
-    if len(blocks) != 3:
-        raise ArgumentError(f"blocks must be three ints (rows, features, chunk), got {blocks!r}")
-    mb, ob, kb = (int(v) for v in blocks)
-    if not all(1 <= v <= 1 << 20 for v in (mb, ob, kb)):
-        raise ArgumentError(f"blocks must be three ints in [1, 2^20], got {blocks!r}")
-    # sgemm takes 32-bit sizes: rows and chunks are cut to fit, and the leading dimensions
+    contiguous(x, "x")
+    contiguous(weight, "weight")
+    # The BLAS takes 32-bit sizes: rows and chunks are cut to fit, and the leading dimensions
     # (the row lengths of x, weight and y) must fit too.
     if cols > _INT_MAX or feats > _INT_MAX:
         raise ShapeError(f"in ({cols}) and out ({feats}) features must be below 2^31 for a "
                          "32-bit-integer BLAS")
-    threads = resolve_threads(threads)
+    return int(np.prod(x.shape[:-1], dtype=np.int64)), feats, cols
 
-    if rows == 0 or feats == 0:
-        if progress is not None:
-            progress(1.0)
-        return y
-    y2 = y.reshape(rows, feats)
-    if cols == 0:
-        y2[...] = 0.0 if bias32 is None else bias32
-        if progress is not None:
-            progress(1.0)
-        return y
 
-    bias64 = bias32.astype(np.float64) if (bias32 is not None and accumulate == "f64") else None
-    x2 = _bits(x).reshape(rows, cols)
-    if route == "stream" and x_kind == "bf16":
-        # At most STREAM_ROWS rows: widen them once here rather than per thread and chunk
-        # (48 MiB at 64 rows of the real width, 1/32 of the bf16 weight).
-        x2 = bf16_to_f32(x2)
-    tasks_plan = _linear.LinearPlan(x2, _bits(weight), bias32, bias64, y2, mb, ob, kb, threads,
-                                    route == "f64", route == "stream")
-    tasks = tasks_plan.tasks
-    wave = max(2 * threads, -(-tasks // 64))
+def _bias_f32(bias, feats):
+    if bias is None:
+        return None
+    kind, bits = bf16_or_f32(bias, "bias")
+    if bias.shape != (feats,):
+        raise ShapeError(f"bias must have shape ({feats},), got {bias.shape}")
+    return bf16_to_f32(bits) if kind == "bf16" else np.ascontiguousarray(bias)
+
+
+def _output(out, shape, x, weight, bias):
+    if out is None:
+        return np.empty(shape, dtype=np.float32)
+    if ndarray(out, "out").dtype != np.dtype(np.float32):
+        raise DTypeError(f"out must be a float32 numpy array, got {out.dtype}")
+    return output(out, shape, {"x": x, "weight": weight, "bias": bias})
+
+
+def _checked_plan(rows, weight_dtype, accumulate, blocks):
+    route, blocks = plan(rows, weight_dtype, accumulate, blocks)
+    if len(blocks) != 3:
+        raise ArgumentError(f"blocks must be three ints (rows, features, chunk), got {blocks!r}")
+    blocks = tuple(int(v) for v in blocks)
+    if not all(1 <= v <= 1 << 20 for v in blocks):
+        raise ArgumentError(f"blocks must be three ints in [1, 2^20], got {blocks!r}")
+    return route, blocks
+
+
+def _run_in_waves(tasks, threads, progress):
+    """Run the plan's tasks a wave at a time, reporting progress between waves (an exception
+    from ``progress`` stops the call there)."""
+    wave = max(2 * threads, -(-tasks.tasks // 64))
     with blas_single_threaded():
-        for first in range(0, tasks, wave):
-            stop = min(tasks, first + wave)
-            tasks_plan.run(first, stop)
+        for first in range(0, tasks.tasks, wave):
+            stop = min(tasks.tasks, first + wave)
+            tasks.run(first, stop)
             if progress is not None:
-                progress(stop / tasks)
-    return y
+                progress(stop / tasks.tasks)

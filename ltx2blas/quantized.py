@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import _gemm, _quant
-from ._dtypes import ml_fp8_format
+from ._validate import FP8, contiguous, ml_fp8_format, ndarray
 from ._threads import resolve_threads
 from .errors import (
     ArgumentError,
@@ -48,7 +48,6 @@ LAYOUTS = ("fp8_scaled", "comfy_fp8", "fp8_block", "fp6_block", "nvfp4")
 
 BLOCK = 128
 NVFP4_GROUP = 16
-_FP8_LARGEST = {"F8_E4M3": np.float32(448.0), "F8_E5M2": np.float32(57344.0)}
 
 
 class QuantizedWeight(NamedTuple):
@@ -73,11 +72,7 @@ def _round_up(n, to):
 
 
 def _array(x, name):
-    if not isinstance(x, np.ndarray):
-        raise DTypeError(f"{name} must be a numpy array, got {type(x).__name__}")
-    if not x.flags.c_contiguous:
-        raise LayoutError(f"{name} must be C-contiguous; pass np.ascontiguousarray({name})")
-    return x
+    return contiguous(ndarray(x, name), name)
 
 
 def _codes(weight, layout, fmt):
@@ -234,10 +229,10 @@ def fuse_quantized(layout, weight, adapters, *, scale, scale_2=None, fmt=None, r
                 mult = (np.float32(1.0) / top) * np.float32(448.0)
                 new_scale = np.float32(1.0) / mult
             else:                         # ComfyUI: scale = amax / fmax; codes = x * (1 / scale)
-                new_scale = top / _FP8_LARGEST[fmt]
+                new_scale = top / np.float32(FP8[fmt].largest)
                 mult = np.float32(1.0) / new_scale
             _quant.scaled_fp8_store(out_codes.reshape(-1), delta.reshape(-1), s, mult,
-                                    _FP8_LARGEST[fmt], e5m2, threads)
+                                    np.float32(FP8[fmt].largest), e5m2, threads)
             out_scale.reshape(-1)[0] = new_scale
         elif layout in ("fp8_block", "fp6_block"):
             fp6 = layout == "fp6_block"

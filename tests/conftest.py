@@ -13,6 +13,7 @@ except ImportError as exc:  # the checkout's ltx2blas/ folder shadowing the inst
         "tests need the installed (compiled) ltx2blas; install it as the README says and run "
         "`pytest` (not `python -m pytest` from the checkout root)") from exc
 
+import _ltx2blas_hooks as hooks  # noqa: E402  (the kernel tables, one by one)
 from ltx2blas import _gemm
 
 
@@ -38,7 +39,7 @@ def _pairs_tables():
     names = []
     for name in ("avx512bf16",):
         try:
-            if name in _gemm.kernels_built() and _gemm.has_pairs_kernel(name):
+            if name in _gemm.kernels_built() and hooks.has_pairs_kernel(name):
                 names.append(name)
         except ValueError:  # built, but this CPU cannot run it
             pass

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+import _ltx2blas_hooks as hooks
 from ltx2blas import _gemm, reference
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -68,7 +69,7 @@ def test_kernel_rounding_matches_ml_dtypes(kernel_table, values):
     # store_fused with w = -0.0 computes bf16(-0.0 + bf16(x)) = bf16(x): -0.0 is the identity
     # of IEEE addition (x + -0.0 = x for every x, +0.0 included).
     w = np.full(values.shape, NEG_ZERO, dtype=np.uint16)
-    assert np.array_equal(_gemm._store_fused(values, w, kernel_table), ml_round(values))
+    assert np.array_equal(hooks.store_fused(values, w, kernel_table), ml_round(values))
 
 
 def test_kernel_store_matches_reference(kernel_table):
@@ -78,7 +79,7 @@ def test_kernel_store_matches_reference(kernel_table):
     with np.errstate(invalid="ignore", over="ignore"):
         expected = reference.bf16_round(reference.bf16_widen(w) + reference.bf16_widen(
             reference.bf16_round(acc)))
-    got = _gemm._store_fused(acc, w, kernel_table)
+    got = hooks.store_fused(acc, w, kernel_table)
     # NaN + NaN keeps one of the two NaNs (IEEE leaves which unspecified): compare NaN-ness
     # there, bits everywhere else.
     both_nan = np.isnan(reference.bf16_widen(w)) & np.isnan(acc)
@@ -92,7 +93,7 @@ def test_kernel_scale_round_widen(kernel_table, s):
     with np.errstate(invalid="ignore", over="ignore"):
         expected = reference.bf16_widen(
             reference.bf16_round(reference.bf16_widen(h) * np.float32(s)))
-    got = _gemm._scale_round_widen(h, s, kernel_table)
+    got = hooks.scale_round_widen(h, s, kernel_table)
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
 
 
@@ -101,7 +102,7 @@ def test_kernel_accumulate_rounded(kernel_table):
     total = np.random.default_rng(4).standard_normal(acc.shape).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         expected = total + reference.bf16_widen(reference.bf16_round(acc))
-    _gemm._accumulate_rounded(acc, total, kernel_table)
+    hooks.accumulate_rounded(acc, total, kernel_table)
     nan = np.isnan(expected)
     assert np.array_equal(np.isnan(total), nan)
     assert np.array_equal(total[~nan].view(np.uint32), expected[~nan].view(np.uint32))
@@ -121,7 +122,7 @@ def test_fused_kernel_rounding(kernel_table, values):
         acc = np.float32(0.0) + x * y            # the textbook sum starts from +0.0
         expected = reference.bf16_round(reference.bf16_widen(w) + reference.bf16_widen(
             reference.bf16_round(acc)))
-    got = _gemm.seq_fuse_bf16(x, y, w, kernel_table)
+    got = hooks.seq_fuse_bf16(x, y, w, kernel_table)
     # NaN + NaN keeps one of the two NaNs (IEEE leaves which unspecified): compare NaN-ness
     # there, bits everywhere else.
     both_nan = np.isnan(reference.bf16_widen(w)) & np.isnan(acc)
@@ -149,7 +150,7 @@ def expected_fuse(w, acc):
 def test_kernel_store_near_subnormals(kernel_table):
     small, products = near_subnormal_sets()
     w, acc = (np.ascontiguousarray(a.ravel()) for a in np.meshgrid(small, products))
-    assert np.array_equal(_gemm._store_fused(acc, w, kernel_table), expected_fuse(w, acc))
+    assert np.array_equal(hooks.store_fused(acc, w, kernel_table), expected_fuse(w, acc))
 
 
 def test_fused_kernel_near_subnormals(kernel_table):
@@ -158,7 +159,7 @@ def test_fused_kernel_near_subnormals(kernel_table):
     # meet every small weight.
     x = np.ascontiguousarray(products[:, None])
     w = np.ascontiguousarray(np.broadcast_to(small, (products.size, small.size)))
-    got = _gemm.seq_fuse_bf16(x, np.ones((1, small.size), np.float32), w, kernel_table)
+    got = hooks.seq_fuse_bf16(x, np.ones((1, small.size), np.float32), w, kernel_table)
     assert np.array_equal(got, expected_fuse(w, np.float32(0.0) + x))
 
 

@@ -50,3 +50,11 @@ def test_user_error_exits_2_without_a_traceback():
 def test_help():
     out = run("--help")
     assert out.returncode == 0 and "demo" in out.stdout and "info" in out.stdout
+
+
+def test_version_is_the_installed_distribution_s():
+    from importlib.metadata import version
+
+    out = run("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"ltx2blas {version('ltx2blas')}"

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 import ltx2blas
-from ltx2blas import _gemm, reference
+import _ltx2blas_hooks as hooks
+from ltx2blas import _gemm, _probe, reference
+from ltx2blas._threads import blas_single_threaded
 
 from helpers import random_bf16
 
@@ -67,7 +69,7 @@ def test_sequential_kernel_alone(kernel_table, rng, shape):
     for p in range(k):
         expected = expected + x[:, p:p + 1] * y[p:p + 1, :]
     c = c0.copy()
-    _gemm.seq_gemm(x, y, c, kernel_table)
+    hooks.seq_gemm(x, y, c, kernel_table)
     assert np.array_equal(c.view(np.uint32), expected.view(np.uint32))
 
 
@@ -85,7 +87,7 @@ def test_fused_kernel_alone(kernel_table, rng, shape, k):
         acc = acc + x[:, p:p + 1] * y[p:p + 1, :]
     expected = reference.bf16_round(reference.bf16_widen(w) + reference.bf16_widen(
         reference.bf16_round(acc)))
-    assert np.array_equal(_gemm.seq_fuse_bf16(x, y, w, kernel_table), expected)
+    assert np.array_equal(hooks.seq_fuse_bf16(x, y, w, kernel_table), expected)
 
 
 @pytest.mark.parametrize("shape", [(13, 29), (8, 64), (1, 33), (70, 1), (17, 100)])
@@ -103,7 +105,7 @@ def test_pairs_kernel_alone(pairs_table, rng, shape, k):
     with np.errstate(invalid="ignore", over="ignore"):
         expected = reference.bf16_round(reference.bf16_widen(w) + reference.bf16_widen(
             reference.bf16_round(acc)))
-    assert np.array_equal(_gemm.dot_fuse_bf16(x, y, w, pairs_table), expected)
+    assert np.array_equal(hooks.dot_fuse_bf16(x, y, w, pairs_table), expected)
 
 
 def test_pairs_route_is_taken_for_ordinary_adapters(rng, monkeypatch):
@@ -144,18 +146,19 @@ def test_subnormal_partial_sums_stay_exact():
     assert np.all(expected == 0x0020)                    # bf16(2**-128): subnormal, kept
     assert np.array_equal(ltx2blas.fuse_lora(weight, lora_a, lora_b, 1.0), expected)
     if _gemm.has_pairs_kernel():
-        flushed = _gemm.dot_fuse_bf16(lora_b, lora_a, weight)
+        flushed = hooks.dot_fuse_bf16(lora_b, lora_a, weight)
         assert np.all(flushed == 0x0000)                 # what the unguarded instruction gives
 
 
 def test_small_ranks_never_call_sgemm():
     """Up to SEQUENTIAL_DEPTH the product is the sequential kernel's alone: no probe, depth 0;
     above it, the probed depth."""
-    k = _gemm.SEQUENTIAL_DEPTH
-    assert _gemm.blas_depth(256, 512, k, k) == 0
-    assert (256, 512, k, k) not in _gemm.probe_report()
-    assert _gemm.blas_depth(64, 96, k + 1, k + 1) == _gemm.verified_depth(64, 96, k + 1, k + 1)
-    assert (64, 96, k + 1, k + 1) in _gemm.probe_report()
+    k = _probe.SEQUENTIAL_DEPTH
+    assert _probe.blas_depth(256, 512, k, k, pin=blas_single_threaded) == 0
+    assert (256, 512, k, k) not in _probe.probe_report()
+    assert _probe.blas_depth(64, 96, k + 1, k + 1, pin=blas_single_threaded) == \
+        _probe.verified_depth(64, 96, k + 1, k + 1, pin=blas_single_threaded)
+    assert (64, 96, k + 1, k + 1) in _probe.probe_report()
 
 
 def test_in_place_fuse(rng):

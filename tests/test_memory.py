@@ -29,10 +29,9 @@ lora_b = rng.integers(0x3800, 0x3C00, size=(rows, rank), dtype=np.uint16)
 # Warm up imports, thread pools and the depth probes of these shapes with a rank-8 call (its
 # buffers are 50x smaller, so the measured growth still includes the real call's buffers).
 ltx2blas.fuse_lora(weight[:512].copy(), lora_a[:8].copy(), lora_b[:512, :8].copy(), threads=threads)
-from ltx2blas import _gemm
+from ltx2blas import _probe
 from ltx2blas._threads import blas_single_threaded
-with blas_single_threaded():
-    _gemm.verified_depth(256, 512, rank, rank)
+_probe.verified_depth(256, 512, rank, rank, pin=blas_single_threaded)
 with open('/proc/self/clear_refs', 'w') as f:
     f.write('5')  # reset the peak (VmHWM) to the current resident size
 before = status('VmRSS')

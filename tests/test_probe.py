@@ -3,7 +3,8 @@ reports must really be exact."""
 import numpy as np
 import pytest
 
-from ltx2blas import _gemm, reference
+import _ltx2blas_hooks as hooks
+from ltx2blas import _probe, reference
 from ltx2blas._threads import blas_single_threaded
 
 from helpers import random_bf16
@@ -39,7 +40,7 @@ def test_probe_operands_expose_every_other_order(k):
     in textbook order anyway), two interleaved accumulators, or the reversed order changes the
     bits of at least one element of the probe's result."""
     m, n = 37, 41
-    for x, y in _gemm._probe_operands(m, n, k, k):
+    for x, y in _probe._probe_operands(m, n, k, k):
         x = x[:, :k]
         exact = sequential(x, y, k).view(np.uint32)
         for other in [two_accumulators(x, y, k), reverse(x, y, k)]:
@@ -49,7 +50,7 @@ def test_probe_operands_expose_every_other_order(k):
             assert not np.array_equal(blocked(x, y, k, q).view(np.uint32), exact), q
         break  # the structured pattern alone must do it; the random one is extra
     # A split that leaves one term at the end is the textbook order: nothing to detect.
-    x, y = _gemm._probe_operands(m, n, k, k)[0]
+    x, y = _probe._probe_operands(m, n, k, k)[0]
     assert np.array_equal(blocked(x[:, :k], y, k, k - 1), sequential(x[:, :k], y, k))
 
 
@@ -58,26 +59,26 @@ def test_probe_operands_expose_every_other_order(k):
 def test_verified_depth_is_exact_on_fresh_data(shape, rng):
     m, n, k = shape
     with blas_single_threaded():
-        depth = _gemm.verified_depth(m, n, k, k)
+        depth = _probe.verified_depth(m, n, k, k, pin=blas_single_threaded)
         assert 0 <= depth <= k
         if depth == 0:
             return
         for _ in range(3):
             x = reference.bf16_widen(random_bf16(rng, (m, depth)))
             y = reference.bf16_widen(random_bf16(rng, (depth, n)))
-            got = _gemm.sgemm(x, y)
+            got = hooks.sgemm(x, y)
             assert np.array_equal(got.view(np.uint32), sequential(x, y, depth).view(np.uint32))
 
 
 def test_depth_is_cached_and_reported():
     with blas_single_threaded():
-        first = _gemm.verified_depth(64, 96, 200)
-        assert _gemm.verified_depth(64, 96, 200) == first
-    report = _gemm.probe_report()
+        first = _probe.verified_depth(64, 96, 200, pin=blas_single_threaded)
+        assert _probe.verified_depth(64, 96, 200, pin=blas_single_threaded) == first
+    report = _probe.probe_report()
     assert (64, 96, 200, 200) in report or (64, 96, first, 200) in report
 
 
 def test_zero_sizes():
-    assert _gemm.verified_depth(0, 5, 5) == 0
-    assert _gemm.verified_depth(5, 0, 5) == 0
-    assert _gemm.verified_depth(5, 5, 0) == 0
+    assert _probe.verified_depth(0, 5, 5, pin=blas_single_threaded) == 0
+    assert _probe.verified_depth(5, 0, 5, pin=blas_single_threaded) == 0
+    assert _probe.verified_depth(5, 5, 0, pin=blas_single_threaded) == 0

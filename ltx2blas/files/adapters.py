@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._dtypes import bf16_to_f32
+from .._validate import FP8_BY_NAME, bf16_to_f32, is_bf16, ml_fp8_format
 from ..errors import ArgumentError, DTypeError, KeyMatchError, ShapeError
 from . import keys as keymatch
 from .safetensors import SafetensorsFile
@@ -108,7 +108,7 @@ def as_numpy(tensor):
 
         if name == "bfloat16":
             return t.view(torch.int16).numpy().view(np.uint16)
-        if name in ("float8_e4m3fn", "float8_e5m2"):
+        if name in FP8_BY_NAME:
             return FP8View(t.view(torch.uint8).numpy(), name)
         return t.numpy()
     return np.asarray(tensor)
@@ -119,7 +119,7 @@ class FP8View(np.ndarray):
 
     def __new__(cls, array, torch_name):
         view = array.view(cls)
-        view.fp8 = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}[torch_name]
+        view.fp8 = FP8_BY_NAME[torch_name]
         return view
 
     def __array_finalize__(self, obj):
@@ -131,12 +131,10 @@ def dtype_name(array):
     if isinstance(array, FP8View):
         return array.fp8
     dt = array.dtype
-    if dt == np.uint16 or dt.name == "bfloat16":
+    if is_bf16(dt):
         return "BF16"
-    if dt.name == "float8_e4m3fn":
-        return "F8_E4M3"
-    if dt.name == "float8_e5m2":
-        return "F8_E5M2"
+    if ml_fp8_format(dt):
+        return ml_fp8_format(dt)
     names = {"float32": "F32", "float16": "F16", "float64": "F64", "uint8": "U8", "int8": "I8",
              "int16": "I16", "int32": "I32", "int64": "I64", "uint32": "U32", "uint64": "U64"}
     return names.get(dt.name, dt.name.upper())

@@ -24,10 +24,10 @@ import json
 import math
 from dataclasses import dataclass
 
+from .._validate import FP8, FP8_BY_NAME
 from ..errors import DTypeError, FormatError, ShapeError
 
 PLAIN = {"BF16": "bf16", "F8_E4M3": "F8_E4M3", "F8_E5M2": "F8_E5M2"}
-COMFY_FORMATS = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 COMPANIONS = (".weight_scale", ".weight_scale_2", ".scale_weight", ".comfy_quant")
 
 
@@ -104,13 +104,13 @@ def detect(key, entries, configs, marker):
     refuse = f"weight {key} ({dtype} {list(shape)})"
     if conf is not None or (marker and has.get(".scale_weight")):
         if conf is None:  # the older layout: the weight's own fp8 dtype says the format
-            fmt_name = {v: k for k, v in COMFY_FORMATS.items()}.get(dtype)
+            fmt_name = FP8[dtype].name if dtype in FP8 else None
         else:
             fmt_name = conf.get("format") if isinstance(conf, dict) else None
-        if fmt_name not in COMFY_FORMATS:
+        if fmt_name not in FP8_BY_NAME:
             raise DTypeError(f"{refuse}: ComfyUI quantisation format {fmt_name!r} is not one "
                               "ltx2blas fuses (per-tensor float8_e4m3fn / float8_e5m2 only)")
-        fmt = COMFY_FORMATS[fmt_name]
+        fmt = FP8_BY_NAME[fmt_name]
         if dtype != fmt:
             raise DTypeError(f"{refuse}: ComfyUI says {fmt_name} but the weight is {dtype}")
         scale = module + (".weight_scale" if has[".weight_scale"] else ".scale_weight")

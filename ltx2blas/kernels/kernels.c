@@ -151,30 +151,6 @@ static void seq_gemm(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ld
     }
 }
 
-static inline uint32_t f32_bits(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static inline float bits_f32(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* bf16(f), nearest-even, as f32 bits (the bf16 in the high half, zeros below). NaN becomes the
- * quiet NaN 0x7FC0 with its sign (the bits ml_dtypes gives); overflow rounds to inf; subnormals
- * are kept. */
-static inline uint32_t bf16_high(float f)
-{
-    const uint32_t u = f32_bits(f);
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    const uint32_t qnan = (u & 0x80000000u) | 0x7FC00000u;
-    return (f != f) ? qnan : rounded;
-}
 
 /* Rows of a weight come from memory one short run at a time, too short for the hardware
  * prefetcher to get ahead: ask for the run PREFETCH_ROWS ahead while this one is processed. */
@@ -191,7 +167,7 @@ static void scale_round_widen(const uint16_t *restrict src, float s, float *rest
 {
     u32a *d = (u32a *)dst;
     for (ltx_idx i = 0; i < n; i++)
-        d[i] = bf16_high(bits_f32((uint32_t)src[i] << 16) * s);
+        d[i] = ltx_bf16_high(ltx_bits_f32((uint32_t)src[i] << 16) * s);
 }
 
 static void widen_bf16(const uint16_t *restrict src, float *restrict dst, ltx_idx n)
@@ -216,9 +192,9 @@ static inline void store_fused_row(const float *restrict acc, const uint16_t *w,
 {
     /* out may alias w (in-place fuse): each element is read before it is written. */
     for (ltx_idx i = 0; i < n; i++) {
-        const float delta = bits_f32(bf16_high(acc[i]));
-        const float sum = bits_f32((uint32_t)w[i] << 16) + delta;
-        out[i] = (uint16_t)(bf16_high(sum) >> 16);
+        const float delta = ltx_bits_f32(ltx_bf16_high(acc[i]));
+        const float sum = ltx_bits_f32((uint32_t)w[i] << 16) + delta;
+        out[i] = (uint16_t)(ltx_bf16_high(sum) >> 16);
     }
 }
 
@@ -248,12 +224,12 @@ static inline vf widen_vec(const uint16_t *p)
 #endif
 }
 
-/* bf16_high of each element. */
+/* ltx_bf16_high of each element (kernels.h), lane by lane. */
 static inline vu32 bf16_high_vec(vf f)
 {
     const vu32 u = (vu32)f;
-    const vu32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    const vu32 qnan = (u & 0x80000000u) | 0x7FC00000u;
+    const vu32 rounded = LTX_BF16_NEAREST(u);
+    const vu32 qnan = LTX_BF16_QNAN(u);
     const vu32 nan = (vu32)(f != f);
     return (rounded & ~nan) | (qnan & nan);
 }
@@ -284,7 +260,7 @@ static inline void fuse_vec(vf acc, const uint16_t *w, uint16_t *out)
 /* out[i] = bf16(f32(w[i]) + f32(bf16(acc[i]))) for 32 elements, acc[0..15] in lo and
  * acc[16..31] in hi; out may equal w.
  * wv holds w[0..31], loaded by the caller.
- * VCVTNE2PS2BF16 rounds to nearest even exactly as bf16_high does, with two exceptions: it
+ * VCVTNE2PS2BF16 rounds to nearest even exactly as ltx_bf16_high does, with two exceptions: it
  * flushes subnormal inputs to zero and it keeps a NaN's payload. Inputs of either kind are
  * found by VFPCLASSPS and the pair goes the generic way (rare: real weights hold neither).
  * The bf16 vectors are widened by even and odd halves of each 32-bit word (a shift and a mask,
@@ -490,8 +466,8 @@ fuse_walk(const int pairs, ltx_idx m, ltx_idx n, ltx_idx k, const void *x, ltx_i
                         /* A pair's products, exact in f32, added high then low: the
                          * instruction's arithmetic. */
                         const uint32_t a = xp[r * ldx + p], b = yp[p * ldy + j];
-                        acc = acc + bits_f32(a & 0xFFFF0000u) * bits_f32(b & 0xFFFF0000u);
-                        acc = acc + bits_f32(a << 16) * bits_f32(b << 16);
+                        acc = acc + ltx_bits_f32(a & 0xFFFF0000u) * ltx_bits_f32(b & 0xFFFF0000u);
+                        acc = acc + ltx_bits_f32(a << 16) * ltx_bits_f32(b << 16);
                     } else {
                         acc = acc + xf[r * ldx + p] * yf[p * ldy + j];
                     }
@@ -720,7 +696,7 @@ static void stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_id
         for (ltx_idx m = 0; m < mt; m++) {
             float sum = lane_tree(LOADV(lanes + (o * mt + m) * VW));
             for (ltx_idx k = kv; k < kt; k++)
-                sum = sum + x[m * ldx + k] * bits_f32((uint32_t)w[o * ldw + k] << 16);
+                sum = sum + x[m * ldx + k] * ltx_bits_f32((uint32_t)w[o * ldw + k] << 16);
             acc[o * mt + m] = acc[o * mt + m] + sum;
         }
 }
@@ -728,7 +704,7 @@ static void stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_id
 static void widen_bf16_f64(const uint16_t *restrict src, double *restrict dst, ltx_idx n)
 {
     for (ltx_idx i = 0; i < n; i++)
-        dst[i] = (double)bits_f32((uint32_t)src[i] << 16);
+        dst[i] = (double)ltx_bits_f32((uint32_t)src[i] << 16);
 }
 
 static void f32_to_f64(const float *restrict src, double *restrict dst, ltx_idx n)
@@ -752,13 +728,6 @@ static void f64_to_f32(const double *restrict src, float *restrict dst, ltx_idx 
  * value rounds up with probability equal to its distance from the lower neighbour, the same
  * way for any tiling and thread count; a finite value is never rounded up past the largest
  * finite fp8 value. */
-static inline uint64_t splitmix64(uint64_t x)
-{
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
 
 static float fp8_table[2][256];
 static int fp8_table_ready;
@@ -768,22 +737,9 @@ static void fp8_tables(void)
     /* fp8 code -> f32 value; built once (the race on first use writes identical values) */
     if (fp8_table_ready)
         return;
-    for (int f = 0; f < 2; f++) {
-        const int mant = f ? 2 : 3, bias = f ? 15 : 7, emax = f ? 31 : 15;
-        for (int code = 0; code < 256; code++) {
-            const int e = (code >> mant) & emax, m = code & ((1 << mant) - 1);
-            float v;
-            if (!f && (code & 0x7F) == 0x7F)
-                v = __builtin_nanf("");
-            else if (f && e == 31)
-                v = m ? __builtin_nanf("") : __builtin_inff();
-            else if (e == 0)
-                v = (float)m * __builtin_ldexpf(1.0f, 1 - bias - mant);
-            else
-                v = (1.0f + (float)m / (float)(1 << mant)) * __builtin_ldexpf(1.0f, e - bias);
-            fp8_table[f][code] = (code & 0x80) ? -v : v;
-        }
-    }
+    for (int f = 0; f < 2; f++)
+        for (uint32_t code = 0; code < 256; code++)
+            fp8_table[f][code] = ltx_fp8_value(code, f);
     fp8_table_ready = 1;
 }
 
@@ -828,12 +784,12 @@ static ltx_idx store_fused_fp8(const float *acc, const uint8_t *w, ltx_idx ldw, 
         if (r + PREFETCH_ROWS < rows)
             prefetch_run(w + (r + PREFETCH_ROWS) * ldw, cols);
         for (ltx_idx i = 0; i < cols; i++) {
-            const float delta = bits_f32(bf16_high(acc[r * cols + i]));
+            const float delta = ltx_bits_f32(ltx_bf16_high(acc[r * cols + i]));
             const float sum = table[w[r * ldw + i]] + delta;
             const uint32_t rnd =
-                stochastic ? (uint32_t)splitmix64(key + (uint64_t)(index0 + r * stride + i)) : 0;
+                stochastic ? (uint32_t)ltx_splitmix64(key + (uint64_t)(index0 + r * stride + i)) : 0;
             int over = 0;
-            out[r * ldo + i] = (uint8_t)fp8_from_bf16(bf16_high(sum) >> 16, e5m2, stochastic,
+            out[r * ldo + i] = (uint8_t)fp8_from_bf16(ltx_bf16_high(sum) >> 16, e5m2, stochastic,
                                                       rnd, &over);
             if (over && first_over < 0)
                 first_over = r * stride + i;
@@ -845,7 +801,7 @@ static ltx_idx store_fused_fp8(const float *acc, const uint8_t *w, ltx_idx ldw, 
 static void accumulate_rounded(const float *restrict acc, float *restrict total, ltx_idx n)
 {
     for (ltx_idx i = 0; i < n; i++)
-        total[i] = total[i] + bits_f32(bf16_high(acc[i]));
+        total[i] = total[i] + ltx_bits_f32(ltx_bf16_high(acc[i]));
 }
 
 /* Turns one adapter's fuse into the several-adapter rule's: that rule's total, bf16(0.0 +
@@ -866,7 +822,7 @@ static void round_bf16_f32(const float *restrict src, float *restrict dst, ltx_i
 {
     u32a *d = (u32a *)dst;
     for (ltx_idx i = 0; i < n; i++)
-        d[i] = bf16_high(src[i]);
+        d[i] = ltx_bf16_high(src[i]);
 }
 
 /* The product is kept out of the add's reach (NOT_CONTRACTED) so that tables built with
@@ -882,7 +838,7 @@ static void accumulate_addmm(const float *restrict acc, float *restrict agg, flo
     for (; i < n; i++) {
         float p = acc[i] * s;
         NOT_CONTRACTED_SCALAR(p);
-        ((u32a *)agg)[i] = bf16_high(agg[i] + p);
+        ((u32a *)agg)[i] = ltx_bf16_high(agg[i] + p);
     }
 }
 
@@ -896,7 +852,7 @@ static void store_rounded(const float *acc, uint16_t *out, ltx_idx ldo, ltx_idx 
         for (; i + VW <= cols; i += VW)
             store_low16(o + i, bf16_high_vec(LOADV(a + i)) >> 16);
         for (; i < cols; i++)
-            o[i] = (uint16_t)(bf16_high(a[i]) >> 16);
+            o[i] = (uint16_t)(ltx_bf16_high(a[i]) >> 16);
     }
 }
 

@@ -1,7 +1,7 @@
 /*
  * Element kernels of ltx2blas, compiled once per instruction set and chosen at run time.
  *
- * Every routine here is exact in the sense of docs: it performs the IEEE f32 operations written
+ * Every routine here is exact in the sense of docs/exactness.md: it performs the IEEE f32 operations written
  * beside it, in the order written, one rounding per operation.  The only freedom taken is
  * fusing `c + x*y` into an FMA in the "fast" tables, which is exact only when the product x*y is
  * exact in f32 (bf16 x bf16 products are, unless they underflow or overflow); callers that
@@ -12,8 +12,71 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef ptrdiff_t ltx_idx;
+
+/* ---- The library's scalar rules, each defined once: the kernels (kernels.c, quant.c) and the
+ * Cython drivers use these ---- */
+
+static inline uint32_t ltx_f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float ltx_bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* bf16(f) of f32 bits u, nearest-even, as f32 bits (the bf16 in the high half, zeros below);
+ * overflow rounds to inf and subnormals are kept. Macros so that the vector kernels apply the
+ * same expression lane by lane. A NaN is not rounded: it becomes the quiet NaN with its sign
+ * (the bits ml_dtypes gives), LTX_BF16_QNAN. */
+#define LTX_BF16_NEAREST(u) (((u) + 0x7FFFu + (((u) >> 16) & 1u)) & 0xFFFF0000u)
+#define LTX_BF16_QNAN(u) (((u) & 0x80000000u) | 0x7FC00000u)
+
+static inline uint32_t ltx_bf16_high(float f)
+{
+    const uint32_t u = ltx_f32_bits(f);
+    return (f != f) ? LTX_BF16_QNAN(u) : LTX_BF16_NEAREST(u);
+}
+
+/* bf16 bits of f, and f32(bf16(f)). */
+static inline uint16_t ltx_bf16_of(float f) { return (uint16_t)(ltx_bf16_high(f) >> 16); }
+static inline float ltx_bf16_round(float f) { return ltx_bits_f32(ltx_bf16_high(f)); }
+/* The value of bf16 bits, exactly. */
+static inline float ltx_bf16_value(uint16_t h) { return ltx_bits_f32((uint32_t)h << 16); }
+
+/* Value of an fp8 code: F8_E4M3 (e5m2 = 0) or F8_E5M2, exactly. */
+static inline float ltx_fp8_value(uint32_t code, int e5m2)
+{
+    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    const uint32_t e = (code & 0x7Fu) >> mant, m = code & ((1u << mant) - 1u);
+    float v;
+    if (!e5m2 && (code & 0x7Fu) == 0x7Fu)
+        v = __builtin_nanf("");
+    else if (e5m2 && e == 31)
+        v = m ? __builtin_nanf("") : __builtin_inff();
+    else if (e == 0)
+        v = (float)m * __builtin_ldexpf(1.0f, 1 - bias - mant);
+    else
+        v = (1.0f + (float)m / (float)(1u << mant)) * __builtin_ldexpf(1.0f, (int)e - bias);
+    return (code & 0x80u) ? -v : v;
+}
+
+/* The stochastic rounding's generator (docs/arithmetic.md §2): splitmix64, wrapping. */
+static inline uint64_t ltx_splitmix64(uint64_t x)
+{
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
 
 /* Floats of stream_wxt scratch per (weight row, row of x): the widest vector of any table. */
 #define LTX_STREAM_LANES 16

@@ -2,37 +2,10 @@
  * operation written is one IEEE f32 operation, rounded once. */
 #include <string.h>
 
+#include "kernels.h"
 #include "quant.h"
 
-static inline uint32_t f32_bits(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static inline float bits_f32(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline float bf16_value(uint16_t h) { return bits_f32((uint32_t)h << 16); }
-
-/* bf16 bits of f, nearest-even; NaN to the quiet NaN with its sign (the library's one rule,
- * as kernels.c and reference.bf16_round write it). */
-static inline uint16_t bf16_of(float f)
-{
-    const uint32_t u = f32_bits(f);
-    if (f != f)
-        return (uint16_t)(((u >> 16) & 0x8000u) | 0x7FC0u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float bf16_round(float f) { return bf16_value(bf16_of(f)); }
-
-static inline float absf(float f) { return bits_f32(f32_bits(f) & 0x7FFFFFFFu); }
+static inline float absf(float f) { return ltx_bits_f32(ltx_f32_bits(f) & 0x7FFFFFFFu); }
 
 /* fp8 code -> value, both formats, built on first use (a race writes identical values) */
 static float fp8_table[2][256];
@@ -49,34 +22,18 @@ static const float *fp8_values(int e5m2)
     return fp8_table[e5m2 ? 1 : 0];
 }
 
-float ltx_fp8_value(uint32_t code, int e5m2)
-{
-    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
-    const uint32_t e = (code & 0x7Fu) >> mant, m = code & ((1u << mant) - 1u);
-    float v;
-    if (!e5m2 && (code & 0x7Fu) == 0x7Fu)
-        v = __builtin_nanf("");
-    else if (e5m2 && e == 31)
-        v = m ? __builtin_nanf("") : __builtin_inff();
-    else if (e == 0)
-        v = (float)m * __builtin_ldexpf(1.0f, 1 - bias - mant);
-    else
-        v = (1.0f + (float)m / (float)(1u << mant)) * __builtin_ldexpf(1.0f, (int)e - bias);
-    return (code & 0x80u) ? -v : v;
-}
-
 /* The same rounding as ltx_fp8_from_f32, branch-light for the passes' inner loops: below the
  * smallest normal the magnitude is rounded to the subnormal quantum by one f32 addition of a
  * constant whose unit in the last place is that quantum (nearest-even, exact); above it the
  * f32 bits are rounded nearest-even at the fp8 mantissa and rebiased. Finite input only. */
 static inline uint32_t fp8_encode(float x, int e5m2)
 {
-    const uint32_t u = f32_bits(x), sign = (u >> 24) & 0x80u, a = u & 0x7FFFFFFFu;
+    const uint32_t u = ltx_f32_bits(x), sign = (u >> 24) & 0x80u, a = u & 0x7FFFFFFFu;
     const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
     const uint32_t min_normal = (uint32_t)(127 - bias + 1) << 23;
     /* ulp of 1.5 * 2^(23 - bias - mant + 1) ... is 2^(1 - bias - mant), the subnormal quantum */
-    const float magic = bits_f32((uint32_t)(127 + 23 + 1 - bias - mant) << 23 | 0x400000u);
-    const uint32_t sub = f32_bits(bits_f32(a) + magic) - f32_bits(magic);
+    const float magic = ltx_bits_f32((uint32_t)(127 + 23 + 1 - bias - mant) << 23 | 0x400000u);
+    const uint32_t sub = ltx_f32_bits(ltx_bits_f32(a) + magic) - ltx_f32_bits(magic);
     const uint32_t shift = 23u - (uint32_t)mant;
     const uint32_t rounded = (a + (1u << (shift - 1)) - 1u + ((a >> shift) & 1u)) >> shift;
     const uint32_t normal = rounded - ((uint32_t)(127 - bias) << mant);
@@ -88,7 +45,7 @@ static inline uint32_t fp8_encode(float x, int e5m2)
 
 uint32_t ltx_fp8_from_f32(float x, int e5m2)
 {
-    const uint32_t u = f32_bits(x), sign = (u >> 24) & 0x80u, a = u & 0x7FFFFFFFu;
+    const uint32_t u = ltx_f32_bits(x), sign = (u >> 24) & 0x80u, a = u & 0x7FFFFFFFu;
     const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
     const uint32_t largest = e5m2 ? 0x7Bu : 0x7Eu, over = e5m2 ? 0x7Cu : 0x7Eu;
     if (a > 0x7F800000u)
@@ -117,7 +74,7 @@ uint32_t ltx_e2m1_from_f32(float x)
     const float a = absf(x);
     const uint32_t code = (uint32_t)(a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) +
                           (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-    return code | ((f32_bits(x) >> 28) & 0x8u);
+    return code | ((ltx_f32_bits(x) >> 28) & 0x8u);
 }
 
 /* ---- per-tensor scaled fp8 ---- */
@@ -132,7 +89,7 @@ float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx co
     /* finite codes and delta (the caller checks): the only non-finite sum is an overflow to
      * inf, which a plain maximum keeps */
     for (ltx_idx i = 0; i < count; i++) {
-        const float n = absf(table[codes[i]] + bf16_value(delta[i]));
+        const float n = absf(table[codes[i]] + ltx_bf16_value(delta[i]));
         top = n > top ? n : top;
     }
     return top;
@@ -148,11 +105,11 @@ void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, 
         table[c] = values[c] * scale;
     if (!finite) { /* an all-zero tensor: the zeros themselves */
         for (ltx_idx i = 0; i < count; i++)
-            codes[i] = (uint8_t)fp8_encode(table[codes[i]] + bf16_value(delta[i]), e5m2);
+            codes[i] = (uint8_t)fp8_encode(table[codes[i]] + ltx_bf16_value(delta[i]), e5m2);
         return;
     }
     for (ltx_idx i = 0; i < count; i++) {
-        float n = (table[codes[i]] + bf16_value(delta[i])) * mult;
+        float n = (table[codes[i]] + ltx_bf16_value(delta[i])) * mult;
         n = n < -fmax ? -fmax : n > fmax ? fmax : n;
         codes[i] = (uint8_t)fp8_encode(n, e5m2);
     }
@@ -184,10 +141,10 @@ float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales, u
             const float scale = scales[(r / BLOCK) * blocks + bj];
             for (ltx_idx i = bj * BLOCK; i < (bj + 1) * BLOCK; i++) {
                 const uint32_t code = fp6 ? fp6_code(row, i) : row[i];
-                const float w = bf16_round(values[code] * scale);
-                const uint16_t m = bf16_of(w + bf16_value(d[i]));
+                const float w = ltx_bf16_round(values[code] * scale);
+                const uint16_t m = ltx_bf16_of(w + ltx_bf16_value(d[i]));
                 d[i] = m;
-                const float a = absf(bf16_value(m));
+                const float a = absf(ltx_bf16_value(m));
                 top = a > top ? a : top;
             }
         }
@@ -203,7 +160,7 @@ void ltx_block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_id
     float top = 0.0f;
     for (ltx_idx r = 0; r < BLOCK; r++)
         for (ltx_idx i = 0; i < BLOCK; i++) {
-            const float a = absf(bf16_value(m[r * cols + i]));
+            const float a = absf(ltx_bf16_value(m[r * cols + i]));
             top = a > top ? a : top;
         }
     const float mult = (1.0f / top) * (fp6 ? 0.1172f : 448.0f); /* inf for an all-zero block */
@@ -214,7 +171,7 @@ void ltx_block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_id
         for (ltx_idx i = 0; i < BLOCK; i += 4) {
             uint32_t c[4];
             for (int j = 0; j < 4; j++) {
-                const float v = bf16_value(m[r * cols + i + j]);
+                const float v = ltx_bf16_value(m[r * cols + i + j]);
                 /* upstream's all-zero block quantises to NaN (0x7F): kept for fp6, whose
                  * packed 0x1F then dequantises to zero; the zeros themselves for fp8 */
                 c[j] = zero ? (fp6 ? 0x7Fu : fp8_encode(v, 0)) : fp8_encode(v * mult, 0);
@@ -261,10 +218,10 @@ float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx
                 const ltx_idx i = g * GROUP + j;
                 const uint8_t byte = row[i / 2];
                 const float v = e2m1_value[(i % 2) ? (byte & 0xFu) : (byte >> 4)];
-                const float w = bf16_round(v * total);
-                const uint16_t m = bf16_of(w + bf16_value(d[i]));
+                const float w = ltx_bf16_round(v * total);
+                const uint16_t m = ltx_bf16_of(w + ltx_bf16_value(d[i]));
                 d[i] = m;
-                const float a = absf(bf16_value(m));
+                const float a = absf(ltx_bf16_value(m));
                 top = a > top ? a : top;
             }
         }
@@ -281,7 +238,7 @@ void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, u
         for (ltx_idx g = 0; g < cols / GROUP; g++) {
             float top = 0.0f;
             for (ltx_idx j = 0; j < GROUP; j++) {
-                const float a = absf(bf16_value(m[g * GROUP + j]));
+                const float a = absf(ltx_bf16_value(m[g * GROUP + j]));
                 top = a > top ? a : top;
             }
             float s = 0.0f;
@@ -294,8 +251,8 @@ void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, u
             const float total = t * fp8_values(0)[sf];
             const float inv = total > 0.0f ? 1.0f / total : 0.0f;
             for (ltx_idx j = 0; j < GROUP; j += 2) {
-                const uint32_t hi = ltx_e2m1_from_f32(bf16_value(m[g * GROUP + j]) * inv);
-                const uint32_t lo = ltx_e2m1_from_f32(bf16_value(m[g * GROUP + j + 1]) * inv);
+                const uint32_t hi = ltx_e2m1_from_f32(ltx_bf16_value(m[g * GROUP + j]) * inv);
+                const uint32_t lo = ltx_e2m1_from_f32(ltx_bf16_value(m[g * GROUP + j + 1]) * inv);
                 row[(g * GROUP + j) / 2] = (uint8_t)(hi << 4 | lo);
             }
         }
@@ -312,8 +269,8 @@ void ltx_dora_merge_rows(const uint16_t *w, uint16_t *delta, ltx_idx cols, ltx_i
         uint16_t *d = delta + r * cols;
         double acc = 0.0;
         for (ltx_idx i = 0; i < cols; i++) {
-            const uint16_t v = bf16_of(bf16_value(wr[i]) + bf16_value(d[i]));
-            const double x = bf16_value(v);
+            const uint16_t v = ltx_bf16_of(ltx_bf16_value(wr[i]) + ltx_bf16_value(d[i]));
+            const double x = ltx_bf16_value(v);
             d[i] = v;
             acc = acc + x * x;
         }
@@ -327,7 +284,7 @@ void ltx_sum_squares_rows(const uint16_t *x, ltx_idx cols, ltx_idx r0, ltx_idx r
     for (ltx_idx r = r0; r < r1; r++) {
         double acc = 0.0;
         for (ltx_idx i = 0; i < cols; i++) {
-            const double v = bf16_value(x[r * cols + i]);
+            const double v = ltx_bf16_value(x[r * cols + i]);
             acc = acc + v * v;
         }
         out[r] = acc;
@@ -341,7 +298,7 @@ void ltx_sum_squares_cols(const uint16_t *x, ltx_idx rows, ltx_idx cols, ltx_idx
         out[c] = 0.0;
     for (ltx_idx r = 0; r < rows; r++) /* rows in order: the reference's order */
         for (ltx_idx c = c0; c < c1; c++) {
-            const double v = bf16_value(x[r * cols + c]);
+            const double v = ltx_bf16_value(x[r * cols + c]);
             out[c] = out[c] + v * v;
         }
 }
@@ -353,12 +310,12 @@ void ltx_dora_store_rows(const uint16_t *v, const float *row_factor, const float
     for (ltx_idx r = r0; r < r1; r++) {
         for (ltx_idx i = 0; i < cols; i++) {
             const float f = row_factor ? row_factor[r] : col_factor[i];
-            const float full = bf16_round(bf16_value(v[r * cols + i]) * f);
+            const float full = ltx_bf16_round(ltx_bf16_value(v[r * cols + i]) * f);
             if (blend) {
-                const float base = bf16_value(w[r * cols + i]);
-                out[r * cols + i] = bf16_of(base + strength * (full - base));
+                const float base = ltx_bf16_value(w[r * cols + i]);
+                out[r * cols + i] = ltx_bf16_of(base + strength * (full - base));
             } else {
-                out[r * cols + i] = bf16_of(full);
+                out[r * cols + i] = ltx_bf16_of(full);
             }
         }
     }
@@ -367,5 +324,13 @@ void ltx_dora_store_rows(const uint16_t *v, const float *row_factor, const float
 void ltx_round_bf16(const float *src, uint16_t *dst, ltx_idx n)
 {
     for (ltx_idx i = 0; i < n; i++)
-        dst[i] = bf16_of(src[i]);
+        dst[i] = ltx_bf16_of(src[i]);
+}
+
+uint64_t ltx_stochastic_key(uint64_t seed, const unsigned char *name, size_t len)
+{
+    uint64_t h = 0xCBF29CE484222325ull;
+    for (size_t i = 0; i < len; i++)
+        h = (h ^ name[i]) * 0x100000001B3ull;
+    return ltx_splitmix64(seed) ^ h;
 }

@@ -14,8 +14,6 @@
 
 typedef ptrdiff_t ltx_idx;
 
-/* Value of an fp8 code: F8_E4M3 (e5m2 = 0) or F8_E5M2, exactly. */
-float ltx_fp8_value(uint32_t code, int e5m2);
 /* f32 -> fp8 code, nearest-even; e4m3 saturates at +-448 (inf too), e5m2 overflows to inf; NaN
  * to 0x7F with its sign (torch's cast on the CPU). */
 uint32_t ltx_fp8_from_f32(float x, int e5m2);
@@ -73,6 +71,10 @@ void ltx_sum_squares_cols(const uint16_t *x, ltx_idx rows, ltx_idx cols, ltx_idx
 void ltx_dora_store_rows(const uint16_t *v, const float *row_factor, const float *col_factor,
                          const uint16_t *w, uint16_t *out, ltx_idx cols, ltx_idx r0, ltx_idx r1,
                          float strength, int blend);
+
+/* The stochastic rounding's per-tensor key (docs/arithmetic.md §2): splitmix64(seed) xor the
+ * 64-bit FNV-1a hash of the tensor's name (len bytes of UTF-8). */
+uint64_t ltx_stochastic_key(uint64_t seed, const unsigned char *name, size_t len);
 
 /* dst[i] = bf16(src[i]): the library's bf16 rounding, for arrays the Python layers round. */
 void ltx_round_bf16(const float *src, uint16_t *dst, ltx_idx n);

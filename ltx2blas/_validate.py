@@ -1,0 +1,123 @@
+"""What the array API accepts, checked in one place: the dtypes an array may have, how it must be
+laid out, and what an ``out=`` must be.  Every refusal is an :class:`~ltx2blas.Ltx2BlasError`
+naming the argument.
+
+bf16 arrays come in two kinds, uint16 bit patterns and ``ml_dtypes.bfloat16``: the same bytes.
+fp8 arrays are uint8 codes or the ml_dtypes fp8 dtypes.  Results come back as the kind the
+weight came in.
+"""
+from typing import NamedTuple
+
+import numpy as np
+
+from .errors import DTypeError, LayoutError, ShapeError
+
+
+class Fp8Format(NamedTuple):
+    name: str        # as ml_dtypes, torch and ComfyUI's metadata spell it
+    largest: float   # the largest finite value
+    e5m2: bool
+
+
+#: The fp8 formats, by their safetensors dtype names.
+FP8 = {"F8_E4M3": Fp8Format("float8_e4m3fn", 448.0, False),
+       "F8_E5M2": Fp8Format("float8_e5m2", 57344.0, True)}
+#: ml_dtypes / torch / ComfyUI name -> safetensors dtype name.
+FP8_BY_NAME = {f.name: key for key, f in FP8.items()}
+
+_BITS = np.dtype(np.uint16)
+_F32 = np.dtype(np.float32)
+
+
+def ml_fp8_format(dtype):
+    """"F8_E4M3" / "F8_E5M2" for an ml_dtypes fp8 dtype (whatever kind numpy gives it), else
+    None."""
+    return FP8_BY_NAME.get(dtype.name) if dtype.itemsize == 1 and dtype.kind in "Vf" else None
+
+
+def is_ml_bfloat16(dtype):
+    return dtype.kind == "V" and dtype.itemsize == 2 and dtype.name == "bfloat16"
+
+
+def is_bf16(dtype):
+    """uint16 bits or ml_dtypes.bfloat16."""
+    return dtype == _BITS or is_ml_bfloat16(dtype)
+
+
+def ndarray(x, name):
+    """``x``, or DTypeError when it is not a numpy array."""
+    if not isinstance(x, np.ndarray):
+        raise DTypeError(f"{name} must be a numpy array, got {type(x).__name__}")
+    return x
+
+
+def bf16_bits(x, name):
+    """The uint16 view of a bf16 array, or DTypeError naming the argument."""
+    dtype = ndarray(x, name).dtype
+    if dtype == _BITS:
+        return x
+    if is_ml_bfloat16(dtype):
+        return x.view(np.uint16)
+    raise DTypeError(
+        f"{name} must be bfloat16 (ml_dtypes.bfloat16, or uint16 bit patterns in native byte "
+        f"order), got {dtype.str} ({dtype})")
+
+
+def bf16_or_f32(x, name):
+    """("bf16", uint16 view) or ("f32", the array), or DTypeError naming the argument."""
+    dtype = ndarray(x, name).dtype
+    if dtype == _F32:
+        return "f32", x
+    if is_bf16(dtype):
+        return "bf16", bf16_bits(x, name)
+    raise DTypeError(
+        f"{name} must be float32 or bfloat16 (ml_dtypes.bfloat16, or uint16 bit patterns), in "
+        f"native byte order; got {dtype.str} ({dtype})")
+
+
+def bf16_to_f32(bits):
+    """The f32 values of bf16 bits (uint16 or ml_dtypes.bfloat16), exactly, in one new array."""
+    return np.left_shift(bits.view(np.uint16), 16, dtype=np.uint32).view(np.float32)
+
+
+def f32_values(x, name):
+    """The f32 values of a bf16 or float32 array (a new array for bf16, ``x`` itself else)."""
+    kind, bits = bf16_or_f32(x, name)
+    return bf16_to_f32(bits) if kind == "bf16" else x
+
+
+def contiguous(x, name):
+    """``x``, or LayoutError when it is not C-contiguous."""
+    if not x.flags.c_contiguous:
+        raise LayoutError(
+            f"{name} must be C-contiguous (row-major, unit stride); pass "
+            f"np.ascontiguousarray({name}) to copy it")
+    return x
+
+
+def output(out, shape, inputs, *, same_as=None, name="out"):
+    """Check an ``out=`` array (already viewed as its element kind): the shape, C-contiguous,
+    writeable, and overlapping none of ``inputs`` ({name: array or None}) -- except that it may
+    be exactly ``same_as`` (an in-place call)."""
+    if out.shape != tuple(shape):
+        raise ShapeError(f"{name} has shape {out.shape}, expected {tuple(shape)}")
+    contiguous(out, name)
+    if not out.flags.writeable:
+        raise LayoutError(f"{name} is read-only")
+    if same_as is not None and np.shares_memory(out, same_as) and not _same_memory(out, same_as):
+        raise LayoutError(f"{name} partially overlaps weight; pass {name}=weight or a "
+                          "separate array")
+    for what, other in inputs.items():
+        if other is not None and np.shares_memory(out, other):
+            raise LayoutError(f"{name} overlaps {what}")
+    return out
+
+
+def _same_memory(a, b):
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.nbytes == b.nbytes)
+
+
+def as_kind(bits, template):
+    """``bits`` viewed as the kind ``template`` came in (bf16 kind, or fp8 dtype)."""
+    return bits.view(template.dtype) if template.dtype.itemsize == bits.dtype.itemsize else bits

@@ -1,0 +1,135 @@
+"""Entry points into the kernel tables and the seam's sgemm, for the test suite and the
+benchmarks: each runs one element kernel of a named table on numpy arrays, so that every table
+the CPU can run is checked on its own.  Built with ltx2blas and installed beside it as its own
+top-level module; ltx2blas never imports it.
+"""
+from libc.stdint cimport uint16_t, uint32_t
+
+from ltx2blas._gemm cimport ltx_kernels, sgemm_rowmajor
+
+import numpy as np
+
+from ltx2blas import _gemm
+
+cdef extern from "kernels.h" nogil:
+    const ltx_kernels *ltx_kernels_by_name(const char *name)
+
+
+cdef const ltx_kernels *_table(name) except NULL:
+    """A kernel table by name (None: the one the library uses for its fast path)."""
+    cdef const ltx_kernels *table = ltx_kernels_by_name(
+        (name if name is not None else _gemm.kernel_name()).encode())
+    if table == NULL:
+        raise ValueError(f"kernel table {name!r} is not available here")
+    return table
+
+
+def store_fused(const float[::1] acc, const uint16_t[::1] w, table=None):
+    """bf16(w + bf16(acc)) elementwise by one kernel table."""
+    cdef const ltx_kernels *kern = _table(table)
+    out = np.empty(acc.shape[0], np.uint16)
+    cdef uint16_t[::1] o = out
+    if acc.shape[0] != w.shape[0]:
+        raise ValueError("length mismatch")
+    if acc.shape[0]:
+        kern.store_fused(&acc[0], &w[0], 0, &o[0], 0, 1, acc.shape[0])
+    return out
+
+
+def scale_round_widen(const uint16_t[::1] bits, float s, table=None):
+    """f32(bf16(f32(bits) * s)) elementwise by one kernel table."""
+    cdef const ltx_kernels *kern = _table(table)
+    out = np.empty(bits.shape[0], np.float32)
+    cdef float[::1] o = out
+    if bits.shape[0]:
+        kern.scale_round_widen(&bits[0], s, &o[0], bits.shape[0])
+    return out
+
+
+def accumulate_rounded(const float[::1] acc, float[::1] total, table=None):
+    """total += f32(bf16(acc)) elementwise by one kernel table."""
+    cdef const ltx_kernels *kern = _table(table)
+    if acc.shape[0] != total.shape[0]:
+        raise ValueError("length mismatch")
+    if acc.shape[0]:
+        kern.accumulate_rounded(&acc[0], &total[0], acc.shape[0])
+
+
+def seq_gemm(const float[:, ::1] x, const float[:, ::1] y, float[:, ::1] c, table=None):
+    """c += x @ y accumulated in order (the sequential kernel alone)."""
+    cdef Py_ssize_t m = x.shape[0], k = x.shape[1], n = y.shape[1]
+    if y.shape[0] != k or c.shape[0] != m or c.shape[1] != n:
+        raise ValueError("shape mismatch")
+    cdef const ltx_kernels *kern = _table(table)
+    if m == 0 or n == 0 or k == 0:
+        return
+    with nogil:
+        kern.seq_gemm(m, n, k, &x[0, 0], k, &y[0, 0], n, &c[0, 0], n)
+
+
+def seq_fuse_bf16(const float[:, ::1] x, const float[:, ::1] y, const uint16_t[:, ::1] w,
+                  table=None):
+    """bf16(w + bf16(x @ y)), the product accumulated in order, by the fused kernel of one
+    table."""
+    cdef Py_ssize_t m = x.shape[0], k = x.shape[1], n = y.shape[1]
+    if y.shape[0] != k or w.shape[0] != m or w.shape[1] != n:
+        raise ValueError("shape mismatch")
+    cdef const ltx_kernels *kern = _table(table)
+    out = np.empty((m, n), np.uint16)
+    cdef uint16_t[:, ::1] o = out
+    if m and n:
+        with nogil:
+            kern.seq_fuse_bf16(m, n, k, &x[0, 0] if k else NULL, k, &y[0, 0] if k else NULL,
+                               n, &w[0, 0], n, &o[0, 0], n)
+    return out
+
+
+def has_pairs_kernel(table=None):
+    """Whether a kernel table (default: the one in use) has the bf16 dot-product fuse."""
+    return _table(table).dot_fuse_bf16 != NULL
+
+
+def dot_fuse_bf16(const uint16_t[:, ::1] x, const uint16_t[:, ::1] y, const uint16_t[:, ::1] w,
+                  table=None):
+    """bf16(w + bf16(x @ y)) for bf16 x and y, packed in pairs by the table's pack kernels and
+    multiplied by its dot-product fuse."""
+    cdef Py_ssize_t m = x.shape[0], k = x.shape[1], n = y.shape[1]
+    cdef Py_ssize_t kp = (k + 1) // 2
+    if y.shape[0] != k or w.shape[0] != m or w.shape[1] != n:
+        raise ValueError("shape mismatch")
+    cdef const ltx_kernels *kern = _table(table)
+    if kern.dot_fuse_bf16 == NULL:
+        raise ValueError("this kernel table has no dot-product fuse")
+    xf = np.ascontiguousarray((np.asarray(x).astype(np.uint32) << 16).view(np.float32))
+    cdef const float[:, ::1] xv = xf
+    xp_arr = np.zeros((m, max(kp, 1)), np.uint32)
+    yp_arr = np.zeros((max(kp, 1), n), np.uint32)
+    cdef uint32_t[:, ::1] xp = xp_arr
+    cdef uint32_t[:, ::1] yp = yp_arr
+    out = np.empty((m, n), np.uint16)
+    cdef uint16_t[:, ::1] o = out
+    if m and n:
+        with nogil:
+            if k:
+                kern.pack_pairs_cols(&xv[0, 0], k, &xp[0, 0], xp.shape[1], m, k)
+                kern.pack_pairs_rows(&y[0, 0], n, &yp[0, 0], k, n)
+            kern.dot_fuse_bf16(m, n, kp, &xp[0, 0], xp.shape[1], &yp[0, 0], n, &w[0, 0], n,
+                               &o[0, 0], n)
+    return out
+
+
+def sgemm(const float[:, ::1] x, const float[:, ::1] y, out=None):
+    """x @ y by one sgemm call through the seam (into ``out`` when given): the ceiling the
+    benchmarks divide by, and the call the probe tests check."""
+    cdef Py_ssize_t m = x.shape[0], k = x.shape[1], n = y.shape[1]
+    if y.shape[0] != k:
+        raise ValueError("shape mismatch")
+    if out is None:
+        out = np.zeros((m, n), np.float32)
+    elif out.shape != (m, n) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError("out must be a C-contiguous float32 array of the product's shape")
+    cdef float[:, ::1] c = out
+    if m and n and k:
+        with nogil:
+            sgemm_rowmajor(m, n, k, &x[0, 0], k, &y[0, 0], n, 0.0, &c[0, 0], n)
+    return out
