@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
-#: One LTX-2 transformer block's Linears (spec §5): module -> (out, in).
+#: One LTX-2 transformer block's Linears (docs/arithmetic.md §5): module -> (out, in).
 BLOCK = {
     **{f"attn1.{p}": (4096, 4096) for p in ("to_q", "to_k", "to_v", "to_out.0")},
     **{f"attn2.{p}": (4096, 4096) for p in ("to_q", "to_k", "to_v", "to_out.0")},

@@ -16,7 +16,7 @@ bound of ltx2blas.linear_layer.
 
     python bench/run.py --only linear            (the suite)
     python bench/bench_linear.py [--quick]       (this workload alone)
-    python bench/bench_linear.py --accuracy      (the accumulation table of the README)
+    python bench/bench_linear.py --accuracy      (the accumulation table of docs/exactness.md)
 """
 import argparse
 import math

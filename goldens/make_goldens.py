@@ -71,7 +71,7 @@ def fuse_cases(ref):
 
 
 def quantized_cases(ref):
-    """Scaled and quantised layouts (spec §2): stored codes and scales, two adapters fused by
+    """Scaled and quantised layouts (docs/arithmetic.md §2): stored codes and scales, two adapters fused by
     the addmm rule, and what the layout's rule gives."""
     rng = np.random.default_rng(20260303)
 
@@ -120,7 +120,7 @@ def quantized_cases(ref):
 
 
 def adapter_kind_cases(ref):
-    """Adapter kinds beyond the LoRA pair (spec §1): a full-weight difference among LoRAs by
+    """Adapter kinds beyond the LoRA pair (docs/arithmetic.md §1): a full-weight difference among LoRAs by
     each rule, DoRA by each style and axis, bias terms."""
     rng = np.random.default_rng(20260404)
 
@@ -153,7 +153,7 @@ def adapter_kind_cases(ref):
 
 
 def feature_cases(ref):
-    """Text feature extractor cases (spec §4): hidden states, mask, projections, the bf16
+    """Text feature extractor cases (docs/arithmetic.md §4): hidden states, mask, projections, the bf16
     features and the exact (f64) projections."""
     rng = np.random.default_rng(20260202)
     cases = {}

@@ -2,7 +2,7 @@
 features at a time straight into GEMM panels, shared by every projection.
 
 The panels are laid out exactly as ltx2blas.linear lays out its widened input panels (chunk c of
-kb features, rows packed, row stride = the chunk's width), and every task adds its chunks with
+chunk features, rows packed, row stride = the chunk's width), and every task adds its chunks with
 the same calls in the same order, so a projection's result is byte-identical to
 ``linear(features, weight, bias)`` on the same features -- without the features ever existing
 whole.
@@ -69,7 +69,7 @@ def row_stats(hidden, const int64_t[::1] rows, int layers, double[:, ::1] sums,
                             highs[r, l] = f
 
 
-cdef struct Proj:
+cdef struct Projection:
     const uint16_t *w16       # [out, F] bf16, or
     const float *w32          # [out, F] f32
     const float *bias         # [out] f32 or NULL
@@ -79,7 +79,7 @@ cdef struct Proj:
     Py_ssize_t out, panels, first_task
 
 
-cdef struct Job:
+cdef struct FeatureJob:
     const void *hidden        # [B * T, F]
     bint bf16
     Py_ssize_t width          # F = D * L
@@ -92,17 +92,19 @@ cdef struct Job:
     const float *range_       # V1: [B, L]
     const float *inv          # V2: [n, L]
     int count                 # projections
-    Proj *proj
-    int mb, ob, kb
+    Projection *proj
+    int task_rows, task_feats, chunk
     Py_ssize_t row_blocks
     bint stream
     const ltx_kernels *kern
 
 
-cdef void normalize_row(const Job *job, Py_ssize_t r, Py_ssize_t s0, Py_ssize_t s1) noexcept nogil:
-    """Row r's features [s0, s1) into every projection's panels (chunk c at c * n * kb, the
+cdef void normalize_row(const FeatureJob *job, Py_ssize_t r, Py_ssize_t s0,
+                        Py_ssize_t s1) noexcept nogil:
+    """Row r's features [s0, s1) into every projection's panels (chunk c at c * n * chunk, the
     row at r * kt within it)."""
-    cdef const void *row = <const char *>job.hidden + job.rows[r] * job.width * (2 if job.bf16 else 4)
+    cdef const void *row = (<const char *>job.hidden
+                            + job.rows[r] * job.width * (2 if job.bf16 else 4))
     cdef Py_ssize_t c0 = s0, j, base, c = 0
     cdef int l, p, kt
     cdef float v, nb
@@ -110,8 +112,8 @@ cdef void normalize_row(const Job *job, Py_ssize_t r, Py_ssize_t s0, Py_ssize_t 
     cdef const float *rng = job.range_ + job.sample[r] * job.layers if not job.v2 else NULL
     cdef const float *inv = job.inv + r * job.layers if job.v2 else NULL
     while c0 < s1:
-        kt = <int>min(<Py_ssize_t>job.kb, job.width - c0)
-        base = c * job.n * job.kb + r * kt
+        kt = <int>min(<Py_ssize_t>job.chunk, job.width - c0)
+        base = c * job.n * job.chunk + r * kt
         l = <int>(c0 % job.layers)
         for j in range(kt):
             v = load(row, job.bf16, c0 + j)
@@ -130,19 +132,19 @@ cdef void normalize_row(const Job *job, Py_ssize_t r, Py_ssize_t s0, Py_ssize_t 
         c += 1
 
 
-cdef void run_task(const Job *job, Py_ssize_t task, Py_ssize_t s0, Py_ssize_t s1,
+cdef void run_task(const FeatureJob *job, Py_ssize_t task, Py_ssize_t s0, Py_ssize_t s1,
                    float *panel) noexcept nogil:
     """One task's (rows x features) accumulation over the chunks of super-chunk [s0, s1)."""
     cdef int p = 0
     while p + 1 < job.count and task >= job.proj[p + 1].first_task:
         p += 1
-    cdef Proj *pr = &job.proj[p]
+    cdef Projection *pr = &job.proj[p]
     cdef Py_ssize_t local = task - pr.first_task
     cdef Py_ssize_t mi = local // pr.panels, oi = local % pr.panels
-    cdef Py_ssize_t m0 = mi * job.mb, o0 = oi * job.ob
-    cdef int mt = <int>min(<Py_ssize_t>job.mb, job.n - m0)
-    cdef int ot = <int>min(<Py_ssize_t>job.ob, pr.out - o0)
-    cdef float *acc = pr.acc + local * job.mb * job.ob
+    cdef Py_ssize_t m0 = mi * job.task_rows, o0 = oi * job.task_feats
+    cdef int mt = <int>min(<Py_ssize_t>job.task_rows, job.n - m0)
+    cdef int ot = <int>min(<Py_ssize_t>job.task_feats, pr.out - o0)
+    cdef float *acc = pr.acc + local * job.task_rows * job.task_feats
     cdef Py_ssize_t c0, c = 0
     cdef int kt
     cdef const float *xp
@@ -150,8 +152,8 @@ cdef void run_task(const Job *job, Py_ssize_t task, Py_ssize_t s0, Py_ssize_t s1
     cdef int ldw
     c0 = s0
     while c0 < s1:
-        kt = <int>min(<Py_ssize_t>job.kb, job.width - c0)
-        xp = pr.x + c * job.n * job.kb + m0 * kt
+        kt = <int>min(<Py_ssize_t>job.chunk, job.width - c0)
+        xp = pr.x + c * job.n * job.chunk + m0 * kt
         if job.stream:
             stream_product(job.kern, mt, ot, kt, xp, kt, pr.w16 + o0 * job.width + c0, job.width,
                            acc, panel)
@@ -170,8 +172,8 @@ cdef class FeaturePlan:
     """One text_features call: run(s0, s1) normalises features [s0, s1) (a whole number of
     chunks) and adds them into every projection's accumulators; finish(outputs) scatters the
     results to their tokens."""
-    cdef Job job
-    cdef Proj *proj
+    cdef FeatureJob job
+    cdef Projection *proj
     cdef char *panels
     cdef size_t panel_len
     cdef int threads
@@ -184,7 +186,7 @@ cdef class FeaturePlan:
 
     def __init__(self, hidden, const int64_t[::1] rows, const int64_t[::1] sample, bint v2,
                  mean, range_, inv, list weights, list biases, list accs, list xs, list scales,
-                 int mb, int ob, int kb, bint stream, int threads, int layers):
+                 int task_rows, int task_feats, int chunk, bint stream, int threads, int layers):
         cdef const uint16_t[:, ::1] h16
         cdef const float[:, ::1] h32
         cdef const uint16_t[:, ::1] w16
@@ -218,12 +220,12 @@ cdef class FeaturePlan:
             self.job.mean = &st[0, 0]
             st = range_
             self.job.range_ = &st[0, 0]
-        self.job.mb, self.job.ob, self.job.kb = mb, ob, kb
-        self.job.row_blocks = (self.job.n + mb - 1) // mb
+        self.job.task_rows, self.job.task_feats, self.job.chunk = task_rows, task_feats, chunk
+        self.job.row_blocks = (self.job.n + task_rows - 1) // task_rows
         self.job.stream = stream
         self.job.kern = kernels(True)
         self.job.count = count
-        self.proj = <Proj *>malloc(count * sizeof(Proj))
+        self.proj = <Projection *>malloc(count * sizeof(Projection))
         if self.proj == NULL:
             raise MemoryError()
         for p in range(count):
@@ -246,15 +248,16 @@ cdef class FeaturePlan:
             self.proj[p].x = &x[0]
             self.proj[p].scale = scales[p]
             self.proj[p].out = w.shape[0]
-            self.proj[p].panels = (w.shape[0] + ob - 1) // ob
+            self.proj[p].panels = (w.shape[0] + task_feats - 1) // task_feats
             self.proj[p].first_task = first
             first += self.job.row_blocks * self.proj[p].panels
         self.job.proj = self.proj
         self.tasks = first
         self.threads = threads
         # Per thread: the widened weight panel, or on the streaming route its lane sums.
-        self.panel_len = <size_t>ob * mb * LTX_STREAM_LANES * sizeof(float) if stream else \
-            (<size_t>ob * kb * sizeof(float) + 63) & ~(<size_t>63)
+        self.panel_len = (<size_t>task_feats * task_rows * LTX_STREAM_LANES * sizeof(float)
+                          if stream else
+                          (<size_t>task_feats * chunk * sizeof(float) + 63) & ~(<size_t>63))
         self.panels = <char *>ltx_aligned_alloc(self.panel_len * threads)
         if self.panels == NULL:
             raise MemoryError("could not allocate the weight panel buffers")
@@ -265,17 +268,17 @@ cdef class FeaturePlan:
         cdef int p
         cdef Py_ssize_t task, local, mi, oi, m0, o0, r, m
         cdef int mt, ot
-        cdef Proj *pr
+        cdef Projection *pr
         for p in range(self.job.count):
             pr = &self.proj[p]
             for local in range(self.job.row_blocks * pr.panels):
                 mi, oi = local // pr.panels, local % pr.panels
-                m0, o0 = mi * self.job.mb, oi * self.job.ob
-                mt = <int>min(<Py_ssize_t>self.job.mb, self.job.n - m0)
-                ot = <int>min(<Py_ssize_t>self.job.ob, pr.out - o0)
+                m0, o0 = mi * self.job.task_rows, oi * self.job.task_feats
+                mt = <int>min(<Py_ssize_t>self.job.task_rows, self.job.n - m0)
+                ot = <int>min(<Py_ssize_t>self.job.task_feats, pr.out - o0)
                 for r in range(ot):
                     for m in range(mt):
-                        pr.acc[local * self.job.mb * self.job.ob + r * mt + m] = \
+                        pr.acc[local * self.job.task_rows * self.job.task_feats + r * mt + m] = \
                             pr.bias[o0 + r] if pr.bias != NULL else 0.0
 
     def __dealloc__(self):
@@ -309,17 +312,18 @@ cdef class FeaturePlan:
         cdef int p
         cdef Py_ssize_t local, mi, oi, m0, o0, r, m
         cdef int mt, ot
-        cdef Proj *pr
+        cdef Projection *pr
+        cdef const float *acc
         for p in range(self.job.count):
             y = outputs[p]
             pr = &self.proj[p]
             with nogil:
                 for local in range(self.job.row_blocks * pr.panels):
                     mi, oi = local // pr.panels, local % pr.panels
-                    m0, o0 = mi * self.job.mb, oi * self.job.ob
-                    mt = <int>min(<Py_ssize_t>self.job.mb, self.job.n - m0)
-                    ot = <int>min(<Py_ssize_t>self.job.ob, pr.out - o0)
+                    m0, o0 = mi * self.job.task_rows, oi * self.job.task_feats
+                    mt = <int>min(<Py_ssize_t>self.job.task_rows, self.job.n - m0)
+                    ot = <int>min(<Py_ssize_t>self.job.task_feats, pr.out - o0)
+                    acc = pr.acc + local * self.job.task_rows * self.job.task_feats
                     for m in range(mt):
                         for r in range(ot):
-                            y[self.job.rows[m0 + m], o0 + r] = \
-                                pr.acc[local * self.job.mb * self.job.ob + r * mt + m]
+                            y[self.job.rows[m0 + m], o0 + r] = acc[r * mt + m]

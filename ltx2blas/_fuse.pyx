@@ -5,8 +5,8 @@ Each output tile [mt x nt] is independent: its bytes depend only on the inputs, 
 thread ran it or how many threads there were, so results are identical for any thread count.
 Tiles are numbered row strip by row strip and handed to threads in contiguous runs (long ones
 first, shorter ones as the call nears its end), so a thread rounds and widens each adapter's
-bf16(B * s) rows once per strip it visits, not once per tile
-(that pass costs about four times more per element than widening A, which is redone per tile).
+bf16(B * s) rows once per strip it visits, not once per tile: that pass costs several times
+more per element than widening A, which is redone per tile.
 """
 from cython.parallel cimport parallel, prange
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
@@ -56,11 +56,11 @@ cdef struct Adapters:
     int *depth                # [count][4]: verified sgemm depth per tile shape (see fuse_tile)
 
 
-cdef struct Job:
+cdef struct FuseJob:
     const uint8_t *w          # the weight's bytes: bf16 (2 per element) or fp8 (1)
     uint8_t *out
     Py_ssize_t rows, cols
-    int mb, nb
+    int tile_rows, tile_cols
     Py_ssize_t tiles_n
     int rule                  # RULE_ONE, RULE_SUM or RULE_ADDMM (see fuse_tiles)
     bint dry_run              # compute and check, write nothing
@@ -73,7 +73,7 @@ cdef struct Job:
     const ltx_kernels *kern
 
 
-cdef struct Slot:
+cdef struct TileBuffers:
     # One thread's buffers (64-byte aligned) and which row strip its bs rows hold.
     float *bs                 # every adapter's [mt, rank] = f32(bf16(B * s)) for the strip
     float *panels             # every adapter's [rank, nt] = f32(A[:, tile columns]), or with
@@ -85,7 +85,7 @@ cdef struct Slot:
     Py_ssize_t strip          # row strip the bs rows hold, -1 for none
 
 
-cdef inline void finish_bf16_tile(const Job *job, uint16_t *tile, Py_ssize_t ldo, int mt,
+cdef inline void finish_bf16_tile(const FuseJob *job, uint16_t *tile, Py_ssize_t ldo, int mt,
                                   int nt, Py_ssize_t origin, int64_t *bad) noexcept nogil:
     """After a bf16 tile is stored: -0.0 made +0.0 for plus_zero, and with check, *bad set to
     the flat index of the tile's first inf or NaN, if any."""
@@ -101,12 +101,12 @@ cdef inline void finish_bf16_tile(const Job *job, uint16_t *tile, Py_ssize_t ldo
             return
 
 
-cdef inline void load_bs(const Job *job, const Adapters *ad, int a, Py_ssize_t o0, int mt,
-                         Py_ssize_t k0, int kc, Slot *slot) noexcept nogil:
-    """Adapter a's B rows o0.., columns k0..k0+kc, widened into its place in the slot's bs
+cdef inline void load_bs(const FuseJob *job, const Adapters *ad, int a, Py_ssize_t o0, int mt,
+                         Py_ssize_t k0, int kc, TileBuffers *buf) noexcept nogil:
+    """Adapter a's B rows o0.., columns k0..k0+kc, widened into its place in the buf's bs
     buffer (row stride kc): f32(bf16(B * s)), or for a later addmm term f32(B) unscaled."""
     cdef const ltx_kernels *kern = job.kern
-    cdef float *dst = slot.bs + ad.bs_offset[a]
+    cdef float *dst = buf.bs + ad.bs_offset[a]
     cdef const uint16_t *src = ad.b[a] + o0 * ad.rank[a] + k0
     cdef bint unscaled = job.rule == RULE_ADDMM and a > 0   # addmm scales the product
     cdef Py_ssize_t r
@@ -123,37 +123,37 @@ cdef inline void load_bs(const Job *job, const Adapters *ad, int a, Py_ssize_t o
             kern.scale_round_widen(src + r * ad.rank[a], ad.scale[a], dst + r * kc, kc)
 
 
-cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot,
+cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBuffers *buf,
                     int64_t *bad) noexcept nogil:
     cdef Py_ssize_t ti = t // job.tiles_n, tj = t % job.tiles_n
-    cdef Py_ssize_t o0 = ti * job.mb, i0 = tj * job.nb
-    cdef int mt = <int>min(<Py_ssize_t>job.mb, job.rows - o0)
-    cdef int nt = <int>min(<Py_ssize_t>job.nb, job.cols - i0)
+    cdef Py_ssize_t o0 = ti * job.tile_rows, i0 = tj * job.tile_cols
+    cdef int mt = <int>min(<Py_ssize_t>job.tile_rows, job.rows - o0)
+    cdef int nt = <int>min(<Py_ssize_t>job.tile_cols, job.cols - i0)
     # Tile shape class (full or edge, per dimension): the depth was verified per class.
-    cdef int shape = 2 * (mt != job.mb) + (nt != job.nb)
+    cdef int shape = 2 * (mt != job.tile_rows) + (nt != job.tile_cols)
     cdef const ltx_kernels *kern = job.kern
     cdef Py_ssize_t q, r
     cdef int a, rank, kc
     cdef Py_ssize_t k0
     cdef float *bs
     cdef float *panel
-    cdef const float *result = slot.acc
+    cdef const float *result = buf.acc
     cdef Py_ssize_t esize = 1 if job.fmt == 1 or job.fmt == 2 else 2
     cdef Py_ssize_t origin = o0 * job.cols + i0   # the tile's first element in the weight
     cdef uint8_t *dst
     cdef Py_ssize_t ldo
 
-    if slot.strip != ti:
+    if buf.strip != ti:
         for a in range(ad.count):
             if ad.kind[a] == KIND_LORA and ad.rank[a] <= PASS_DEPTH_C:
-                load_bs(job, ad, a, o0, mt, 0, ad.rank[a], slot)
+                load_bs(job, ad, a, o0, mt, 0, ad.rank[a], buf)
         if job.pairs:
-            kern.pack_pairs_cols(slot.bs, ad.rank[0], slot.bs_pairs, (ad.rank[0] + 1) // 2, mt,
+            kern.pack_pairs_cols(buf.bs, ad.rank[0], buf.bs_pairs, (ad.rank[0] + 1) // 2, mt,
                                  ad.rank[0])
-        slot.strip = ti
+        buf.strip = ti
 
     if job.dry_run:
-        dst, ldo = slot.scratch, nt
+        dst, ldo = buf.scratch, nt
     else:
         dst, ldo = job.out + origin * esize, job.cols
 
@@ -163,61 +163,61 @@ cdef void fuse_tile(const Job *job, const Adapters *ad, Py_ssize_t t, Slot *slot
         # pairs two terms per instruction.
         rank = ad.rank[0]
         if job.pairs:
-            kern.pack_pairs_rows(ad.a[0] + i0, job.cols, <uint32_t *>slot.panels, rank, nt)
-            exact_product_fused_pairs(kern, mt, nt, (rank + 1) // 2, slot.bs_pairs,
-                                      (rank + 1) // 2, <const uint32_t *>slot.panels,
+            kern.pack_pairs_rows(ad.a[0] + i0, job.cols, <uint32_t *>buf.panels, rank, nt)
+            exact_product_fused_pairs(kern, mt, nt, (rank + 1) // 2, buf.bs_pairs,
+                                      (rank + 1) // 2, <const uint32_t *>buf.panels,
                                       <const uint16_t *>(job.w + origin * esize), job.cols,
                                       <uint16_t *>dst, ldo)
         else:
-            kern.widen_bf16_rows(ad.a[0] + i0, job.cols, slot.panels, nt, rank, nt)
-            exact_product_fused(kern, mt, nt, rank, slot.bs, rank, slot.panels,
+            kern.widen_bf16_rows(ad.a[0] + i0, job.cols, buf.panels, nt, rank, nt)
+            exact_product_fused(kern, mt, nt, rank, buf.bs, rank, buf.panels,
                                 <const uint16_t *>(job.w + origin * esize), job.cols,
                                 <uint16_t *>dst, ldo)
         finish_bf16_tile(job, <uint16_t *>dst, ldo, mt, nt, origin, &bad[t])
         return
 
     if job.rule == RULE_SUM:
-        memset(slot.total, 0, <size_t>mt * nt * sizeof(float))
+        memset(buf.total, 0, <size_t>mt * nt * sizeof(float))
     for a in range(ad.count):
         if ad.kind[a] == KIND_DIFF:
             # acc = f32(bf16(s * diff)), the difference's delta, or for a later addmm term
             # f32(diff), which accumulate_addmm scales
             for r in range(mt):
                 if job.rule == RULE_ADDMM and a > 0:
-                    kern.widen_bf16(ad.a[a] + origin + r * job.cols, slot.acc + r * nt, nt)
+                    kern.widen_bf16(ad.a[a] + origin + r * job.cols, buf.acc + r * nt, nt)
                 else:
                     kern.scale_round_widen(ad.a[a] + origin + r * job.cols, ad.scale[a],
-                                           slot.acc + r * nt, nt)
+                                           buf.acc + r * nt, nt)
         elif ad.rank[a] <= PASS_DEPTH_C:
             rank = ad.rank[a]
-            panel = slot.panels + ad.panel_offset[a]
+            panel = buf.panels + ad.panel_offset[a]
             kern.widen_bf16_rows(ad.a[a] + i0, job.cols, panel, nt, rank, nt)
-            exact_product(kern, mt, nt, rank, slot.bs + ad.bs_offset[a], rank, panel, slot.acc,
+            exact_product(kern, mt, nt, rank, buf.bs + ad.bs_offset[a], rank, panel, buf.acc,
                           ad.depth[4 * a + shape])
         else:
             # passes of PASS_DEPTH_C terms: sgemm (to its verified depth) in the first only,
             # the sequential kernel continuing each element's sum in the later ones
-            panel = slot.panels + ad.panel_offset[a]
-            bs = slot.bs + ad.bs_offset[a]
+            panel = buf.panels + ad.panel_offset[a]
+            bs = buf.bs + ad.bs_offset[a]
             k0 = 0
             while k0 < ad.rank[a]:
                 kc = <int>min(<Py_ssize_t>PASS_DEPTH_C, ad.rank[a] - k0)
-                load_bs(job, ad, a, o0, mt, k0, kc, slot)
+                load_bs(job, ad, a, o0, mt, k0, kc, buf)
                 kern.widen_bf16_rows(ad.a[a] + k0 * job.cols + i0, job.cols, panel, nt, kc, nt)
                 if k0 == 0:
-                    exact_product(kern, mt, nt, kc, bs, kc, panel, slot.acc,
+                    exact_product(kern, mt, nt, kc, bs, kc, panel, buf.acc,
                                   ad.depth[4 * a + shape])
                 else:
-                    continue_product(kern, mt, nt, kc, bs, kc, panel, nt, slot.acc, nt)
+                    continue_product(kern, mt, nt, kc, bs, kc, panel, nt, buf.acc, nt)
                 k0 += kc
         if job.rule == RULE_SUM:
-            kern.accumulate_rounded(slot.acc, slot.total, <Py_ssize_t>mt * nt)
+            kern.accumulate_rounded(buf.acc, buf.total, <Py_ssize_t>mt * nt)
         elif job.rule == RULE_ADDMM and a == 0:
-            kern.round_bf16_f32(slot.acc, slot.total, <Py_ssize_t>mt * nt)
+            kern.round_bf16_f32(buf.acc, buf.total, <Py_ssize_t>mt * nt)
         elif job.rule == RULE_ADDMM:
-            kern.accumulate_addmm(slot.acc, slot.total, ad.scale[a], <Py_ssize_t>mt * nt)
+            kern.accumulate_addmm(buf.acc, buf.total, ad.scale[a], <Py_ssize_t>mt * nt)
     if job.rule != RULE_ONE:
-        result = slot.total
+        result = buf.total
 
     if job.fmt == 0:
         kern.store_fused(result, <const uint16_t *>(job.w + origin * esize), job.cols,
@@ -236,32 +236,35 @@ cdef inline size_t up64(size_t n) noexcept nogil:
     return (n + 63) & ~(<size_t>63)
 
 
-cdef (size_t, size_t, size_t, size_t, size_t, size_t) slot_layout(
-        int mb, int nb, Py_ssize_t width, bint several, bint dry_run, bint pairs) noexcept:
-    """One thread's buffers: bs rows [mb, width], A panels [width, nb], the product tile, the
-    several-adapter total, the dry run's scratch tile, the bs pairs; and their sum.  ``width``
-    is the sum over LoRAs of min(rank, PASS_DEPTH)."""
-    cdef size_t bs_len = up64(<size_t>mb * width * sizeof(float))
-    cdef size_t panels_len = up64(<size_t>width * nb * sizeof(float))
-    cdef size_t tile_len = up64(<size_t>mb * nb * sizeof(float))
-    cdef size_t scratch_len = up64(<size_t>mb * nb * sizeof(uint16_t))
-    cdef size_t pairs_len = up64(<size_t>mb * ((width + 1) // 2) * sizeof(uint32_t))
+cdef (size_t, size_t, size_t, size_t, size_t, size_t) buffer_layout(
+        int tile_rows, int tile_cols, Py_ssize_t width, bint several, bint dry_run,
+        bint pairs) noexcept:
+    """One thread's buffers: bs rows [tile_rows, width], A panels [width, tile_cols], the
+    product tile, the several-adapter total, the dry run's scratch tile, the bs pairs; and
+    their sum.  ``width`` is the sum over LoRAs of min(rank, PASS_DEPTH)."""
+    cdef size_t bs_len = up64(<size_t>tile_rows * width * sizeof(float))
+    cdef size_t panels_len = up64(<size_t>width * tile_cols * sizeof(float))
+    cdef size_t tile_len = up64(<size_t>tile_rows * tile_cols * sizeof(float))
+    cdef size_t scratch_len = up64(<size_t>tile_rows * tile_cols * sizeof(uint16_t))
+    cdef size_t pairs_len = up64(<size_t>tile_rows * ((width + 1) // 2) * sizeof(uint32_t))
     return (bs_len, panels_len, tile_len, scratch_len, pairs_len,
             bs_len + panels_len + tile_len * (1 + several) + scratch_len * dry_run
             + pairs_len * pairs)
 
 
-def slot_bytes(int mb, int nb, ranks, bint several, bint pairs=False, bint dry_run=False):
+def thread_buffer_bytes(int tile_rows, int tile_cols, ranks, bint several, bint pairs=False,
+                        bint dry_run=False):
     """Bytes of one thread's buffers for LoRAs of ``ranks`` (what fuse_tiles allocates per
     thread)."""
     cdef Py_ssize_t width = sum(min(int(r), PASS_DEPTH_C) for r in ranks)
-    return slot_layout(mb, nb, width, several, dry_run, pairs)[5]
+    return buffer_layout(tile_rows, tile_cols, width, several, dry_run, pairs)[5]
 
 
 def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list lora_a,
-               list lora_b, float[::1] scales, int[:, ::1] depths, int mb, int nb, int threads,
-               bint allow_fma, int rule, bint check, bint dry_run, bint stochastic=False,
-               uint64_t key=0, bint pairs=False, bint plus_zero=False, kinds=None):
+               list lora_b, float[::1] scales, int[:, ::1] depths, int tile_rows,
+               int tile_cols, int threads, bint allow_fma, int rule, bint check, bint dry_run,
+               bint stochastic=False, uint64_t key=0, bint pairs=False, bint plus_zero=False,
+               kinds=None):
     """Fuse adapters into ``weight``, writing ``out`` (which may be ``weight``); both passed as
     their bytes, [rows, cols * element size], ``fmt`` 0 for bf16, 1 for F8_E4M3, 2 for F8_E5M2,
     3 for the bare bf16 delta (``out = bf16(agg)``, ``weight`` not read).
@@ -283,16 +286,17 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
     when ``check`` is set."""
     cdef Py_ssize_t esize = 1 if fmt == 1 or fmt == 2 else 2
     cdef Py_ssize_t rows = weight.shape[0], cols = weight.shape[1] // esize
-    cdef Py_ssize_t tiles_m = (rows + mb - 1) // mb, tiles_n = (cols + nb - 1) // nb
+    cdef Py_ssize_t tiles_m = (rows + tile_rows - 1) // tile_rows
+    cdef Py_ssize_t tiles_n = (cols + tile_cols - 1) // tile_cols
     cdef Py_ssize_t tiles = tiles_m * tiles_n, t
     cdef int count = len(lora_a), a
     cdef Py_ssize_t rank_sum = 0
     cdef const uint16_t[:, ::1] view
-    cdef Job job
+    cdef FuseJob job
     cdef Adapters ad
-    cdef size_t bs_len, panels_len, tile_len, scratch_len, pairs_len, slot_len
+    cdef size_t bs_len, panels_len, tile_len, scratch_len, pairs_len, buffer_len
     cdef char *buffers = NULL
-    cdef Slot *slots = NULL
+    cdef TileBuffers *buffers_of = NULL
     cdef char *base
     cdef int s
     cdef bint several = rule != RULE_ONE
@@ -322,8 +326,8 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
             view = lora_a[a]
             keep.append(view)
             ad.a[a] = &view[0, 0]
-            ad.panel_offset[a] = rank_sum * nb
-            ad.bs_offset[a] = rank_sum * mb
+            ad.panel_offset[a] = rank_sum * tile_cols
+            ad.bs_offset[a] = rank_sum * tile_rows
             ad.scale[a] = scales[a]
             if ad.kind[a] == KIND_DIFF:
                 ad.rank[a] = 0
@@ -339,7 +343,7 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
         job.w = &weight[0, 0]
         job.out = &out[0, 0]
         job.rows, job.cols = rows, cols
-        job.mb, job.nb = mb, nb
+        job.tile_rows, job.tile_cols = tile_rows, tile_cols
         job.tiles_n = tiles_n
         job.rule, job.dry_run, job.check = rule, dry_run, check
         job.fmt, job.stochastic, job.key = fmt, stochastic, key
@@ -349,32 +353,33 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
         job.plus_zero = plus_zero and count == 1 and fmt == 0 and rule == RULE_ONE
 
         # Per-thread buffers, allocated here so that a failure happens before any tile is
-        # written. Panel offsets are multiples of nb floats; every part is 64-byte aligned.
-        bs_len, panels_len, tile_len, scratch_len, pairs_len, slot_len = slot_layout(
-            mb, nb, rank_sum, several, dry_run, job.pairs)
-        buffers = <char *>ltx_aligned_alloc(slot_len * threads)
-        slots = <Slot *>malloc(threads * sizeof(Slot))
-        if buffers == NULL or slots == NULL:
-            raise MemoryError(f"could not allocate {slot_len * threads} bytes of tile buffers")
+        # written. Panel offsets are multiples of tile_cols floats; every part is 64-byte
+        # aligned.
+        bs_len, panels_len, tile_len, scratch_len, pairs_len, buffer_len = buffer_layout(
+            tile_rows, tile_cols, rank_sum, several, dry_run, job.pairs)
+        buffers = <char *>ltx_aligned_alloc(buffer_len * threads)
+        buffers_of = <TileBuffers *>malloc(threads * sizeof(TileBuffers))
+        if buffers == NULL or buffers_of == NULL:
+            raise MemoryError(f"could not allocate {buffer_len * threads} bytes of tile buffers")
         for s in range(threads):
-            base = buffers + slot_len * s
-            slots[s].bs = <float *>base
-            slots[s].panels = <float *>(base + bs_len)
-            slots[s].acc = <float *>(base + bs_len + panels_len)
-            slots[s].total = <float *>(base + bs_len + panels_len + tile_len)
-            slots[s].scratch = <uint8_t *>(base + bs_len + panels_len + tile_len * (1 + several))
-            slots[s].bs_pairs = <uint32_t *>(base + slot_len - pairs_len * job.pairs)
-            slots[s].strip = -1
+            base = buffers + buffer_len * s
+            buffers_of[s].bs = <float *>base
+            buffers_of[s].panels = <float *>(base + bs_len)
+            buffers_of[s].acc = <float *>(base + bs_len + panels_len)
+            buffers_of[s].total = <float *>(base + bs_len + panels_len + tile_len)
+            buffers_of[s].scratch = <uint8_t *>(base + bs_len + panels_len + tile_len * (1 + several))
+            buffers_of[s].bs_pairs = <uint32_t *>(base + buffer_len - pairs_len * job.pairs)
+            buffers_of[s].strip = -1
 
         # Guided: each thread starts on a long run of neighbouring tiles, as with a static
         # split, and the rest is shared out as threads come free, so that a thread that starts
         # late (an idle worker waking, a core busy with file I/O) does not hold up the call.
         with nogil, parallel(num_threads=threads):
             for t in prange(tiles, schedule="guided"):
-                fuse_tile(&job, &ad, t, &slots[omp_get_thread_num()], &bad[0])
+                fuse_tile(&job, &ad, t, &buffers_of[omp_get_thread_num()], &bad[0])
     finally:
         free(buffers)
-        free(slots)
+        free(buffers_of)
         free(ad.kind)
         free(ad.a)
         free(ad.b)

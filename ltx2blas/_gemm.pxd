@@ -19,7 +19,6 @@ cdef extern from "kernels.h" nogil:
                              uint16_t *min_mag) noexcept nogil
         void (*widen_bf16_f64)(const uint16_t *src, double *dst, ltx_idx n) noexcept nogil
         void (*f32_to_f64)(const float *src, double *dst, ltx_idx n) noexcept nogil
-        void (*f64_to_f32)(const double *src, float *dst, ltx_idx n) noexcept nogil
         void (*widen_bf16_rows)(const uint16_t *src, ltx_idx lds, float *dst, ltx_idx ldd,
                                 ltx_idx rows, ltx_idx cols) noexcept nogil
         void (*stream_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,

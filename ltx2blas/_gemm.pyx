@@ -84,8 +84,8 @@ cdef void sgemm_wxt(int m, int n, int k, const float *x, int ldx, const float *w
     """c[n, m] = w[n, k] @ x[m, k]^T + beta * c, row-major: a Linear's output, transposed.
 
     Column-major that is c^T = x w^T, with x entering transposed and w not: the BLAS then packs
-    the weight panel with its plain copy, which costs ~2.5x less than the transposing one when
-    x has few rows."""
+    the weight panel with its plain copy, cheaper than its transposing one, which matters when
+    x has few rows and the packing is most of the work."""
     cdef float alpha = 1.0
     _sgemm(b"T", b"N", &m, &n, &k, &alpha, x, &ldx, w, &ldw, &beta, c, &ldc)
 

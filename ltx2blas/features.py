@@ -1,4 +1,4 @@
-"""The text feature extractor's forward (spec §4): normalise Gemma's hidden states, flatten them
+"""The text feature extractor's forward (docs/arithmetic.md §4): normalise Gemma's hidden states, flatten them
 to D * L features per token and project them -- without ever materialising the features.
 
 Only valid (unmasked) tokens are computed.  A padded row's features are zero, so its output is
@@ -82,7 +82,7 @@ def text_features(hidden_states, attention_mask, projections, *, version="v1", t
         3840 out, no bias); V2: the video and audio Linears (LTX-2.3, 4096 and 2048, with bias).
     version : "v1" or "v2"
         V1: per-sample, per-layer mean/range normalisation times 8; V2: per-token RMS
-        normalisation, rescaled by sqrt(out / D) for each projection (spec §4).
+        normalisation, rescaled by sqrt(out / D) for each projection (docs/arithmetic.md §4).
     threads, progress : as for :func:`ltx2blas.linear`.
     audio_video : bool
         V1 only: the model is an audio-video one, whose V1 extractor hands the same features to
@@ -94,15 +94,35 @@ def text_features(hidden_states, attention_mask, projections, *, version="v1", t
     """
     hidden, mask = _validate(hidden_states, attention_mask, version)
     batch, tokens, depth, layers = hidden.shape
+    if audio_video and version != "v1":
+        raise ArgumentError("audio_video applies to version 'v1'; V2's audio stream is its second "
+                            "projection")
+    weights, biases = _projections(projections, version, depth, layers)
+    threads = resolve_threads(threads)
+
+    flat = hidden.reshape(batch * tokens, depth * layers)
+    rows = np.flatnonzero(mask.reshape(-1)).astype(np.int64)
+    # Every row starts as the bias (or zeros): what the Linear gives on zero features, which a
+    # padded row has; the valid rows are then written over.
+    outputs = [np.zeros((batch * tokens, w.shape[0]), np.float32) if b is None else
+               np.repeat(b[None, :], batch * tokens, axis=0) for w, b in zip(weights, biases)]
+    if rows.size and flat.shape[1]:
+        _project(flat, rows, tokens, batch, layers, version, weights, biases, outputs, threads,
+                 progress)
+    elif progress is not None:  # nothing to add to the bias
+        progress(1.0)
+    ys = [y.reshape(batch, tokens, -1) for y in outputs]
+    return ys * 2 if audio_video else ys
+
+
+def _projections(projections, version, depth, layers):
+    """(weights, f32 biases or None) of the projections, each checked against D * L."""
     width = depth * layers
     projections = list(projections)
     if not projections:
         raise ArgumentError("projections must hold at least one (weight, bias)")
     if version == "v1" and len(projections) != 1:
         raise ArgumentError(f"version 'v1' has one projection, got {len(projections)}")
-    if audio_video and version != "v1":
-        raise ArgumentError("audio_video applies to version 'v1'; V2's audio stream is its second "
-                         "projection")
     weights, biases = [], []
     for i, item in enumerate(projections):
         try:
@@ -117,53 +137,42 @@ def text_features(hidden_states, attention_mask, projections, *, version="v1", t
         if bias is not None:
             bias = np.ascontiguousarray(f32_values(bias, f"projections[{i}] bias"))
             if bias.shape != (w.shape[0],):
-                raise ShapeError(f"projections[{i}] bias has shape {bias.shape}, expected ({w.shape[0]},)")
+                raise ShapeError(f"projections[{i}] bias has shape {bias.shape}, expected "
+                                 f"({w.shape[0]},)")
         weights.append(w)
         biases.append(bias)
     if len({w.dtype for w in weights}) != 1:
         raise DTypeError("the projections' weights must share one dtype (all bf16 or all f32)")
-    threads = resolve_threads(threads)
+    return weights, biases
 
-    flat = hidden.reshape(batch * tokens, width)
-    rows = np.flatnonzero(mask.reshape(-1)).astype(np.int64)
+
+def _project(flat, rows, tokens, batch, layers, version, weights, biases, outputs, threads,
+             progress):
+    """Statistics, then the features a super-chunk at a time into every projection's panels,
+    and the results scattered into ``outputs``' valid rows."""
+    n, width = rows.shape[0], flat.shape[1]
+    depth = width // layers
     sample = (rows // tokens).astype(np.int64)
-    n = rows.shape[0]
-    # Every row starts as the bias (or zeros): what the Linear gives on zero features, which a
-    # padded row has; the valid rows are then written over.
-    outputs = [np.zeros((batch * tokens, w.shape[0]), np.float32) if b is None else
-               np.repeat(b[None, :], batch * tokens, axis=0) for w, b in zip(weights, biases)]
-
-    def result():
-        ys = [y.reshape(batch, tokens, -1) for y in outputs]
-        return ys * 2 if audio_video else ys
-
-    if n == 0 or width == 0:  # nothing to add to the bias
-        if progress is not None:
-            progress(1.0)
-        return result()
-
-    route, (mb, ob, kb) = plan(n, weights[0].dtype, "f32")
+    route, (task_rows, task_feats, chunk) = plan(n, weights[0].dtype, "f32")
+    # Features per super-chunk: about 4096, a whole number of chunks.
+    group = max(1, 4096 // chunk) * chunk if chunk < width else width
+    panels = [np.empty(n * chunk * -(-min(group, width) // chunk), np.float32) for _ in weights]
+    row_blocks = -(-n // task_rows)
+    accs = [np.empty(row_blocks * -(-w.shape[0] // task_feats) * task_rows * task_feats,
+                     np.float32) for w in weights]
+    scales = [float(np.float32(math.sqrt(w.shape[0] / depth))) for w in weights]
     with blas_single_threaded():
         stats = _statistics(flat, rows, sample, batch, layers, depth, version, threads)
         mean, rng, inv = (None, None, stats) if version == "v2" else (*stats, None)
-        group = max(1, 4096 // kb) * kb if kb < width else width  # features per super-chunk
-        chunks_per_group = -(-min(group, width) // kb)
-        xs = [np.empty(n * kb * chunks_per_group, np.float32) for _ in weights]
-        accs = []
-        row_blocks = -(-n // mb)
-        for w in weights:
-            accs.append(np.empty(row_blocks * -(-w.shape[0] // ob) * mb * ob, np.float32))
-        scales = [float(np.float32(math.sqrt(w.shape[0] / depth))) for w in weights]
         job = _features.FeaturePlan(flat, rows, sample, version == "v2", mean, rng, inv,
-                                    weights, biases, accs, xs, scales, mb, ob, kb,
-                                    route == "stream", threads, layers)
+                                    weights, biases, accs, panels, scales, task_rows, task_feats,
+                                    chunk, route == "stream", threads, layers)
         for s0 in range(0, width, group):
             s1 = min(width, s0 + group)
             job.run(s0, s1)
             if progress is not None:
                 progress(s1 / width)
         job.finish(outputs)
-    return result()
 
 
 def normalized_features(hidden_states, attention_mask, *, version="v1", out_features=None,

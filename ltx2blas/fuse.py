@@ -1,10 +1,11 @@
 """LoRA fusion into bf16 weights: validation, dispatch and threads around the tile driver.
 
-The arithmetic is spec §1 (see :mod:`ltx2blas.reference`), and the result is byte-identical to
+The arithmetic is docs/arithmetic.md §1 (see :mod:`ltx2blas.reference`), and the result is byte-identical to
 that loop for every shape, rank, strength and thread count.  How: :mod:`ltx2blas._gemm`.
 """
 import numbers
 import operator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -52,7 +53,7 @@ def fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None,
     strength : float
         Scale ``s``, used as f32; ``B * s`` is rounded to bf16 before the product (upstream).
     threads : int or None
-        None uses every CPU the process may use (see the README); an int is used as given.
+        None uses every CPU the process may use (docs/threads.md); an int is used as given.
     out : bf16 array [out, in], optional
         Where to write. ``out=weight`` fuses in place with no full-size temporary.
     check_finite : bool
@@ -63,7 +64,7 @@ def fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None,
     weight_format : "bf16", "F8_E4M3" or "F8_E5M2", optional
         Taken from the dtype when it says (uint16 and ml_dtypes.bfloat16 are bf16,
         ml_dtypes.float8_e4m3fn and float8_e5m2 the fp8 formats); required for uint8 fp8 codes.
-        An fp8 weight is fused by spec §2: ``W' = fp8(bf16(delta + bf16(W)))``.
+        An fp8 weight is fused by docs/arithmetic.md §2: ``W' = fp8(bf16(delta + bf16(W)))``.
     fp8_rounding : "nearest" or "stochastic"
         Into fp8: nearest-even (upstream's CPU rule), or deterministic stochastic rounding with
         random bits from ``seed`` and ``name`` (the tensor's name), the same for any tiling and
@@ -229,11 +230,11 @@ def buffer_bytes(ranks, threads=1, tile=None, several=None):
     [width x tile_cols] and the product tile (twice for several adapters), width the sum of
     min(rank, PASS_DEPTH) -- a larger rank runs in passes -- and for one adapter of rank up to
     SEQUENTIAL_DEPTH its rows in bf16 pairs for the dot-product kernel.  The driver's own
-    count (_fuse.slot_bytes)."""
-    mb, nb = _tile(tile)
+    count (_fuse.thread_buffer_bytes)."""
+    tile = _tile(tile)
     several = len(ranks) > 1 if several is None else several
     pairs = not several and sum(ranks) <= _probe.SEQUENTIAL_DEPTH
-    return _fuse.slot_bytes(mb, nb, list(ranks), several, pairs) * threads
+    return _fuse.thread_buffer_bytes(tile.rows, tile.cols, list(ranks), several, pairs) * threads
 
 
 class _Magnitudes:
@@ -463,52 +464,37 @@ def _first_bf16_overflow(bits, s):
     return int(bad[0]) if bad.size else -1
 
 
-def _probe_depths(prepared, route, rows, cols, mb, nb):
-    """The verified sgemm depth of each LoRA for each tile shape class (full or edge rows and
-    columns); zeros where sgemm is not used."""
+def _probe_depths(prepared, route, shape, tile):
+    """The verified sgemm depth of each LoRA for each tile shape class -- (full, full),
+    (full, edge), (edge, full), (edge, edge) in (rows, cols) -- zero where sgemm is not used."""
     depths = np.zeros((len(prepared), 4), dtype=np.intc)
     if not (route.blas and route.fma):
         return depths
-    edge_m, edge_n = rows - (rows - 1) // mb * mb, cols - (cols - 1) // nb * nb
+    rows, cols = shape
+    last_rows = rows - (rows - 1) // tile.rows * tile.rows  # the edge tiles' sizes
+    last_cols = cols - (cols - 1) // tile.cols * tile.cols
     for i, ad in enumerate(prepared):
         if ad.kind != "lora":
             continue
-        for em, m in ((0, mb), (1, edge_m)):
-            for en, n in ((0, nb), (1, edge_n)):
-                if (em == 0 and rows < mb) or (en == 0 and cols < nb):
+        depth = min(ad.rank, _fuse.PASS_DEPTH)  # the first pass's, as the tile runs it
+        for row_edge, m in ((0, tile.rows), (1, last_rows)):
+            for col_edge, n in ((0, tile.cols), (1, last_cols)):
+                if (not row_edge and rows < tile.rows) or (not col_edge and cols < tile.cols):
                     continue  # no tile of this shape
-                depth = min(ad.rank, _fuse.PASS_DEPTH)  # the first pass's, as the tile runs it
-                depths[i, 2 * em + en] = _probe.blas_depth(m, n, depth, depth,
-                                                              pin=blas_single_threaded)
+                depths[i, 2 * row_edge + col_edge] = _probe.blas_depth(
+                    m, n, depth, depth, pin=blas_single_threaded)
     return depths
 
 
 def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
                weight_format=None, fp8_rounding="nearest", seed=0, name=""):
-    """The fuse: validate and prepare, check ``out``, choose the route, probe sgemm, run."""
-    fmt, w = _weight_bits(weight, weight_format)
-    if fp8_rounding not in ("nearest", "stochastic"):
-        raise ArgumentError(f"fp8_rounding must be 'nearest' or 'stochastic', got {fp8_rounding!r}")
-    if fp8_rounding == "stochastic" and fmt in ("bf16", "delta"):
-        raise ArgumentError("fp8_rounding='stochastic' applies to fp8 weights; this one is bf16")
-    if w.ndim != 2:
-        raise ShapeError(f"weight must be 2-D [out, in], got shape {w.shape}")
-    contiguous(w, "weight")
-    rows, cols = w.shape
-    prepared = _prepare_adapters(adapters, rows, cols)
+    """The fuse: prepare the operands, check ``out``, choose the route, probe sgemm, run."""
+    fmt, w, prepared = _prepare(weight, adapters, weight_format, fp8_rounding)
     threads = resolve_threads(threads)
-    mb, nb = _tile(tile)
+    tile = _tile(tile)
     result, given_out = _output(out, w, fmt, prepared)
-
-    w_largest = 0.0
-    if check_finite:
-        first_bad, w_largest = _first_nonfinite(w, fmt)
-        if first_bad >= 0:
-            at = _where(first_bad, w.shape)
-            raise NonFiniteWeightError(
-                f"weight ({fmt}) is already non-finite at {at} (code {int(w[at]):#x}) "
-                "before fusing")
-    if not prepared or rows == 0 or cols == 0:  # nothing to add: no probe, no buffer
+    w_largest = _check_weight(w, fmt) if check_finite else 0.0
+    if not prepared or w.size == 0:  # nothing to add: no probe, no buffer
         if fmt == "delta":
             result.fill(0)
         elif result is not w:
@@ -518,38 +504,74 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
     # In place with the overflow check on and a bound that does not rule overflow out: a dry
     # run finds any overflow before a byte is written.
     dry_run = check_finite and given_out and not (route.bound + w_largest < _FORMAT_LIMIT[fmt])
-
+    stochastic_key = (_quant.stochastic_key(int(seed), str(name))
+                      if fp8_rounding == "stochastic" else None)
     with blas_single_threaded():
-        depths = _probe_depths(prepared, route, rows, cols, mb, nb)
-        tiles = -(-rows // mb) * -(-cols // nb)
-        stochastic = fp8_rounding == "stochastic"
-        args = dict(
-            weight=w.view(np.uint8), out=result.view(np.uint8), fmt=_FORMAT_CODES[fmt],
-            lora_a=[ad.a for ad in prepared], lora_b=[ad.b for ad in prepared],
-            scales=np.array([ad.s for ad in prepared], dtype=np.float32), depths=depths,
-            mb=mb, nb=nb, threads=max(1, min(threads, tiles)), allow_fma=route.fma,
-            rule=_fuse.RULES[route.rule], stochastic=stochastic,
-            key=_quant.stochastic_key(int(seed), str(name)) if stochastic else 0,
-            plus_zero=route.plus_zero,
-            kinds=np.array([_fuse.KINDS[ad.kind] for ad in prepared], dtype=np.intc))
-        if dry_run:
-            bad = _fuse.fuse_tiles(check=True, dry_run=True, pairs=False, **args)
-            _raise_nonfinite_result(bad, w.shape, fmt)
-        bad = _fuse.fuse_tiles(check=check_finite, dry_run=False, pairs=route.pairs, **args)
+        depths = _probe_depths(prepared, route, w.shape, tile)
+        _run(w, result, fmt, prepared, route, depths, tile, threads, check_finite, dry_run,
+             stochastic_key)
+    return result if given_out else as_kind(result, weight)
+
+
+def _prepare(weight, adapters, weight_format, fp8_rounding):
+    """(format, the weight's bits, the contributing adapters), every argument checked."""
+    fmt, w = _weight_bits(weight, weight_format)
+    if fp8_rounding not in ("nearest", "stochastic"):
+        raise ArgumentError(f"fp8_rounding must be 'nearest' or 'stochastic', got {fp8_rounding!r}")
+    if fp8_rounding == "stochastic" and fmt in ("bf16", "delta"):
+        raise ArgumentError("fp8_rounding='stochastic' applies to fp8 weights; this one is bf16")
+    if w.ndim != 2:
+        raise ShapeError(f"weight must be 2-D [out, in], got shape {w.shape}")
+    contiguous(w, "weight")
+    return fmt, w, _prepare_adapters(adapters, *w.shape)
+
+
+def _check_weight(w, fmt):
+    """The weight's largest finite magnitude, or NonFiniteWeightError at its first inf/NaN."""
+    first_bad, largest = _first_nonfinite(w, fmt)
+    if first_bad >= 0:
+        at = _where(first_bad, w.shape)
+        raise NonFiniteWeightError(f"weight ({fmt}) is already non-finite at {at} (code "
+                                   f"{int(w[at]):#x}) before fusing")
+    return largest
+
+
+def _run(w, result, fmt, prepared, route, depths, tile, threads, check_finite, dry_run,
+         stochastic_key):
+    """The tile driver over the whole weight: first a dry run when one is needed, then the
+    fuse; NonFiniteResultError where a checked result overflows."""
+    tiles = -(-w.shape[0] // tile.rows) * -(-w.shape[1] // tile.cols)
+    args = dict(
+        weight=w.view(np.uint8), out=result.view(np.uint8), fmt=_FORMAT_CODES[fmt],
+        lora_a=[ad.a for ad in prepared], lora_b=[ad.b for ad in prepared],
+        kinds=np.array([_fuse.KINDS[ad.kind] for ad in prepared], dtype=np.intc),
+        scales=np.array([ad.s for ad in prepared], dtype=np.float32), depths=depths,
+        tile_rows=tile.rows, tile_cols=tile.cols, threads=max(1, min(threads, tiles)),
+        allow_fma=route.fma, rule=_fuse.RULES[route.rule], plus_zero=route.plus_zero,
+        stochastic=stochastic_key is not None, key=stochastic_key or 0)
+    if dry_run:
+        bad = _fuse.fuse_tiles(check=True, dry_run=True, pairs=False, **args)
+        _raise_nonfinite_result(bad, w.shape, fmt)
+    bad = _fuse.fuse_tiles(check=check_finite, dry_run=False, pairs=route.pairs, **args)
     if check_finite:
         _raise_nonfinite_result(bad, w.shape, fmt)
-    return result if given_out else as_kind(result, weight)
+
+
+class Tile(NamedTuple):
+    """The output tile each thread computes at a time."""
+    rows: int
+    cols: int
 
 
 def _tile(tile):
     try:
-        mb, nb = DEFAULT_TILE if tile is None else tile
-        mb, nb = operator.index(mb), operator.index(nb)
+        rows, cols = DEFAULT_TILE if tile is None else tile
+        rows, cols = operator.index(rows), operator.index(cols)
     except (TypeError, ValueError):
         raise ArgumentError(f"tile must be two ints in [1, 65536], got {tile!r}") from None
-    if not (1 <= mb <= 65536 and 1 <= nb <= 65536):
+    if not (1 <= rows <= 65536 and 1 <= cols <= 65536):
         raise ArgumentError(f"tile must be two ints in [1, 65536], got {tile!r}")
-    return mb, nb
+    return Tile(rows, cols)
 
 
 def _raise_nonfinite_result(bad, shape, fmt="bf16"):

@@ -23,19 +23,19 @@ __all__ = ["linear", "plan", "error_bound", "gamma", "buffer_bytes"]
 
 #: Up to this many rows of x (with a bf16 weight and f32 accumulation) the product streams the
 #: bf16 weight rows through the seam's own kernel: with so few rows per weight element, a BLAS
-#: spends more time packing each weight panel than multiplying it (measured: the streaming
-#: route 0.80-0.87 of the roofline at 32 and 64 rows, sgemm's 0.60-0.79; level at 128).
+#: spends more time packing each weight panel than multiplying it.
 STREAM_ROWS = 64
 
 #: (rows of x per task, output features per task, in-features per chunk) for each route.  The
 #: results depend on these -- they fix the order of the additions -- never on the thread count.
 #: sgemm: a widened weight panel of 256 x 512 f32 (512 KiB) is packed by the BLAS once per call
-#: and multiplied by up to 512 rows (measured best with 512 x 512 panels, 3 % ahead of these,
-#: which give twice the tasks for machines with many cores).  stream: whole weight rows in one
-#: chunk (188,160 at the real width); its sums do not depend on the blocks at all, which only
-#: set how many weight rows share each block of x held in cache (64 output features for up to
-#: 16 rows, 128 above: 5-10 % faster than half as many, which still leave 16-32 tasks at the
-#: real shapes).  f64: panels half the sgemm route's in features, as f64 is twice as wide.
+#: and multiplied by up to 512 rows; wider panels are a little faster on two cores but give
+#: half the tasks, and machines with many cores need the tasks.  stream: whole weight rows in
+#: one chunk (188,160 at the real width); its sums do not depend on the blocks at all, which
+#: only set how many weight rows share each block of x held in cache (64 output features for
+#: up to 16 rows, 128 above, still enough tasks at the real shapes).  f64: panels half the
+#: sgemm route's in features, as f64 is twice as wide.  (Tuning runs:
+#: bench/results/amd-epyc-zen4-avx512bf16/tuning.md.)
 BLOCKS = {"sgemm": (512, 256, 512), "stream": (16, 64, 1 << 18), "f64": (256, 128, 512)}
 STREAM_WIDE_BLOCKS = (STREAM_ROWS, 128, 1 << 18)
 

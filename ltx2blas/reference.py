@@ -1,7 +1,7 @@
 """The arithmetic contract as plain numpy loops: the oracle for tests and goldens.
 
 Nothing here is fast and nothing here calls ltx2blas's own kernels.  Each function is the
-textbook loop of docs (spec §1): one IEEE f32 operation per step, in the order written, with
+textbook loop of docs/arithmetic.md §1: one IEEE f32 operation per step, in the order written, with
 numpy's elementwise float32 ``*`` and ``+`` (numpy never fuses them into an FMA).
 
 bf16 values are uint16 bit patterns throughout; fp8 values uint8 codes.
@@ -59,7 +59,7 @@ def lora_delta(lora_a, lora_b, strength):
 
 
 def fuse_lora(weight, lora_a, lora_b, strength=1.0):
-    """W'[o, i] = bf16(f32(W[o, i]) + f32(delta[o, i])) -- one adapter (spec §1)."""
+    """W'[o, i] = bf16(f32(W[o, i]) + f32(delta[o, i])) -- one adapter (docs/arithmetic.md §1)."""
     delta = lora_delta(lora_a, lora_b, strength)
     return bf16_round(bf16_widen(weight) + bf16_widen(delta))
 
@@ -115,14 +115,14 @@ def aggregate_delta(adapters, rule="addmm"):
 
 
 def fuse_loras(weight, adapters, rule="addmm"):
-    """Several adapters (spec §1): W' = bf16(f32(W) + f32(agg)), agg = aggregate_delta(adapters,
+    """Several adapters (docs/arithmetic.md §1): W' = bf16(f32(W) + f32(agg)), agg = aggregate_delta(adapters,
     rule).  ``adapters`` is a sequence of (lora_a, lora_b, strength)."""
     agg = aggregate_delta(adapters, rule)
     return bf16_round(bf16_widen(weight) + bf16_widen(agg))
 
 
 def fuse_bias(bias, items):
-    """Bias terms (spec §1): acc = f32(bias); acc = acc + f32(f32(s) * f32(b)) for each (b, s)
+    """Bias terms (docs/arithmetic.md §1): acc = f32(bias); acc = acc + f32(f32(s) * f32(b)) for each (b, s)
     in order; rounded once into the bias's dtype (bf16 bits, float16, float32).  b is bf16
     bits, float16 or float32."""
     def f32(x):
@@ -153,7 +153,7 @@ def _sum_squares(v, axis):
 
 
 def fuse_dora(weight, lora_a, lora_b, magnitude, scale=1.0, strength=1.0, style="peft"):
-    """DoRA (spec §1): the LoRA-fused weight rescaled to the adapter's magnitudes.
+    """DoRA (docs/arithmetic.md §1): the LoRA-fused weight rescaled to the adapter's magnitudes.
 
         V  = bf16(f32(W) + f32(delta)),  delta = lora_delta(A, B, scale)   (scale = alpha/rank)
         "peft"  (lora_magnitude_vector, [out]):  n_o = ||V[o, :]||;  f = f32(m_o / n_o) per row
@@ -182,7 +182,7 @@ def fuse_dora(weight, lora_a, lora_b, magnitude, scale=1.0, strength=1.0, style=
 
 
 # --------------------------------------------------------------------------------------------
-# fp8 (spec §2): F8_E4M3 is float8_e4m3fn (no inf, NaN = 0x7F/0xFF, largest 448), F8_E5M2 is
+# fp8 (docs/arithmetic.md §2): F8_E4M3 is float8_e4m3fn (no inf, NaN = 0x7F/0xFF, largest 448), F8_E5M2 is
 # float8_e5m2 (IEEE-like: inf and NaN).  Rounding follows torch's cast, upstream's engine:
 # nearest-even; past the largest finite value, e4m3fn saturates to +-448 (inf too) and e5m2
 # goes to +-inf; NaN becomes the code 0x7F with its sign.
@@ -247,7 +247,7 @@ def _fp8_round(x, spec):
 
 
 def fuse_loras_fp8(weight, adapters, fmt, rule="addmm"):
-    """fp8 weight (spec §2): W' = fp8(bf16(f32(total) + f32(bf16(W)))), total the bf16 delta of
+    """fp8 weight (docs/arithmetic.md §2): W' = fp8(bf16(f32(total) + f32(bf16(W)))), total the bf16 delta of
     one adapter (fuse_lora's) or aggregate_delta's of several; nearest-even into fp8."""
     weight = bits(weight, np.uint8)
     total = adapter_delta(adapters[0]) if len(adapters) == 1 else aggregate_delta(adapters, rule)
@@ -256,7 +256,7 @@ def fuse_loras_fp8(weight, adapters, fmt, rule="addmm"):
 
 
 # --------------------------------------------------------------------------------------------
-# Scaled and quantised layouts (spec §2).  Each is fused as its owner fuses it: dequantise, add
+# Scaled and quantised layouts (docs/arithmetic.md §2).  Each is fused as its owner fuses it: dequantise, add
 # the bf16 aggregate delta, requantise into the same layout, with new scales where the owner's
 # rule computes new ones.  Written as torch evaluates the owners' expressions: a Python number
 # divided by a tensor is the tensor's reciprocal times the number (two roundings), a tensor
@@ -523,7 +523,7 @@ def fp8_round_stochastic(bf16_bits, fmt, key, index0=0):
 
 
 # --------------------------------------------------------------------------------------------
-# The text feature extractor (spec §4).  Gemma's hidden states [B, T, D, L] (D = 3840 wide,
+# The text feature extractor (docs/arithmetic.md §4).  Gemma's hidden states [B, T, D, L] (D = 3840 wide,
 # L = 49 layers; f32 or bf16) are normalised per sample (V1) or per token (V2), flattened so the
 # feature index is d * L + l, cast to bf16, and projected; padded rows are zero.  The statistics
 # are sums in f64 taken in a fixed order (over d for each token, then over tokens in order), so
@@ -602,7 +602,7 @@ def text_features_normalized(hidden, mask, version="v1", out_features=None):
 
 
 def text_features(hidden, mask, projections, version="v1"):
-    """spec §4: the projected features, one f64 array [B, T, out] per (weight, bias) projection:
+    """docs/arithmetic.md §4: the projected features, one f64 array [B, T, out] per (weight, bias) projection:
     the exact (f64) sum of the bf16 features times the weight, plus the bias (see
     text_features_normalized for the features).  A padded row's features are zero, so its
     output is the bias (zeros without one), as upstream's Linear gives."""

@@ -1,4 +1,4 @@
-"""fp8 rounding (spec §2) in the reference: torch's cast (upstream's engine) for every value
+"""fp8 rounding (docs/arithmetic.md §2) in the reference: torch's cast (upstream's engine) for every value
 where it is defined, ml_dtypes' where the two agree."""
 import numpy as np
 import pytest

@@ -1,5 +1,5 @@
 """The contract: fuse_lora / fuse_loras are byte-identical to ltx2blas.reference, the textbook
-loop of spec §1, for every rank, shape, strength, thread count, tile size and kernel table."""
+loop of docs/arithmetic.md §1, for every rank, shape, strength, thread count, tile size and kernel table."""
 import numpy as np
 import pytest
 

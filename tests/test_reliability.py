@@ -1,5 +1,5 @@
 """Faults and hostile inputs not covered elsewhere (RELIABILITY.md maps every item of
-docs/reliability.md to its test): processes killed or interrupted mid-write, a full disk, a
+tests/RELIABILITY.md to its test): processes killed or interrupted mid-write, a full disk, a
 read-only destination, the order of fsync and rename, and the rarer header cases."""
 import json
 import os

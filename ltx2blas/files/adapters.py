@@ -289,7 +289,7 @@ def factor_space(items, sources):
 
 
 def factor_bf16(source, key, report, space=None):
-    """An adapter tensor as bf16 bits; F32/F16 ones are rounded to bf16 (spec §1 multiplies
+    """An adapter tensor as bf16 bits; F32/F16 ones are rounded to bf16 (docs/arithmetic.md §1 multiplies
     bf16 factors) and recorded in the report.  A bf16 tensor of a file is read into ``space``
     (uint8, at least its size) when given."""
     from .. import _quant

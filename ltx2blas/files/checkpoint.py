@@ -252,7 +252,7 @@ class _Prefetcher:
     while they fit and is reused once every weight in it is written: small weights are so read
     ahead while a large one is still being written (one weight per buffer leaves the fuse
     waiting for a read after each large write), and nothing is read into fresh memory (whose
-    page faults cost more than the reading: 308 MB of factors in 69 ms fresh, 25 ms reused).
+    page faults cost more than the reading).
     Each weight is placed ``shift(name)`` bytes past a page boundary (its offset within a page
     of the output file), so that the writer can write it to the output without copying it."""
 
@@ -346,9 +346,9 @@ def _round_up(n, to):
 
 
 def _sha256(fd, chunk=1 << 20):
-    # One reused buffer that stays in cache: a fresh 16 MiB bytes object per read cost a quarter
-    # more time than the hashing itself (page faults and zeroing). Not mmap: a file truncated
-    # under a mapping kills the process with SIGBUS.
+    # One reused buffer that stays in cache: a fresh bytes object per read costs page faults
+    # and zeroing on the scale of the hashing itself. Not mmap: a file truncated under a
+    # mapping kills the process with SIGBUS.
     h = hashlib.sha256()
     view = memoryview(bytearray(chunk))
     offset = 0

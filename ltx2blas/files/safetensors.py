@@ -1,6 +1,6 @@
 """safetensors files, read strictly and written safely.
 
-Format (spec §5): 8-byte little-endian header length N, N bytes of JSON, then the data.  Every
+Format (docs/arithmetic.md §5): 8-byte little-endian header length N, N bytes of JSON, then the data.  Every
 entry ``{"dtype", "shape", "data_offsets": [begin, end]}`` is relative to the data start;
 ``__metadata__`` is a string-to-string map.
 

@@ -294,7 +294,7 @@ static inline void fuse_pair(vf lo, vf hi, __m512i wv, const uint16_t *w, uint16
 /* The rounding store of an R x 32 register block (R <= MR): acc[r][0..1] into row r of out.
  * Every row's weight is loaded before any row is stored: rows of a power-of-two width lie a
  * multiple of 32 KiB apart, and a load issued after a store to the same low address bits waits
- * on it (measured: 4096 x 16384 at rank 32 ran 10 % slower than 4096 x 16448). */
+ * on it. */
 static inline __attribute__((always_inline)) void
 store_block_rounded(const int R, vf acc[][2], const uint16_t *w, ltx_idx ldw, uint16_t *out,
                     ltx_idx ldo)
@@ -539,9 +539,8 @@ static void dot_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp, 
  * Register tile: R weight rows x MM rows of x; both are compile-time constants per call site. */
 /* Weight elements ahead of the one being read that are asked for, into L1 (512 bytes a row, 4 KiB
  * over 8 rows read together); past the end of a row's block it continues into the block
- * of the rows that come next. Measured at 188,160 in-features and 2048 weight rows (2-core
- * Zen 4): one row of x in 26.5 ms against 29.3 with 1024 elements ahead as non-temporal
- * prefetches, 8 rows 62 ms against 65; much further ahead, lines are evicted before use. */
+ * of the rows that come next. Far enough ahead to cover the memory latency, near enough that
+ * the lines are not evicted before use. */
 #define STREAM_AHEAD 256
 #define STREAM_BLOCK 4096
 
@@ -566,8 +565,7 @@ static inline float lane_tree(vf v)
 /* The register tile: SR weight rows x SM rows of x, SR * SM accumulators (plus SR + 1 vectors
  * in flight) within 32 registers, or 16 with AVX2. AVX-512 takes 8 rows of x at a time although
  * 32 accumulators leave the compiler a few spills: each widened weight vector then feeds 8
- * FMAs rather than 4, and at 8 to 16 rows of x that measured 10-15 % faster than 4 x 4 and
- * 3 x 8 (2-core Zen 4). */
+ * FMAs rather than 4, which outweighs the spills. */
 #if defined(LTX_VARIANT_AVX2)
 #define SM 4
 #define SR 2
@@ -582,13 +580,10 @@ static inline float lane_tree(vf v)
 /* With few rows of x the product is bound by memory, and what bounds one core's read rate is
  * how many weight rows stream at once (each its own run of cache misses), not the arithmetic:
  * 8 rows read together, where their accumulators fit the registers, and 4 up to 4 rows of x.
- * Measured at 188,160 in-features, 4096 weight rows, 1 thread (2-core Zen 4), time of reading
- * the weight once divided by the call's: AVX-512, 1 row of x 0.87-0.98 against 0.66-0.88 with
- * 4 weight rows together, 2 rows 0.81-0.88 (0.65-0.72), 3 rows 0.85 (0.61-0.67), 4 rows 0.73
- * (0.63); AVX2, 1 row 0.90 (0.59 with 2 together, 0.77 with 4), 2 rows 0.67 (0.51), 4 rows
- * 0.42 (0.38). 16 rows together measured below 8 (0.81 against 0.87-0.91), and 8 at 8 rows of
- * x, 64 accumulators, half the speed of the tile above. Arm: the same rule by register count,
- * 8 weight rows by 2 rows of x filling 26 of the 32 registers. */
+ * More rows together than the registers hold accumulators for spill and lose more than the
+ * extra streams gain. Arm: the same rule by register count, 8 weight rows by 2 rows of x
+ * filling 26 of the 32 registers. (The tuning runs: bench/results/amd-epyc-zen4-avx512bf16/
+ * tuning.md.) */
 #if defined(LTX_VARIANT_AVX2)
 #define FEW8 1
 #define FEW4 4
@@ -713,13 +708,7 @@ static void f32_to_f64(const float *restrict src, double *restrict dst, ltx_idx 
         dst[i] = (double)src[i];
 }
 
-static void f64_to_f32(const double *restrict src, float *restrict dst, ltx_idx n)
-{
-    for (ltx_idx i = 0; i < n; i++)
-        dst[i] = (float)src[i];
-}
-
-/* ---- fp8 weights (spec §2) ----
+/* ---- fp8 weights (docs/arithmetic.md §2) ----
  * W' = fp8(bf16(f32(bf16(acc)) + f32(W))), W an F8_E4M3 (float8_e4m3fn) or F8_E5M2 code, widened
  * exactly.  Into fp8: nearest-even, as torch casts (upstream's engine): past the largest finite
  * value e4m3fn saturates to +-448 (inf too) and e5m2 goes to +-inf; NaN becomes 0x7F with its
@@ -884,15 +873,27 @@ static ltx_idx scan_bf16(const uint16_t *src, ltx_idx n, uint16_t *max_mag, uint
 }
 
 const ltx_kernels TABLE = {
-    TABLE_NAME,         seq_gemm,           widen_bf16,           scale_round_widen,
-    store_fused,        accumulate_rounded, first_nonfinite_bf16, scan_bf16,
-    widen_bf16_f64,     f32_to_f64,         f64_to_f32,           widen_bf16_rows,
-    stream_wxt,         store_fused_fp8,    seq_fuse_bf16,
+    .name = TABLE_NAME,
+    .seq_gemm = seq_gemm,
+    .widen_bf16 = widen_bf16,
+    .scale_round_widen = scale_round_widen,
+    .store_fused = store_fused,
+    .accumulate_rounded = accumulate_rounded,
+    .first_nonfinite_bf16 = first_nonfinite_bf16,
+    .scan_bf16 = scan_bf16,
+    .widen_bf16_f64 = widen_bf16_f64,
+    .f32_to_f64 = f32_to_f64,
+    .widen_bf16_rows = widen_bf16_rows,
+    .stream_wxt = stream_wxt,
+    .store_fused_fp8 = store_fused_fp8,
+    .seq_fuse_bf16 = seq_fuse_bf16,
 #if defined(LTX_BF16_CONVERT)
-    dot_fuse_bf16,
-#else
-    NULL,
+    .dot_fuse_bf16 = dot_fuse_bf16,  /* NULL in the other tables */
 #endif
-    pack_pairs_rows,    pack_pairs_cols,    clear_negative_zero_bf16, round_bf16_f32,
-    accumulate_addmm,   store_rounded,
+    .pack_pairs_rows = pack_pairs_rows,
+    .pack_pairs_cols = pack_pairs_cols,
+    .clear_negative_zero_bf16 = clear_negative_zero_bf16,
+    .round_bf16_f32 = round_bf16_f32,
+    .accumulate_addmm = accumulate_addmm,
+    .store_rounded = store_rounded,
 };

@@ -1,11 +1,11 @@
 /*
  * Element kernels of ltx2blas, compiled once per instruction set and chosen at run time.
  *
- * Every routine here is exact in the sense of docs/exactness.md: it performs the IEEE f32 operations written
- * beside it, in the order written, one rounding per operation.  The only freedom taken is
- * fusing `c + x*y` into an FMA in the "fast" tables, which is exact only when the product x*y is
- * exact in f32 (bf16 x bf16 products are, unless they underflow or overflow); callers that
- * cannot rule that out use the strict table, which never contracts.
+ * Every routine here is exact in the sense of docs/exactness.md: it performs the IEEE f32
+ * operations written beside it, in the order written, one rounding per operation.  The only
+ * freedom taken is fusing `c + x*y` into an FMA in the "fast" tables, which is exact only when
+ * the product x*y is exact in f32 (bf16 x bf16 products are, unless they underflow or
+ * overflow); callers that cannot rule that out use the strict table, which never contracts.
  */
 #ifndef LTX2BLAS_KERNELS_H
 #define LTX2BLAS_KERNELS_H
@@ -107,8 +107,6 @@ typedef struct {
     void (*widen_bf16_f64)(const uint16_t *src, double *dst, ltx_idx n);
     /* dst[i] = f64(src[i]), exact */
     void (*f32_to_f64)(const float *src, double *dst, ltx_idx n);
-    /* dst[i] = f32(src[i]), nearest-even */
-    void (*f64_to_f32)(const double *src, float *dst, ltx_idx n);
     /* dst[r, i] = f32(src[r, i]) over a rows x cols block (row strides lds, ldd), prefetching
      * the source rows ahead */
     void (*widen_bf16_rows)(const uint16_t *src, ltx_idx lds, float *dst, ltx_idx ldd,
