@@ -4,6 +4,7 @@ Public API::
 
     fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None)
     fuse_loras(weight, [(lora_a, lora_b, strength), ...], *, rule="addmm", threads=None, out=None)
+    fuse_dora(weight, lora_a, lora_b, magnitude, *, scale=1.0, strength=1.0, style="peft")
     fuse_quantized(layout, weight, [(lora_a, lora_b, strength), ...], *, scale, scale_2=None)
     linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, progress=None)
     fuse_checkpoint(model, [(path, strength), ...], output, *, rule="addmm", threads=None)
@@ -11,7 +12,8 @@ Public API::
     text_features(hidden_states, attention_mask, [(weight, bias), ...], *, version="v1",
                   audio_video=False)
 
-``ltx2blas.reference`` holds the arithmetic contract as plain numpy loops.
+``ltx2blas.reference`` holds the arithmetic contract as plain numpy loops, the oracle the tests
+compare with; the library itself never uses it.  docs/design.md shows how the package is laid out.
 """
 import importlib
 from importlib.metadata import PackageNotFoundError, version as _version

@@ -12,7 +12,7 @@ from libc.math cimport NAN, isnan
 from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport free, malloc
 
-from ._gemm cimport LTX_STREAM_LANES, kernels, ltx_kernels, sgemm_wxt, stream_product
+from ._gemm cimport LTX_STREAM_LANES, chunk_wxt, kernels, ltx_kernels
 from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num
 
 
@@ -148,22 +148,14 @@ cdef void run_task(const FeatureJob *job, Py_ssize_t task, Py_ssize_t s0, Py_ssi
     cdef Py_ssize_t c0, c = 0
     cdef int kt
     cdef const float *xp
-    cdef const float *wp
-    cdef int ldw
     c0 = s0
     while c0 < s1:
         kt = <int>min(<Py_ssize_t>job.chunk, job.width - c0)
         xp = pr.x + c * job.n * job.chunk + m0 * kt
-        if job.stream:
-            stream_product(job.kern, mt, ot, kt, xp, kt, pr.w16 + o0 * job.width + c0, job.width,
-                           acc, panel)
-        else:
-            if pr.w16 != NULL:
-                job.kern.widen_bf16_rows(pr.w16 + o0 * job.width + c0, job.width, panel, kt, ot, kt)
-                wp, ldw = panel, kt
-            else:
-                wp, ldw = pr.w32 + o0 * job.width + c0, <int>job.width
-            sgemm_wxt(mt, ot, kt, xp, kt, wp, ldw, 1.0, acc, mt)
+        chunk_wxt(job.kern, job.stream, mt, ot, kt, xp, kt,
+                  pr.w16 + o0 * job.width + c0 if pr.w16 != NULL else NULL,
+                  pr.w32 + o0 * job.width + c0 if pr.w32 != NULL else NULL,
+                  <int>job.width, panel, acc)
         c0 += kt
         c += 1
 

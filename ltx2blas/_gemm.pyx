@@ -135,6 +135,23 @@ cdef void stream_product(const ltx_kernels *kern, int mt, int n, int kt, const f
         kern.stream_wxt(mt, n, kt, x, ldx, w, ldw, acc, lanes)
 
 
+cdef void chunk_wxt(const ltx_kernels *kern, bint stream, int mt, int ot, int kt,
+                    const float *x, int ldx, const uint16_t *w16, const float *w32, int ldw,
+                    float *panel, float *acc) noexcept nogil:
+    """acc[ot, mt] += w[ot, kt] @ x[mt, kt]^T: one chunk of a Linear's task, the weight bf16
+    (w16) or f32 (w32), rows of stride ldw.  A bf16 weight is widened into ``panel`` (ot x kt
+    floats) and multiplied by sgemm, or with ``stream`` read straight from its rows by the
+    streaming kernel (``panel`` then holds its lane sums).  The Linear and the feature extractor
+    both add their chunks here, so their results are the same bytes."""
+    if stream:
+        stream_product(kern, mt, ot, kt, x, ldx, w16, ldw, acc, panel)
+    elif w16 != NULL:
+        kern.widen_bf16_rows(w16, ldw, panel, kt, ot, kt)
+        sgemm_wxt(mt, ot, kt, x, ldx, panel, kt, 1.0, acc, mt)
+    else:
+        sgemm_wxt(mt, ot, kt, x, ldx, w32, ldw, 1.0, acc, mt)
+
+
 cdef void exact_product_fused(const ltx_kernels *kern, int m, int n, int k, const float *x,
                               int ldx, const float *y, const uint16_t *w, Py_ssize_t ldw,
                               uint16_t *out, Py_ssize_t ldo) noexcept nogil:

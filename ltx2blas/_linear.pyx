@@ -13,8 +13,7 @@ from cython.parallel cimport parallel, prange
 from libc.stdint cimport uint16_t
 from libc.stdlib cimport free, malloc
 
-from ._gemm cimport (LTX_STREAM_LANES, dgemm_wxt, kernels, ltx_kernels, sgemm_wxt,
-                     stream_product)
+from ._gemm cimport LTX_STREAM_LANES, chunk_wxt, dgemm_wxt, kernels, ltx_kernels
 from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num
 
 
@@ -52,9 +51,8 @@ cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) n
     cdef float *y = job.y + m0 * job.feats + o0
     cdef float *acc32 = <float *>buf.acc
     cdef double *acc64 = <double *>buf.acc
-    cdef const float *wp32
     cdef const float *xp32
-    cdef int ldw, ldx
+    cdef int ldx
     cdef double *wp64 = <double *>buf.w_panel
     cdef double *xp64 = <double *>buf.x_panel
 
@@ -80,23 +78,17 @@ cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) n
                 else:
                     kern.f32_to_f64(job.x32 + (m0 + r) * job.cols + c0, xp64 + r * kt, kt)
             dgemm_wxt(mt, ot, kt, xp64, kt, wp64, kt, 1.0, acc64, mt)
-        elif job.stream:
-            stream_product(kern, mt, ot, kt, job.x32 + m0 * job.cols + c0, job.cols,
-                           job.w16 + o0 * job.cols + c0, job.cols, acc32, <float *>buf.w_panel)
         else:
-            if job.w16 != NULL:
-                kern.widen_bf16_rows(job.w16 + o0 * job.cols + c0, job.cols,
-                                     <float *>buf.w_panel, kt, ot, kt)
-                wp32, ldw = <float *>buf.w_panel, kt
-            else:
-                wp32, ldw = job.w32 + o0 * job.cols + c0, <int>job.cols
-            if job.x16 != NULL:
+            if job.x16 != NULL:  # never on the streaming route, which takes x widened
                 kern.widen_bf16_rows(job.x16 + m0 * job.cols + c0, job.cols,
                                      <float *>buf.x_panel, kt, mt, kt)
                 xp32, ldx = <float *>buf.x_panel, kt
             else:
                 xp32, ldx = job.x32 + m0 * job.cols + c0, <int>job.cols
-            sgemm_wxt(mt, ot, kt, xp32, ldx, wp32, ldw, 1.0, acc32, mt)
+            chunk_wxt(kern, job.stream, mt, ot, kt, xp32, ldx,
+                      job.w16 + o0 * job.cols + c0 if job.w16 != NULL else NULL,
+                      job.w32 + o0 * job.cols + c0 if job.w32 != NULL else NULL,
+                      <int>job.cols, <float *>buf.w_panel, acc32)
         c0 += kt
 
     for m in range(mt):

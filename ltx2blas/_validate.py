@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import DTypeError, LayoutError, ShapeError
+from .errors import ArgumentError, DTypeError, LayoutError, ShapeError
 
 
 class Fp8Format(NamedTuple):
@@ -24,6 +24,12 @@ FP8 = {"F8_E4M3": Fp8Format("float8_e4m3fn", 448.0, False),
        "F8_E5M2": Fp8Format("float8_e5m2", 57344.0, True)}
 #: ml_dtypes / torch / ComfyUI name -> safetensors dtype name.
 FP8_BY_NAME = {f.name: key for key, f in FP8.items()}
+
+#: The several-adapter rules, and the roundings into plain fp8 (docs/arithmetic.md §1, §2).
+RULES = ("addmm", "sum")
+FP8_ROUNDINGS = ("nearest", "stochastic")
+#: The BLAS takes 32-bit int sizes.
+BLAS_INT_MAX = 2**31 - 1
 
 _BITS = np.dtype(np.uint16)
 _F32 = np.dtype(np.float32)
@@ -121,3 +127,24 @@ def _same_memory(a, b):
 def as_kind(bits, template):
     """``bits`` viewed as the kind ``template`` came in (bf16 kind, or fp8 dtype)."""
     return bits.view(template.dtype) if template.dtype.itemsize == bits.dtype.itemsize else bits
+
+
+def choice(value, choices, name):
+    """``value``, or ArgumentError when it is not one of ``choices``."""
+    if value not in choices:
+        raise ArgumentError(f"{name} must be {' or '.join(repr(c) for c in choices)}, got "
+                            f"{value!r}")
+    return value
+
+
+def where(index, shape):
+    """A flat index as the tuple of indices an error message names."""
+    return tuple(int(v) for v in np.unravel_index(index, shape))
+
+
+def first_nonfinite_fp8(codes, fmt):
+    """Flat index of the first fp8 code that is inf or NaN, or -1 (F8_E4M3 has no inf: its NaN
+    is x111_1111; F8_E5M2's inf and NaN are x111_11xx)."""
+    bad = (codes & 0x7F) == 0x7F if fmt == "F8_E4M3" else (codes & 0x7C) == 0x7C
+    hits = np.flatnonzero(bad)
+    return int(hits[0]) if hits.size else -1

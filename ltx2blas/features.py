@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from . import _features
-from ._validate import bf16_or_f32, contiguous, f32_values, ndarray
+from ._validate import bf16_or_f32, choice, contiguous, f32_values, ndarray
 from ._threads import blas_single_threaded, resolve_threads
 from .errors import ArgumentError, ArgumentTypeError, DTypeError, ShapeError
 from .linear_layer import plan
@@ -26,8 +26,7 @@ _VERSIONS = ("v1", "v2")
 
 
 def _validate(hidden_states, attention_mask, version):
-    if version not in _VERSIONS:
-        raise ArgumentError(f"version must be 'v1' or 'v2', got {version!r}")
+    choice(version, _VERSIONS, "version")
     hidden = bf16_or_f32(hidden_states, "hidden_states")[1]
     if hidden.ndim != 4:
         raise ShapeError(f"hidden_states must be [B, T, D, L], got shape {hidden.shape}")
@@ -177,9 +176,21 @@ def _project(flat, rows, tokens, batch, layers, version, weights, biases, output
 
 def normalized_features(hidden_states, attention_mask, *, version="v1", out_features=None,
                         threads=None):
-    """The bf16 features a projection multiplies, materialised [B, T, D * L] (padded rows +0.0):
-    for checking and inspection -- text_features never builds them.  V2 needs the projection's
-    ``out_features`` (its rescaling depends on it)."""
+    """The bf16 features a projection multiplies, materialised: for checking and inspection
+    (:func:`text_features` never builds them).
+
+    Parameters
+    ----------
+    hidden_states, attention_mask, version, threads
+        As for :func:`text_features`.
+    out_features : int
+        V2 only: the projection's out features (its rescaling depends on them).
+
+    Returns
+    -------
+    uint16 array [B, T, D * L]
+        bf16 bits; padded rows +0.0.
+    """
     hidden, mask = _validate(hidden_states, attention_mask, version)
     batch, tokens, depth, layers = hidden.shape
     if version == "v2" and not out_features:

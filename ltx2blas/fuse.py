@@ -10,8 +10,9 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _fuse, _gemm, _probe, _quant
-from ._validate import (FP8, as_kind, bf16_bits, bf16_to_f32, contiguous, is_bf16, ml_fp8_format,
-                        ndarray, output)
+from ._validate import (BLAS_INT_MAX, FP8, FP8_ROUNDINGS, RULES, as_kind, bf16_bits, bf16_to_f32,
+                        choice, contiguous, first_nonfinite_fp8, is_bf16, ml_fp8_format, ndarray,
+                        output, where)
 from ._threads import blas_single_threaded, resolve_threads
 from .errors import (
     ArgumentError,
@@ -30,7 +31,6 @@ __all__ = ["fuse_lora", "fuse_loras", "fuse_dora", "fuse_bias", "aggregate_delta
 #: (512 x 256 x 4 B = 512 KiB) stays in L2 between the product and the rounding store.
 DEFAULT_TILE = (512, 256)
 
-_INT_MAX = 2**31 - 1
 _BF16_FINITE_LIMIT = 3.0e38  # below bf16's largest finite value (3.39e38), with margin
 # f32 magnitudes from this one up round to bf16 inf: halfway between bf16's largest finite
 # value, 2^128 - 2^120, and 2^128 (a tie rounds up, to the even inf)
@@ -86,24 +86,30 @@ def fuse_loras(weight, adapters, *, rule="addmm", threads=None, out=None, check_
     """Fold several adapters into one weight: ``W' = bf16(W + agg)``, the adapters' bf16
     aggregate ``agg`` formed by a named rule, in the order given.
 
-    ``adapters`` is a sequence of ``(lora_a, lora_b, strength)``, a LoRA pair, or
-    ``(diff, strength)``, a full-weight difference [out, in] (bf16) whose delta is
-    ``bf16(strength * diff)``.
+    Parameters
+    ----------
+    weight : bf16 or fp8 array [out, in]
+        As for :func:`fuse_lora`.
+    adapters : sequence
+        ``(lora_a, lora_b, strength)``, a LoRA pair, or ``(diff, strength)``, a full-weight
+        difference [out, in] (bf16) whose delta is ``bf16(strength * diff)``.
+    rule : "addmm" (default) or "sum"
+        ``"addmm"`` (upstream LTX-2 today): ``agg = delta_1``, then for each later adapter
+        ``agg = bf16(agg + f32(s_i * (B_i @ A_i)))``, B_i not scaled and the product
+        accumulated in f32 in order; with one adapter this is :func:`fuse_lora` exactly.
+        ``"sum"`` (upstream's first release): ``agg = bf16(0.0 + delta_1 + delta_2 + ...)`` in
+        f32; with one adapter the result is :func:`fuse_lora`'s except where the weight and the
+        delta are both -0.0 (a delta is -0.0 only when its products underflow), which the sum
+        makes +0.0.
+    threads, out, check_finite, tile, weight_format, fp8_rounding, seed, name
+        As for :func:`fuse_lora`.
 
-    ``rule="addmm"`` (default; upstream LTX-2 today): ``agg = delta_1``, then for each later
-    adapter ``agg = bf16(agg + f32(s_i * (B_i @ A_i)))`` with B_i not scaled and the product
-    accumulated in f32 in order.  With one adapter this is :func:`fuse_lora` exactly.
-
-    ``rule="sum"`` (upstream's first release): ``agg = bf16(0.0 + delta_1 + delta_2 + ...)``
-    in f32.  With one adapter the result equals :func:`fuse_lora`'s except where the weight and
-    the delta are both -0.0 (a delta is -0.0 only when its products underflow): the sum turns
-    the delta into +0.0, so the result is +0.0 there, not -0.0.
-
-    Other arguments as :func:`fuse_lora`.  Byte-identical to
+    Returns
+    -------
+    The fused weight, the same kind as ``weight`` (or ``out`` when given); byte-identical to
     :func:`ltx2blas.reference.fuse_loras` (``reference.fuse_loras_fp8`` for fp8 weights).
     """
-    if rule not in _RULES:
-        raise ArgumentError(f"rule must be 'addmm' or 'sum', got {rule!r}")
+    choice(rule, RULES, "rule")
     try:
         adapters = [tuple(item) for item in adapters]
     except TypeError:
@@ -119,13 +125,25 @@ def fuse_loras(weight, adapters, *, rule="addmm", threads=None, out=None, check_
 
 
 def aggregate_delta(rows, cols, adapters, *, rule="addmm", threads=None, tile=None, out=None):
-    """The adapters' bf16 aggregate delta ``[rows, cols]`` as uint16 bits: ``bf16(B*s) @ A``
-    rounded to bf16 for one adapter, the named rule's aggregate for several (see
-    :func:`fuse_loras`) -- what a scaled or quantised layout's rule adds to its dequantised
-    weight.  Byte-identical to :func:`ltx2blas.reference.aggregate_delta`; ``out`` (uint16
-    [rows, cols], C-contiguous) is filled when given."""
-    if rule not in _RULES:
-        raise ArgumentError(f"rule must be 'addmm' or 'sum', got {rule!r}")
+    """The adapters' bf16 aggregate delta: what a scaled or quantised layout's rule adds to its
+    dequantised weight.
+
+    Parameters
+    ----------
+    rows, cols : int
+        The weight's shape.
+    adapters, rule, threads, tile
+        As for :func:`fuse_loras`.
+    out : uint16 array [rows, cols], optional
+        C-contiguous; filled when given.
+
+    Returns
+    -------
+    uint16 array [rows, cols]
+        ``bf16(bf16(B*s) @ A)`` for one adapter, the rule's aggregate for several;
+        byte-identical to :func:`ltx2blas.reference.aggregate_delta`.
+    """
+    choice(rule, RULES, "rule")
     adapters = [tuple(item) for item in adapters]
     if out is None:
         out = np.empty((rows, cols), np.uint16)
@@ -145,11 +163,25 @@ def _bias_f32(x, name):
 
 
 def fuse_bias(bias, items, *, out=None):
-    """Fold adapters' bias terms into a module's bias: ``acc = f32(bias)``, then for each
-    ``(b, s)`` in order ``acc = acc + f32(f32(s) * f32(b))``, rounded once into the bias's own
-    dtype (bf16 bits, float16 or float32).  ``b`` is a LoRA's ``lora_B.bias`` (its ``s`` the
-    LoRA's scale) or ComfyUI's ``diff_b`` (``s`` the strength).  Byte-identical to
-    :func:`ltx2blas.reference.fuse_bias`; ``out`` may be ``bias``."""
+    """Fold adapters' bias terms into a module's bias.
+
+    ``acc = f32(bias)``, then for each ``(b, s)`` in order ``acc = acc + f32(f32(s) * f32(b))``,
+    rounded once into the bias's own dtype.
+
+    Parameters
+    ----------
+    bias : bf16, float16 or float32 array [out]
+    items : sequence of (b, s)
+        ``b`` a LoRA's ``lora_B.bias`` (``s`` the LoRA's scale) or ComfyUI's ``diff_b``
+        (``s`` the strength), bf16, float16 or float32 [out].
+    out : array like ``bias``, optional
+        May be ``bias`` itself.
+
+    Returns
+    -------
+    The fused bias, the dtype of ``bias``; byte-identical to
+    :func:`ltx2blas.reference.fuse_bias`.
+    """
     acc, kind = _bias_f32(bias, "bias")
     acc = acc.reshape(-1)
     for i, (b, s) in enumerate(items):
@@ -176,22 +208,40 @@ DORA_EPS = np.float32(2.0 ** -23)
 def fuse_dora(weight, lora_a, lora_b, magnitude, *, scale=1.0, strength=1.0, style="peft",
               threads=None, out=None):
     """Fold a DoRA adapter into a bf16 weight: the LoRA-fused weight rescaled to the adapter's
-    magnitudes, as PEFT (``style="peft"``, a ``lora_magnitude_vector`` [out]) or ComfyUI
-    (``style="comfy"``, a ``dora_scale`` [out, 1] or [1, in]) define it.
+    magnitudes, as PEFT or ComfyUI define it.
 
-    ``scale`` is the LoRA's own scale (alpha / rank), applied inside the decomposition;
-    ``strength`` blends the result with the weight, ``W + strength * (W_dora - W)``, as
-    ComfyUI does (PEFT merges at strength 1).  The arithmetic, norms and eps included, is
-    :func:`ltx2blas.reference.fuse_dora`'s, byte for byte.  ``magnitude`` is f32 or bf16.
+    Parameters
+    ----------
+    weight, lora_a, lora_b : bf16 arrays
+        As for :func:`fuse_lora`.
+    magnitude : float32 or bf16 array
+        PEFT's ``lora_magnitude_vector`` [out] (``style="peft"``), or ComfyUI's ``dora_scale``
+        [out, 1] or [1, in] (``style="comfy"``).
+    scale : float
+        The LoRA's own scale (alpha / rank), applied inside the decomposition.
+    strength : float
+        Blends the result with the weight, ``W + strength * (W_dora - W)``, as ComfyUI does
+        (PEFT merges at strength 1).
+    style : "peft" (default) or "comfy"
+    threads, out
+        As for :func:`fuse_lora`.
 
-    Raises NonFiniteResultError where a norm is zero (PEFT's rule then divides by zero)."""
+    Returns
+    -------
+    The fused weight, the same kind as ``weight``; the arithmetic, norms and eps included, is
+    :func:`ltx2blas.reference.fuse_dora`'s, byte for byte.
+
+    Raises
+    ------
+    NonFiniteResultError
+        Where a norm is zero (PEFT's rule then divides by zero).
+    """
     w = bf16_bits(weight, "weight")
     if w.ndim != 2:
         raise ShapeError(f"weight must be 2-D [out, in], got shape {w.shape}")
     contiguous(w, "weight")
     rows, cols = w.shape
-    if style not in ("peft", "comfy"):
-        raise ArgumentError(f"style must be 'peft' or 'comfy', got {style!r}")
+    choice(style, ("peft", "comfy"), "style")
     m = bf16_to_f32(magnitude) if is_bf16(ndarray(magnitude, "magnitude").dtype) else magnitude
     if m.dtype != np.float32:
         raise DTypeError(f"magnitude must be float32 or bf16, got {magnitude.dtype}")
@@ -283,13 +333,8 @@ def _strength_f32(strength, index):
     return s
 
 
-def _where(index, shape):
-    return tuple(int(v) for v in np.unravel_index(index, shape))
-
-
 # "delta": the bare bf16 aggregate delta, for the layouts whose rule needs all of it first.
 _FORMAT_CODES = {"bf16": 0, "F8_E4M3": 1, "F8_E5M2": 2, "delta": 3}
-_RULES = ("addmm", "sum")
 #: Largest finite value of each storage format: past it a result has overflowed.
 _FORMAT_LIMIT = {"bf16": _BF16_FINITE_LIMIT, **{k: f.largest for k, f in FP8.items()}}
 
@@ -317,16 +362,15 @@ def _weight_bits(weight, weight_format, name="weight"):
 
 
 def _first_nonfinite(bits, fmt):
+    """(flat index of the weight's first inf/NaN or -1, its largest finite magnitude)."""
     if fmt == "bf16":
         mag = _Magnitudes(bits)
         return mag.first_nonfinite, mag.max
     values = _quant.fp8_values(fmt == "F8_E5M2")
     present = np.zeros(256, bool)
     present[np.unique(bits)] = True
-    bad = ~np.isfinite(values) & present
-    first = int(np.argmax(np.isin(bits.reshape(-1), np.flatnonzero(bad)))) if bad.any() else -1
     largest = float(np.nanmax(np.abs(values[present & np.isfinite(values)]), initial=0.0))
-    return first, largest
+    return first_nonfinite_fp8(bits.reshape(-1), fmt), largest
 
 
 class _Adapter:
@@ -366,7 +410,7 @@ def _prepare_adapters(adapters, rows, cols):
         if a.shape[0] != b.shape[1]:
             raise ShapeError(f"adapter {i}: ranks disagree: lora_a has {a.shape[0]} rows, "
                              f"lora_b {b.shape[1]} columns")
-        if a.shape[0] > _INT_MAX:
+        if a.shape[0] > BLAS_INT_MAX:
             raise ShapeError(f"adapter {i}: rank {a.shape[0]} exceeds the BLAS integer range")
         contiguous(a, f"adapter {i} lora_a")
         contiguous(b, f"adapter {i} lora_b")
@@ -417,7 +461,7 @@ def _choose_route(prepared, fmt, rule, check_finite):
         if ad.kind == "diff":
             mag = _Magnitudes(ad.a)
             if check_finite and mag.first_nonfinite >= 0:
-                at = _where(mag.first_nonfinite, ad.a.shape)
+                at = where(mag.first_nonfinite, ad.a.shape)
                 raise NonFiniteInputError(
                     f"adapter {i} diff is non-finite at {at} (value {_bf16_value(ad.a[at])!r})")
             route.bound += abs(float(ad.s)) * mag.max * 1.01
@@ -426,7 +470,7 @@ def _choose_route(prepared, fmt, rule, check_finite):
         if check_finite:
             for what, arr, mag in (("lora_a", ad.a, amag), ("lora_b", ad.b, bmag)):
                 if mag.first_nonfinite >= 0:
-                    at = _where(mag.first_nonfinite, arr.shape)
+                    at = where(mag.first_nonfinite, arr.shape)
                     raise NonFiniteInputError(
                         f"adapter {i} {what} is non-finite at {at} (value {_bf16_value(arr[at])!r})")
         # bs = bf16(B*s): bounds on its magnitudes, one bf16 rounding step of slack each way;
@@ -440,7 +484,7 @@ def _choose_route(prepared, fmt, rule, check_finite):
         if check_finite and prescaled and bs_max >= _BF16_FINITE_LIMIT:
             bad = _first_bf16_overflow(ad.b, ad.s)
             if bad >= 0:
-                at = _where(bad, ad.b.shape)
+                at = where(bad, ad.b.shape)
                 raise NonFiniteResultError(
                     f"adapter {i}: lora_b{at} x strength {float(ad.s)!r} overflows bf16")
         # Products bs*A are exact in f32 (so FMA and BLAS are exact too) unless they could
@@ -516,8 +560,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
 def _prepare(weight, adapters, weight_format, fp8_rounding):
     """(format, the weight's bits, the contributing adapters), every argument checked."""
     fmt, w = _weight_bits(weight, weight_format)
-    if fp8_rounding not in ("nearest", "stochastic"):
-        raise ArgumentError(f"fp8_rounding must be 'nearest' or 'stochastic', got {fp8_rounding!r}")
+    choice(fp8_rounding, FP8_ROUNDINGS, "fp8_rounding")
     if fp8_rounding == "stochastic" and fmt in ("bf16", "delta"):
         raise ArgumentError("fp8_rounding='stochastic' applies to fp8 weights; this one is bf16")
     if w.ndim != 2:
@@ -530,7 +573,7 @@ def _check_weight(w, fmt):
     """The weight's largest finite magnitude, or NonFiniteWeightError at its first inf/NaN."""
     first_bad, largest = _first_nonfinite(w, fmt)
     if first_bad >= 0:
-        at = _where(first_bad, w.shape)
+        at = where(first_bad, w.shape)
         raise NonFiniteWeightError(f"weight ({fmt}) is already non-finite at {at} (code "
                                    f"{int(w[at]):#x}) before fusing")
     return largest
@@ -577,4 +620,4 @@ def _tile(tile):
 def _raise_nonfinite_result(bad, shape, fmt="bf16"):
     if bad >= 0:
         what = "saturates fp8 e4m3 at 448" if fmt == "F8_E4M3" else f"overflows {fmt}"
-        raise NonFiniteResultError(f"the fused weight {what} at {_where(bad, shape)}")
+        raise NonFiniteResultError(f"the fused weight {what} at {where(bad, shape)}")

@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from . import _gemm, _linear
-from ._validate import bf16_or_f32, bf16_to_f32, contiguous, ndarray, output
+from ._validate import BLAS_INT_MAX, bf16_or_f32, bf16_to_f32, choice, contiguous, ndarray, output
 from ._threads import blas_single_threaded, resolve_threads
 from .errors import ArgumentError, DTypeError, ShapeError
 
@@ -38,9 +38,6 @@ STREAM_ROWS = 64
 #: bench/results/amd-epyc-zen4-avx512bf16/tuning.md.)
 BLOCKS = {"sgemm": (512, 256, 512), "stream": (16, 64, 1 << 18), "f64": (256, 128, 512)}
 STREAM_WIDE_BLOCKS = (STREAM_ROWS, 128, 1 << 18)
-
-_INT_MAX = 2**31 - 1
-
 
 def plan(rows, weight_dtype, accumulate="f32", blocks=None):
     """The route ("sgemm", "stream" or "f64") and (rows, features, chunk) blocks a call with
@@ -94,6 +91,18 @@ def gamma(rows, cols, weight_dtype, accumulate="f32", blocks=None):
 def error_bound(x, weight, bias=None, accumulate="f32", blocks=None):
     """Elementwise bound on |y - exact| before y's final rounding to f32, derived, not fitted.
 
+    Parameters
+    ----------
+    x, weight, bias, accumulate, blocks
+        As for :func:`linear`.
+
+    Returns
+    -------
+    float64 array [..., out]
+        The bound for each element of ``linear(x, weight, bias, ...)``.
+
+    Notes
+    -----
     Every product x*w and every addition rounds once, with relative error at most u (2^-24 in
     f32, 2^-53 in f64).  If a term of y passes through at most d roundings, then
     |y - exact| <= gamma_d * (sum_i |x_i w_i| + |bias|), gamma_d = d u / (1 - d u) (Higham,
@@ -151,8 +160,7 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
     """
     x_kind, x_bits = bf16_or_f32(x, "x")
     _, w_bits = bf16_or_f32(weight, "weight")
-    if accumulate not in ("f32", "f64"):
-        raise ArgumentError(f"accumulate must be 'f32' or 'f64', got {accumulate!r}")
+    choice(accumulate, ("f32", "f64"), "accumulate")
     rows, feats, cols = _shapes(x, weight)
     bias32 = _bias_f32(bias, feats)
     y = _output(out, x.shape[:-1] + (feats,), x, weight, bias)
@@ -190,7 +198,7 @@ def _shapes(x, weight):
     contiguous(weight, "weight")
     # The BLAS takes 32-bit sizes: rows and chunks are cut to fit, and the leading dimensions
     # (the row lengths of x, weight and y) must fit too.
-    if cols > _INT_MAX or feats > _INT_MAX:
+    if cols > BLAS_INT_MAX or feats > BLAS_INT_MAX:
         raise ShapeError(f"in ({cols}) and out ({feats}) features must be below 2^31 for a "
                          "32-bit-integer BLAS")
     return int(np.prod(x.shape[:-1], dtype=np.int64)), feats, cols

@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import _gemm, _quant
-from ._validate import FP8, contiguous, ml_fp8_format, ndarray
+from ._validate import FP8, contiguous, first_nonfinite_fp8, ml_fp8_format, ndarray, where
 from ._threads import resolve_threads
 from .errors import (
     ArgumentError,
@@ -119,13 +119,6 @@ def _check_shapes(layout, w, rows, cols):
         raise ShapeError(f"an nvfp4 weight of {cols} columns is not made of 16-element blocks")
 
 
-def _nonfinite_codes(codes, fmt):
-    """Index of the first fp8 code that is inf or NaN, or -1."""
-    nan = (codes & 0x7F) == 0x7F if fmt == "F8_E4M3" else (codes & 0x7C) == 0x7C
-    hits = np.flatnonzero(nan)
-    return int(hits[0]) if hits.size else -1
-
-
 def _delta(rows, cols, adapters, rule, threads, tile, out):
     delta = aggregate_delta(rows, cols, adapters, rule=rule, threads=threads, tile=tile, out=out)
     _, _, first = _gemm.scan_bf16(delta.reshape(-1))
@@ -135,9 +128,9 @@ def _delta(rows, cols, adapters, rule, threads, tile, out):
         for what, factor in (("lora_a", a), ("lora_b", b)):
             _, _, bad = _gemm.scan_bf16(np.ascontiguousarray(factor).view(np.uint16).reshape(-1))
             if bad >= 0:
-                at = tuple(int(v) for v in np.unravel_index(bad, np.shape(factor)))
+                at = where(bad, np.shape(factor))
                 raise NonFiniteInputError(f"adapter {i} {what} is non-finite at {at}")
-    at = tuple(int(v) for v in np.unravel_index(first, (rows, cols)))
+    at = where(first, (rows, cols))
     raise NonFiniteResultError(f"the adapters' delta overflows bf16 at {at}")
 
 
@@ -187,7 +180,7 @@ def fuse_quantized(layout, weight, adapters, *, scale, scale_2=None, fmt=None, r
         if block.shape != want:
             raise ShapeError(f"nvfp4 block scales have shape {block.shape}; the tiled layout of a "
                              f"[{rows}, {cols}] weight is {want}")
-        if _nonfinite_codes(block, "F8_E4M3") >= 0:
+        if first_nonfinite_fp8(block.reshape(-1), "F8_E4M3") >= 0:
             raise NonFiniteWeightError("nvfp4 block scales hold a NaN code")
         if scale_2 is None:
             raise ArgumentError("nvfp4 needs scale_2, the per-tensor f32 scale")
@@ -199,9 +192,9 @@ def fuse_quantized(layout, weight, adapters, *, scale, scale_2=None, fmt=None, r
         if scale_2 is not None:
             raise ArgumentError(f"scale_2 belongs to nvfp4, not {layout}")
     if fmt is not None:
-        first = _nonfinite_codes(codes, fmt)
+        first = first_nonfinite_fp8(codes.reshape(-1), fmt)
         if first >= 0:
-            at = tuple(int(v) for v in np.unravel_index(first, codes.shape))
+            at = where(first, codes.shape)
             raise NonFiniteWeightError(f"weight ({fmt}) is inf or NaN at {at} (code "
                                        f"{int(codes[at]):#x}) before fusing")
     if in_place and not (codes.flags.writeable and block.flags.writeable and

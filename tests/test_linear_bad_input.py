@@ -150,7 +150,7 @@ def test_non_finite_values_propagate_the_same_on_every_path(rng, rows, accumulat
 
 def test_32_bit_blas_limit_is_checked_before_any_call(arrays, monkeypatch):
     x, w, b = arrays
-    monkeypatch.setattr(linear_layer, "_INT_MAX", 63)
+    monkeypatch.setattr(linear_layer, "BLAS_INT_MAX", 63)
     with pytest.raises(errors.ShapeError, match="2\\^31"):
         ltx2blas.linear(x, w, b)
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._validate import FP8_BY_NAME, bf16_to_f32, is_bf16, ml_fp8_format
-from ..errors import ArgumentError, DTypeError, KeyMatchError, ShapeError
+from .._validate import FP8_BY_NAME, bf16_to_f32, choice, is_bf16, ml_fp8_format
+from ..errors import DTypeError, KeyMatchError, ShapeError
 from . import keys as keymatch
 from .safetensors import SafetensorsFile
 
@@ -185,8 +185,7 @@ def make_plan(model_entries, layout_of, sources, strengths, alpha="scale",
               allow_unmatched=False):
     """The Plan of fusing ``sources`` at ``strengths`` into a model of ``model_entries``
     (name -> (dtype, shape)); ``layout_of(key)`` gives a weight's Layout or raises."""
-    if alpha not in ALPHA_MODES:
-        raise ArgumentError(f"alpha must be 'scale' or 'ignore', got {alpha!r}")
+    choice(alpha, ALPHA_MODES, "alpha")
     plan = Plan({}, {}, [])
     for index, (source, strength) in enumerate(zip(sources, strengths)):
         report = AdapterReport(path=source.name, strength=strength, alpha_mode=alpha)

@@ -27,6 +27,7 @@ from ..errors import (
     Ltx2IOError,
 )
 from .._threads import resolve_threads
+from .._validate import FP8_ROUNDINGS, RULES, choice
 from ..fuse import fuse_bias, fuse_dora, fuse_loras
 from ..quantized import fuse_quantized
 from . import adapters as plans
@@ -47,6 +48,10 @@ RULE_TEXT = {
 
 @dataclass
 class FuseReport:
+    """What a checkpoint or state-dict fuse did: modules fused (``fused``: model key and the
+    adapters on it, in file order), tensors copied, the adapters' reports (keys used, alpha,
+    what did not match), GFLOP, seconds, peak memory and the metadata written;
+    :meth:`summary` as the command prints it."""
     output: str
     dry_run: bool
     modules_fused: int = 0
@@ -410,10 +415,8 @@ class _Options:
 
 
 def _check_options(rule, fp8_rounding, layouts):
-    if rule not in RULE_TEXT:
-        raise ArgumentError(f"rule must be 'addmm' or 'sum', got {rule!r}")
-    if fp8_rounding not in ("nearest", "stochastic"):
-        raise ArgumentError(f"fp8_rounding must be 'nearest' or 'stochastic', got {fp8_rounding!r}")
+    choice(rule, RULES, "rule")
+    choice(fp8_rounding, FP8_ROUNDINGS, "fp8_rounding")
     if fp8_rounding == "stochastic":
         scaled = [n for n, lay in layouts.items() if lay.quantized]
         if scaled:
@@ -458,8 +461,7 @@ def _prepare(entries, metadata, read_bytes, sources, loras, options, retry_dtype
     every weight's layout and every adapter tensor's place are settled here, before anything
     is written.  ``retry_dtype``: the fp8 format that U8 weights hold when no quantised layout
     claims them (fuse_state_dict's ``weight_format``)."""
-    if options["rule"] not in RULE_TEXT:
-        raise ArgumentError(f"rule must be 'addmm' or 'sum', got {options['rule']!r}")
+    choice(options["rule"], RULES, "rule")
     configs, marker = layoutmod.comfy_configs(metadata, entries, read_bytes)
     cache = {}
 
@@ -548,7 +550,6 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
                                     f"it ({ckpt.metadata[FUSED_KEY][:200]}); pass force=True "
                                     "(--force) to fuse again")
         entries_of = {n: (info.dtype, info.shape) for n, (_, info) in ckpt.entries.items()}
-        dtypes = {n: dtype for n, (dtype, _) in entries_of.items()}
         opts = dict(rule=rule, alpha=alpha, allow_unmatched=allow_unmatched,
                     fp8_rounding=fp8_rounding)
         plan, layouts = _prepare(entries_of, ckpt.metadata, lambda n: _read_tensor(ckpt, n),
@@ -558,10 +559,40 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
         report.tensors_copied = report.tensors_total - report.modules_fused - len(plan.biases) - sum(
             len(lay.rewritten) for lay in layouts.values())
         _check_output_is_not_an_input(os.fspath(output), ckpt.paths() + [s.name for s in sources])
-        if dry_run:
-            report.seconds = time.perf_counter() - t0
-            return report
+        if not dry_run:
+            options = _Options(rule, threads, check_finite, fp8_rounding, seed)
+            report.metadata = _FusedWriter(ckpt, sources, plan, layouts, options).write(
+                output, order, report, progress, t0)
+            report.peak_rss_mib = _peak_rss_mib()
+        report.seconds = time.perf_counter() - t0
+        return report
+    finally:
+        for s in sources:
+            s.close()
+        ckpt.close()
 
+
+class _FusedWriter:
+    """The output of one checkpoint fuse, tensor by tensor in output order: fused weights (read
+    ahead by a _Prefetcher), their rewritten scales right after them, fused biases, and every
+    other tensor copied byte for byte."""
+
+    def __init__(self, ckpt, sources, plan, layouts, options):
+        self.ckpt, self.sources, self.plan, self.layouts = ckpt, sources, plan, layouts
+        self.options = options
+        self.delta = _delta_buffer(layouts)
+        self.pending = {}  # rewritten scales, written right after their weight
+        self.dtypes = {n: info.dtype for n, (_, info) in ckpt.entries.items()}
+
+    def metadata(self):
+        o = self.options
+        return _fused_metadata(self.ckpt.metadata, self.plan.reports, self.dtypes,
+                               self.plan.weights, o.fp8_rounding, o.seed, o.rule,
+                               _layout_counts(self.layouts))
+
+    def write(self, output, order, report, progress, t0):
+        """Write and commit the output; returns its metadata."""
+        ckpt, plan, sources = self.ckpt, self.plan, self.sources
         # The adapters' sha256 go into the header, which is written first: hash in the
         # background, write a same-length placeholder, patch it in before commit.
         hashes = [None] * len(sources)
@@ -569,43 +600,18 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
         hasher.start()
         for r in plan.reports:
             r.sha256 = "0" * 64
-        counts = _layout_counts(layouts)
-        metadata = _fused_metadata(ckpt.metadata, plan.reports, dtypes, plan.weights,
-                                   fp8_rounding, seed, rule, counts)
-
         entries = [(n, ckpt.entries[n][1].dtype, ckpt.entries[n][1].shape,
                     ckpt.entries[n][1].nbytes) for n in order]
-        fused_order = [n for n in order if n in plan.weights]
-        options = _Options(rule, threads, check_finite, fp8_rounding, seed)
-        delta = _delta_buffer(layouts)
-        pending = {}  # rewritten scales, written right after their weight
         done_gflop = 0.0
-        with SafetensorsWriter(output, entries, metadata) as writer:
+        with SafetensorsWriter(output, entries, self.metadata()) as writer:
             reader = _Prefetcher(
-                ckpt, fused_order,
+                ckpt, [n for n in order if n in plan.weights],
                 lambda name, space: plans.factors(plan.weights[name], sources, plan.reports, space),
                 lambda name: plans.factor_space(plan.weights[name], sources),
                 lambda name: writer.file_offset(name) % writer.ALIGN, writer.ALIGN)
             try:
                 for count, name in enumerate(order, 1):
-                    f, info = ckpt.entries[name]
-                    if name in plan.weights:
-                        layout = layouts[name]
-                        weight, loaded = reader.take(name)
-                        scales = [_read_tensor(ckpt, c) for c in layout.rewritten]
-                        _fuse_one(weight, loaded, layout, name, options, scales,
-                                  _delta_view(delta, layout))
-                        pending.update(zip(layout.rewritten, scales))
-                        # Written from the read buffer, which is reused once the write is done.
-                        writer.write(name, weight, release=functools.partial(reader.release, weight))
-                        done_gflop += plans.gflop(layout.shape, plan.weights[name], sources)
-                    elif name in pending:
-                        writer.write(name, pending.pop(name))
-                    elif name in plan.biases:
-                        writer.write(name, fuse_bias(_read_tensor(ckpt, name),
-                                                     plans.bias_terms(plan.biases[name], sources)))
-                    else:
-                        writer.copy(name, f.fileno(), info.begin, info.nbytes, f.path)
+                    done_gflop += self._write_one(name, writer, reader)
                     if progress is not None:
                         progress(Progress(count, len(order), done_gflop, report.gflop,
                                           time.perf_counter() - t0, name))
@@ -614,20 +620,35 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
                     if isinstance(h, BaseException):
                         raise Ltx2IOError(5, f"hashing {r.path} failed: {h}") from h
                     r.sha256 = h
-                metadata = _fused_metadata(ckpt.metadata, plan.reports, dtypes, plan.weights,
-                                           fp8_rounding, seed, rule, counts)
+                metadata = self.metadata()
                 writer.set_metadata(metadata)
                 writer.commit()
             finally:
                 reader.close()
-        report.metadata = metadata
-        report.seconds = time.perf_counter() - t0
-        report.peak_rss_mib = _peak_rss_mib()
-        return report
-    finally:
-        for s in sources:
-            s.close()
-        ckpt.close()
+        return metadata
+
+    def _write_one(self, name, writer, reader):
+        """Write tensor ``name``; returns the GFLOP its fuse took (0 for the rest)."""
+        ckpt, plan = self.ckpt, self.plan
+        if name in plan.weights:
+            layout = self.layouts[name]
+            weight, loaded = reader.take(name)
+            scales = [_read_tensor(ckpt, c) for c in layout.rewritten]
+            _fuse_one(weight, loaded, layout, name, self.options, scales,
+                      _delta_view(self.delta, layout))
+            self.pending.update(zip(layout.rewritten, scales))
+            # Written from the read buffer, which is reused once the write is done.
+            writer.write(name, weight, release=functools.partial(reader.release, weight))
+            return plans.gflop(layout.shape, plan.weights[name], self.sources)
+        if name in self.pending:
+            writer.write(name, self.pending.pop(name))
+        elif name in plan.biases:
+            writer.write(name, fuse_bias(_read_tensor(ckpt, name),
+                                         plans.bias_terms(plan.biases[name], self.sources)))
+        else:
+            f, info = ckpt.entries[name]
+            writer.copy(name, f.fileno(), info.begin, info.nbytes, f.path)
+        return 0.0
 
 
 def _read_tensor(ckpt, name):
@@ -640,13 +661,25 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
                     alpha="scale", allow_unmatched=False):
     """Fuse adapters into tensors a loader already holds, in place.
 
-    ``state_dict`` maps names to numpy arrays (bf16 as uint16 or ml_dtypes.bfloat16; fp8 as
-    ml_dtypes float8 arrays, or uint8 codes with ``weight_format``) or CPU torch tensors
-    (bfloat16, float8_e4m3fn, float8_e5m2, uint8; viewed without a copy, torch itself is not
-    needed to use the rest of ltx2blas).  Scaled and quantised layouts are recognised from the
-    tensors beside each weight, as in a checkpoint, and their scales rewritten in place; bias
-    terms are added to the biases in place.  ``loras``: (path or mapping of adapter tensors,
-    strength) pairs.  Names and rules as for :func:`fuse_checkpoint`.  Returns a FuseReport."""
+    Parameters
+    ----------
+    state_dict : mapping of name -> array
+        numpy arrays (bf16 as uint16 or ml_dtypes.bfloat16; fp8 as ml_dtypes float8 arrays, or
+        uint8 codes with ``weight_format``) or CPU torch tensors (bfloat16, float8_e4m3fn,
+        float8_e5m2, uint8), viewed without a copy; torch is not needed for the rest of
+        ltx2blas.  Scaled and quantised layouts are recognised from the tensors beside each
+        weight, as in a checkpoint, and their scales rewritten in place; bias terms are added
+        to the biases in place.
+    loras : list of (path or mapping of adapter tensors, strength)
+    weight_format : "F8_E4M3" or "F8_E5M2", optional
+        The fp8 format of uint8 weights that no quantised layout claims.
+    rule, threads, progress, check_finite, fp8_rounding, seed, alpha, allow_unmatched
+        As for :func:`fuse_checkpoint`.
+
+    Returns
+    -------
+    FuseReport
+    """
     if not isinstance(state_dict, collections.abc.Mapping):
         raise ArgumentTypeError(f"state_dict must map names to tensors, got "
                                 f"{type(state_dict).__name__}")

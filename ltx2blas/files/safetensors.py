@@ -174,7 +174,7 @@ def read_into(fd, buffer, offset, path):
 
 class SafetensorsFile:
     """A validated safetensors file: ``tensors`` (name -> TensorInfo, in file order),
-    ``metadata`` (dict), and ``read(name)`` / ``read_into(name, array)`` for the data."""
+    ``metadata`` (dict), and ``read(name, out=None)`` for the data (into ``out`` when given)."""
 
     def __init__(self, path):
         self.path = os.fspath(path)
@@ -325,14 +325,16 @@ class SafetensorsFile:
 
 def header_bytes(entries, metadata):
     """The serialized header for ``entries`` (name, dtype, shape, nbytes) laid out in order,
-    padded with spaces to a multiple of 8 bytes; returns (bytes, data offsets)."""
+    padded with spaces to a multiple of 8 bytes: (the length prefix and header bytes, each
+    entry's data offset, the data's total length)."""
     header = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
     offset = 0
     offsets = []
     for name, dtype, shape, nbytes in entries:
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offsets.append(offset)
         offset += nbytes
     body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
