@@ -198,9 +198,9 @@ def use_kernels(name=None):
         return kernel_name()
     cdef const ltx_kernels *table = ltx_kernels_by_name(name.encode())
     if table == NULL:
-        raise ValueError(f"kernel table {name!r} is not available here (built: "
-                         f"{', '.join(kernels_built())}; this CPU runs the ones "
-                         f"ltx2blas info lists)")
+        raise ValueError(f"kernel table {name!r} is not available here: it was not built "
+                         f"(built: {', '.join(kernels_built())}) or this CPU lacks its "
+                         f"instructions")
     _fast = table
     return kernel_name()
 

@@ -58,3 +58,18 @@ def test_version_is_the_installed_distribution_s():
     out = run("--version")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"ltx2blas {version('ltx2blas')}"
+
+
+def test_kernel_table_chosen_by_environment():
+    env = dict(os.environ, LTX2BLAS_KERNELS="base")
+    out = subprocess.run([sys.executable, "-m", "ltx2blas", "info", "--json"], capture_output=True,
+                         text=True, cwd="/", timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["kernel"] == "base"
+
+    env["LTX2BLAS_KERNELS"] = "no-such-table"
+    out = subprocess.run([sys.executable, "-m", "ltx2blas", "info"], capture_output=True,
+                         text=True, cwd="/", timeout=300, env=env)
+    assert out.returncode == 2
+    assert "kernel table 'no-such-table' is not available here" in out.stderr
+    assert "Traceback" not in out.stderr
