@@ -111,6 +111,8 @@ def test_fsync_then_rename_then_fsync_the_folder(tmp_path, monkeypatch):
 CHILD = r"""
 import os, resource, signal, sys
 import ltx2blas
+# A shell starting a job in the background hands it SIGINT ignored, and Python keeps that.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 model, lora, out, fraction, action = sys.argv[1:6]
 fraction = float(fraction)
 if action == "fsize":
@@ -193,6 +195,7 @@ def test_file_size_limit_is_a_clear_error(many, limit):
 def test_cli_interrupt_exit_code(many):
     mp, ap, out = many
     code = ("import os, signal, sys\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "from ltx2blas import cli\n"
             "from ltx2blas.files import checkpoint\n"
             "real = checkpoint._fuse_one\n"
