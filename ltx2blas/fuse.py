@@ -25,11 +25,16 @@ from .errors import (
 )
 
 __all__ = ["fuse_lora", "fuse_loras", "fuse_dora", "fuse_bias", "aggregate_delta",
-           "buffer_bytes", "DEFAULT_TILE"]
+           "buffer_bytes", "default_tile", "DEFAULT_TILE", "MIN_TILES", "SMALLEST_TILE"]
 
-#: Output tile (rows, cols) each thread computes at a time. The f32 accumulator tile
+#: The largest output tile (rows, cols) a thread computes at a time: its f32 accumulator
 #: (512 x 256 x 4 B = 512 KiB) stays in L2 between the product and the rounding store.
 DEFAULT_TILE = (512, 256)
+#: A weight is cut into at least this many tiles, down to SMALLEST_TILE: enough independent
+#: tasks for machines with tens of cores to share out evenly as threads come free. Smaller
+#: tiles cost a little more widening per element; the result never depends on the tiling.
+MIN_TILES = 256
+SMALLEST_TILE = (64, 64)
 
 _BF16_FINITE_LIMIT = 3.0e38  # below bf16's largest finite value (3.39e38), with margin
 # f32 magnitudes from this one up round to bf16 inf: halfway between bf16's largest finite
@@ -60,7 +65,8 @@ def fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None,
         Raise :class:`~ltx2blas.errors.NumericsError` subclasses for inf/NaN in the adapter,
         in the weight, or produced by overflow -- before anything is written to ``out``.
     tile : (int, int), optional
-        Output tile size; the result does not depend on it.
+        Output tile size (default: :func:`default_tile` of the weight's shape); the result does
+        not depend on it.
     weight_format : "bf16", "F8_E4M3" or "F8_E5M2", optional
         Taken from the dtype when it says (uint16 and ml_dtypes.bfloat16 are bf16,
         ml_dtypes.float8_e4m3fn and float8_e5m2 the fp8 formats); required for uint8 fp8 codes.
@@ -280,7 +286,8 @@ def buffer_bytes(ranks, threads=1, tile=None, several=None):
     [width x tile_cols] and the product tile (twice for several adapters), width the sum of
     min(rank, PASS_DEPTH) -- a larger rank runs in passes -- and for one adapter of rank up to
     SEQUENTIAL_DEPTH its rows in bf16 pairs for the dot-product kernel.  The driver's own
-    count (_fuse.thread_buffer_bytes)."""
+    count (_fuse.thread_buffer_bytes).  With no tile given, DEFAULT_TILE: the most that any
+    default tile (:func:`default_tile`) takes."""
     tile = _tile(tile)
     several = len(ranks) > 1 if several is None else several
     pairs = not several and sum(ranks) <= _probe.SEQUENTIAL_DEPTH
@@ -535,7 +542,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
     """The fuse: prepare the operands, check ``out``, choose the route, probe sgemm, run."""
     fmt, w, prepared = _prepare(weight, adapters, weight_format, fp8_rounding)
     threads = resolve_threads(threads)
-    tile = _tile(tile)
+    tile = _tile(tile, w.shape)
     result, given_out = _output(out, w, fmt, prepared)
     w_largest = _check_weight(w, fmt) if check_finite else 0.0
     if not prepared or w.size == 0:  # nothing to add: no probe, no buffer
@@ -606,7 +613,30 @@ class Tile(NamedTuple):
     cols: int
 
 
-def _tile(tile):
+def default_tile(rows, cols):
+    """The tile a fuse into a [rows, cols] weight uses when none is given.
+
+    DEFAULT_TILE, its longer side halved (rows on a tie) until the weight holds MIN_TILES
+    tiles or the tile is SMALLEST_TILE.
+
+    Returns
+    -------
+    Tile
+    """
+    tr, tc = DEFAULT_TILE
+    def count(tr, tc):
+        return -(-rows // tr) * -(-cols // tc)
+    while count(tr, tc) < MIN_TILES and (tr > SMALLEST_TILE[0] or tc > SMALLEST_TILE[1]):
+        if tr >= tc and tr > SMALLEST_TILE[0] or tc <= SMALLEST_TILE[1]:
+            tr //= 2
+        else:
+            tc //= 2
+    return Tile(tr, tc)
+
+
+def _tile(tile, shape=None):
+    if tile is None and shape is not None:
+        return default_tile(*shape)
     try:
         rows, cols = DEFAULT_TILE if tile is None else tile
         rows, cols = operator.index(rows), operator.index(cols)

@@ -136,3 +136,66 @@ def test_threadpool_limits_on_openmp_set_the_default():
         pytest.skip("built without OpenMP")
     with threadpool_limits(limits=1):
         assert _threads.default_threads() == 1
+
+
+# The fuse shapes of LTX-2's transformer (attention 4096 x 4096, feed-forward 4096 x 16384 and
+# back, and the audio stream's 2048-wide layers).
+LTX2_FUSE_SHAPES = [(2048, 2048), (4096, 4096), (4096, 16384), (16384, 4096), (2048, 4096),
+                    (4096, 2048)]
+
+
+@pytest.fixture
+def tiles_run(monkeypatch):
+    """Records the tile shape of every fuse the driver runs."""
+    from ltx2blas import fuse
+
+    seen = []
+    real = fuse._fuse.fuse_tiles
+
+    def recording(**kw):
+        rows = kw["weight"].shape[0]
+        cols = kw["weight"].shape[1] // (1 if kw["fmt"] in (1, 2) else 2)
+        seen.append(-(-rows // kw["tile_rows"]) * -(-cols // kw["tile_cols"]))
+        return real(**kw)
+
+    monkeypatch.setattr(fuse._fuse, "fuse_tiles", recording)
+    return seen
+
+
+@pytest.mark.parametrize("shape", LTX2_FUSE_SHAPES)
+def test_every_ltx2_shape_is_cut_into_256_tasks_with_the_same_bytes(rng, shape, tiles_run):
+    """Machines with tens of cores need many independent tiles; the bytes must not depend on
+    how many there are."""
+    weight = random_bf16(rng, shape, 0.02)
+    lora_a, lora_b = random_bf16(rng, (4, shape[1]), 0.02), random_bf16(rng, (shape[0], 4), 0.02)
+    fused = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=2)
+    assert tiles_run[-1] >= 256
+    for tile in (ltx2blas.fuse.DEFAULT_TILE, (64, 64)):
+        other = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=2, tile=tile)
+        assert other.view(np.uint16).tobytes() == fused.view(np.uint16).tobytes()
+
+
+@pytest.mark.parametrize("rank", [32, 384])
+def test_smaller_default_tiles_leave_the_bytes_of_every_route(rng, rank, tiles_run):
+    shape = (2048, 2048)
+    weight = random_bf16(rng, shape, 0.02)
+    lora_a = random_bf16(rng, (rank, shape[1]), 0.02)
+    lora_b = random_bf16(rng, (shape[0], rank), 0.02)
+    fused = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=2)
+    assert tiles_run[-1] == 256  # 128 x 128 tiles
+    other = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=1,
+                               tile=ltx2blas.fuse.DEFAULT_TILE)
+    assert other.view(np.uint16).tobytes() == fused.view(np.uint16).tobytes()
+    rows = rng.choice(shape[0], 4, replace=False)
+    expected = reference.fuse_lora(weight[rows], lora_a, lora_b[rows], 0.8)
+    assert fused[rows].view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
+
+
+def test_default_tile_rule():
+    from ltx2blas.fuse import default_tile
+
+    assert default_tile(2048, 2048) == (128, 128)
+    assert default_tile(4096, 4096) == (256, 256)
+    assert default_tile(4096, 16384) == (512, 256)
+    assert default_tile(2048, 4096) == (128, 256)
+    assert default_tile(8, 8) == (64, 64)  # no smaller than SMALLEST_TILE
