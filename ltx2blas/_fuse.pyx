@@ -158,9 +158,11 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
         dst, ldo = job.out + origin * esize, job.cols
 
     if job.pairs or (ad.count == 1 and job.fmt == 0 and job.rule == RULE_ONE
-                     and ad.kind[0] == KIND_LORA and ad.depth[shape] == 0):
+                     and ad.kind[0] == KIND_LORA and ad.depth[shape] == 0
+                     and ad.rank[0] <= PASS_DEPTH_C):
         # No sgemm for this product: it is computed, rounded and added in one pass, with
-        # pairs two terms per instruction.
+        # pairs two terms per instruction. A rank past one pass has buffers for one pass
+        # only, and goes the way of passes below whatever its depth.
         rank = ad.rank[0]
         if job.pairs:
             kern.pack_pairs_rows(ad.a[0] + i0, job.cols, <uint32_t *>buf.panels, rank, nt)

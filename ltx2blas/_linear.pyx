@@ -189,7 +189,7 @@ cdef class LinearPlan:
         if self.job.stream and self.job.x16 != NULL:
             raise ValueError("the streaming route takes an f32 x: widen a bf16 x once, before")
         self.job.kern = kernels(True)
-        self.tasks = (self.job.rows + task_rows - 1) // task_rows * self.job.panels
+        self.tasks = task_count(self.job.rows, self.job.feats, task_rows, task_feats)
         self.threads = threads
 
         w_len, x_len, acc_len = buffer_layout(task_rows, task_feats, chunk, f64, self.job.stream,
@@ -216,3 +216,9 @@ cdef class LinearPlan:
         with nogil, parallel(num_threads=threads):
             for t in prange(first, stop, schedule="dynamic"):
                 linear_task(&self.job, t, &self.per_thread[omp_get_thread_num()])
+
+
+def task_count(Py_ssize_t rows, Py_ssize_t feats, Py_ssize_t task_rows, Py_ssize_t task_feats):
+    """How many independent tasks a Linear of ``rows`` rows of x and ``feats`` output features
+    is cut into by these task blocks."""
+    return (rows + task_rows - 1) // task_rows * ((feats + task_feats - 1) // task_feats)

@@ -23,10 +23,21 @@ import numpy as np
 SEQUENTIAL_DEPTH = 128
 
 
+# sgemm is handed a product only where its verified depth covers at least this share of the
+# terms. A BLAS whose kernel departs from the textbook order after a few terms (OpenBLAS's
+# Haswell kernels: 7) would carry almost none of the work, yet its call still zeroes and
+# stores an f32 tile that the sequential kernel then reads, continues and rounds: the one-pass
+# kernel does all of it in registers (bench/bench_routes.py measures both routes).
+BLAS_MIN_SHARE = 0.5
+
+
 def blas_depth(int m, int n, int k, int ldx=-1, *, pin):
-    """The depth an exact product of shape (m, n, k) hands to sgemm: 0 up to SEQUENTIAL_DEPTH,
-    else :func:`verified_depth`."""
-    return 0 if k <= SEQUENTIAL_DEPTH else verified_depth(m, n, k, ldx, pin=pin)
+    """The depth an exact product of shape (m, n, k) hands to sgemm: 0 up to SEQUENTIAL_DEPTH
+    or where :func:`verified_depth` is below BLAS_MIN_SHARE of k, else the verified depth."""
+    if k <= SEQUENTIAL_DEPTH:
+        return 0
+    depth = verified_depth(m, n, k, ldx, pin=pin)
+    return depth if depth >= BLAS_MIN_SHARE * k else 0
 
 
 _probe_lock = threading.Lock()

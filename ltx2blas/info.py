@@ -1,13 +1,21 @@
-"""What ltx2blas runs on: versions, BLAS, threads, CPU features, and the BLAS's exact depth."""
+"""What ltx2blas runs on: versions, BLAS, threads, CPU features, the BLAS's exact depth, and the
+route each fuse rank and Linear row count takes here, with the reason."""
 import os
 import platform
 import sys
 
 import numpy as np
 
-from . import _gemm, _probe
+from . import _gemm, _linear, _probe
 from ._threads import available_cpus, blas_single_threaded, default_threads
-from .fuse import DEFAULT_TILE
+from .fuse import default_tile
+from .linear_layer import STREAM_ROWS, plan
+
+# The shapes the routes are shown for: the fuse's tile of an attention weight (4096 x 4096),
+# the Linear's row counts from one prompt to a batch, and the text tower's output widths.
+ROUTE_WEIGHT = (4096, 4096)
+LINEAR_ROWS = (1, 8, 64, 256, 1024)
+LINEAR_OUTPUTS = (2048, 3840, 4096)
 
 
 def _cpu_model():
@@ -59,9 +67,18 @@ def collect(probe_depths=(32, 384, 450, 512)):
 
     libraries = _blas_libraries()
     blas = _scipy_blas(libraries)
-    mb, nb = DEFAULT_TILE
+    mb, nb = default_tile(*ROUTE_WEIGHT)
     depths = {k: _probe.verified_depth(mb, nb, k, k, pin=blas_single_threaded)
               for k in probe_depths}
+    handed = {k: _probe.blas_depth(mb, nb, k, k, pin=blas_single_threaded)
+              for k in probe_depths}
+    linear_routes = {}
+    for rows in LINEAR_ROWS:
+        route, blocks = plan(rows, np.uint16)
+        linear_routes[str(rows)] = {
+            "route": route, "blocks": list(blocks),
+            "tasks": {str(o): _linear.task_count(rows, o, blocks[0], blocks[1])
+                      for o in LINEAR_OUTPUTS}}
     return {
         "ltx2blas": __version__,
         "python": sys.version.split()[0],
@@ -89,8 +106,18 @@ def collect(probe_depths=(32, 384, 450, 512)):
             "by_rank": {str(k): d for k, d in depths.items()},
         },
         "sgemm_above_rank": _probe.SEQUENTIAL_DEPTH,
+        "sgemm_min_share": _probe.BLAS_MIN_SHARE,
+        "fuse_routes": {str(k): {"sgemm_exact": depths[k], "sgemm_terms": handed[k],
+                                 "route": _fuse_route(k, handed[k])} for k in probe_depths},
+        "linear_routes": linear_routes,
         "dot_product_fuse": _gemm.has_pairs_kernel(),
     }
+
+
+def _fuse_route(rank, sgemm_terms):
+    if sgemm_terms == 0:
+        return "one-pass"
+    return "sgemm" if sgemm_terms == rank else "sgemm+sequential"
 
 
 def format_info(info):
@@ -104,19 +131,36 @@ def format_info(info):
         f"kernels    {info['kernel']} (built: {', '.join(info['kernels_built'])})",
         f"blas       {blas.get('library')} {blas.get('version')} ({blas.get('architecture')}), "
         f"{blas.get('threads')} threads outside ltx2blas calls, 1 inside; {blas.get('path')}",
-        "exact depth of sgemm on a %dx%d tile (probed now, bit for bit):" % tuple(info["sgemm_exact_depth"]["tile"]),
+        "the fuse, on a %dx%d tile (the default for a 4096 x 4096 weight; sgemm probed now, bit "
+        "for bit):" % tuple(info["sgemm_exact_depth"]["tile"]),
     ]
-    for k, d in info["sgemm_exact_depth"]["by_rank"].items():
-        if int(d) == int(k):
-            how = "one sgemm call, exact"
-        elif int(d) == 0:
-            how = "sgemm not exact here: all terms by the sequential kernel"
+    share = info["sgemm_min_share"]
+    for k, route in info["fuse_routes"].items():
+        d, h = route["sgemm_exact"], route["sgemm_terms"]
+        if int(k) <= info["sgemm_above_rank"]:
+            how = (f"the one-pass kernel (up to rank {info['sgemm_above_rank']} a BLAS call's "
+                   "fixed costs outweigh its speed)")
+        elif h == 0:
+            exact = f"exact for the first {d} terms only" if d else "not exact here"
+            how = (f"the one-pass kernel for all {k} terms (sgemm {exact}, under "
+                   f"{share:.0%} of them)")
+        elif h == int(k):
+            how = "one sgemm call, exact for every term"
         else:
-            how = f"sgemm for the first {d} terms, the sequential kernel for the other {int(k) - int(d)}"
+            how = f"sgemm for the first {h} terms, the sequential kernel for the other {int(k) - h}"
         lines.append(f"  rank {k:>5}: {how}")
-    lines.append(f"the fuse calls sgemm only above rank {info['sgemm_above_rank']}; up to it, the "
-                 "sequential kernel fuses each tile in one pass")
     if info.get("dot_product_fuse"):
-        lines.append("  two terms per instruction (VDPBF16PS) where the adapter's magnitudes "
-                     "rule out subnormal and infinite sums")
+        lines.append(f"  up to rank {info['sgemm_above_rank']}, two terms per instruction "
+                     "(VDPBF16PS) where the adapter's magnitudes rule out subnormal and infinite "
+                     "sums")
+    lines.append("the Linear, bf16 weight (tasks at out " +
+                 " / ".join(next(iter(info["linear_routes"].values()))["tasks"]) + "):")
+    for rows, route in info["linear_routes"].items():
+        tasks = " / ".join(str(t) for t in route["tasks"].values())
+        r, f, c = route["blocks"]
+        lines.append(f"  M {rows:>5}: {route['route']:<6} {r} rows x {f} features a task, chunks "
+                     f"of {c}: {tasks} tasks")
+    lines.append(f"  (up to {STREAM_ROWS} rows the streaming kernel reads the bf16 weight rows "
+                 "once, where a BLAS would spend longer packing each weight panel than "
+                 "multiplying it; above, sgemm on widened weight panels)")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ def test_info_reports_blas_threads_and_depth():
     out = run("info")
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    for needle in ("ltx2blas", "blas", "threads", "kernels", "exact depth of sgemm", "rank   384"):
+    for needle in ("ltx2blas", "blas", "threads", "kernels", "sgemm probed now", "rank   384"):
         assert needle in text
 
 
@@ -28,6 +28,27 @@ def test_info_json():
     depths = info["sgemm_exact_depth"]["by_rank"]
     assert set(depths) == {"32", "384", "450", "512"}
     assert all(0 <= d <= int(k) for k, d in depths.items())
+
+
+def test_info_shows_the_route_of_each_rank_and_row_count():
+    out = run("info", "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    routes = info["fuse_routes"]
+    assert routes["32"] == {"sgemm_exact": info["sgemm_exact_depth"]["by_rank"]["32"],
+                            "sgemm_terms": 0, "route": "one-pass"}
+    for rank, route in routes.items():
+        terms = route["sgemm_terms"]
+        # sgemm takes a product only where it is exact for at least half of its terms
+        assert terms == 0 or route["sgemm_exact"] >= terms >= info["sgemm_min_share"] * int(rank)
+        assert route["route"] == ("one-pass" if terms == 0 else
+                                  "sgemm" if terms == int(rank) else "sgemm+sequential")
+    linear = info["linear_routes"]
+    assert [linear[m]["route"] for m in ("1", "8", "64", "256", "1024")] == \
+        ["stream", "stream", "stream", "sgemm", "sgemm"]
+    assert linear["1024"]["tasks"]["2048"] >= 16
+    text = run("info").stdout
+    assert "rank   384: " in text and "M     1: stream" in text
 
 
 def test_demo_checks_and_times():

@@ -152,13 +152,23 @@ def test_subnormal_partial_sums_stay_exact():
 
 def test_small_ranks_never_call_sgemm():
     """Up to SEQUENTIAL_DEPTH the product is the sequential kernel's alone: no probe, depth 0;
-    above it, the probed depth."""
+    above it, the probed depth where it covers half the terms."""
     k = _probe.SEQUENTIAL_DEPTH
     assert _probe.blas_depth(256, 512, k, k, pin=blas_single_threaded) == 0
     assert (256, 512, k, k) not in _probe.probe_report()
+    verified = _probe.verified_depth(64, 96, k + 1, k + 1, pin=blas_single_threaded)
     assert _probe.blas_depth(64, 96, k + 1, k + 1, pin=blas_single_threaded) == \
-        _probe.verified_depth(64, 96, k + 1, k + 1, pin=blas_single_threaded)
+        (verified if verified >= _probe.BLAS_MIN_SHARE * (k + 1) else 0)
     assert (64, 96, k + 1, k + 1) in _probe.probe_report()
+
+
+@pytest.mark.parametrize("verified, handed", [(130, 130), (65, 65), (64, 0), (7, 0), (0, 0)])
+def test_sgemm_takes_a_product_only_where_it_is_exact_for_half_of_it(monkeypatch, verified,
+                                                                     handed):
+    """A BLAS exact for a few terms only (OpenBLAS's Haswell kernels: 7) is not called: the
+    one-pass kernel takes every term."""
+    monkeypatch.setattr(_probe, "verified_depth", lambda *args, **kw: verified)
+    assert _probe.blas_depth(64, 96, 130, 130, pin=blas_single_threaded) == handed
 
 
 def test_in_place_fuse(rng):
@@ -335,3 +345,22 @@ def test_non_finite_adapter_values_propagate_like_the_reference(rng):
     nan = np.isnan(reference.bf16_widen(expected))
     assert np.array_equal(np.isnan(reference.bf16_widen(got)), nan)
     assert np.array_equal(got[~nan], expected[~nan])
+
+
+@pytest.mark.parametrize("special", [(0x7F80, 0xFF80), (0x7FC0, 0x7FC0), None])  # inf, NaN
+def test_rank_past_one_pass_with_non_finite_factors(rng, special):
+    """A rank beyond one pass of the tile driver whose factors hold inf or NaN: sgemm is then
+    not used at all (depth 0), and the product must still run in passes, not in the one-pass
+    kernel, whose buffers hold one pass."""
+    from ltx2blas import _fuse
+
+    rank = _fuse.PASS_DEPTH + 100
+    weight = random_bf16(rng, (16, 40), 0.02)
+    lora_a, lora_b = random_bf16(rng, (rank, 40), 0.02), random_bf16(rng, (16, rank), 0.02)
+    if special is not None:
+        lora_a[rank - 3, 7] = special[0]  # in the second pass
+        lora_b[2, 5] = special[1]
+    got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=2)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf and inf * 0 in the oracle
+        expected = reference.fuse_lora(weight, lora_a, lora_b, 0.8)
+    assert got.view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
