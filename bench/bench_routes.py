@@ -12,7 +12,7 @@ Both are interleaved with a square 2048^3 sgemm at the same thread count
 row: the sgemm depth probed for the tile, each route's rate as a fraction of the sgemm rate
 (fastest samples), and one_pass's speed over sgemm_first.
 
-    python bench/bench_routes.py [--threads 1,2] [--ranks 384,450] [--out FILE.json]
+    python bench/bench_routes.py [--threads 1,2] [--ranks 384,450] [--shapes 2048x2048] [--out FILE.json]
 """
 import argparse
 import os
@@ -86,12 +86,15 @@ def main(argv=None):
     parser.add_argument("--threads", default=None, help="comma list, default 1..all CPUs")
     parser.add_argument("--ranks", default=None,
                         help=f"comma list, default {','.join(map(str, RANKS))}")
+    parser.add_argument("--shapes", default=None, help="comma list of RxC")
     parser.add_argument("--out", default=None, help="write the rows and the machine as JSON")
     args = parser.parse_args(argv)
     harness.check_installed_not_checkout()
     threads = harness.thread_counts(args.threads)
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else RANKS
-    rows = run(threads, SHAPES, ranks)
+    shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+              if args.shapes else SHAPES)
+    rows = run(threads, shapes, ranks)
     if args.out:
         harness.write_json(args.out, {"machine": harness.machine(), "rows": rows})
     return 0 if all(r["same_bytes"] for r in rows) else 1
