@@ -115,8 +115,9 @@ def test_streaming_kernel_in_every_table(kernel_table, rng, rows, cols, feats):
     assert np.all(np.abs(y - exact(x, w, b)) <= error_bound(x, w, b) + f32_ulp(y) / 2)
     assert ltx2blas.linear(x, w, b, threads=1).tobytes() == y.tobytes()
     # The task blocks cut the output features differently: each output's sum is the same.
-    other = ltx2blas.linear(x, w, b, blocks=(5, 3, 1 << 18))
-    assert other.tobytes() == y.tobytes()
+    for blocks in ((5, 3, 1 << 18), (5, 2, 1 << 18), (7, 1, 1 << 18)):
+        other = ltx2blas.linear(x, w, b, blocks=blocks)
+        assert other.tobytes() == y.tobytes()
 
 
 def test_leading_dimensions_and_1d(rng):

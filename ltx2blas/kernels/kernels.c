@@ -568,7 +568,7 @@ static inline float lane_tree(vf v)
  * FMAs rather than 4, which outweighs the spills. */
 #if defined(LTX_VARIANT_AVX2)
 #define SM 4
-#define SR 2
+#define SR 3
 #elif defined(LTX_VARIANT_AVX512)
 #define SM 8
 #define SR 4
