@@ -8,7 +8,6 @@ default is faster), by fastest and by median sample.
 
     python bench/bench_tiles.py [--threads 1,2] [--ranks 32,384,450] [--out FILE.json]
 """
-import argparse
 import os
 import sys
 
@@ -61,22 +60,7 @@ def run(threads_list, shapes, ranks, repeats=5, log=print):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", default=None, help="comma list, default 1..all CPUs")
-    parser.add_argument("--ranks", default=None,
-                        help=f"comma list, default {','.join(map(str, RANKS))}")
-    parser.add_argument("--shapes", default=None, help="comma list of RxC")
-    parser.add_argument("--out", default=None, help="write the rows and the machine as JSON")
-    args = parser.parse_args(argv)
-    harness.check_installed_not_checkout()
-    threads = harness.thread_counts(args.threads)
-    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else RANKS
-    shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-              if args.shapes else SHAPES)
-    rows = run(threads, shapes, ranks)
-    if args.out:
-        harness.write_json(args.out, {"machine": harness.machine(), "rows": rows})
-    return 0 if all(r["same_bytes"] for r in rows) else 1
+    return harness.shapes_and_ranks_main(__doc__, run, SHAPES, RANKS, argv)
 
 
 if __name__ == "__main__":

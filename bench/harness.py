@@ -236,3 +236,29 @@ def check_installed_not_checkout():
 def write_json(path, data):
     with open(path, "w") as f:
         json.dump(data, f, indent=1, default=str)
+
+
+def shapes_and_ranks_main(doc, run, shapes, ranks, argv=None):
+    """The command line of a benchmark over fuse shapes, ranks and thread counts whose rows each
+    say whether the results compared were the same bytes: --threads, --ranks, --shapes, --out
+    (JSON with the machine). Exit status 1 if any row's bytes differed."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--threads", default=None, help="comma list, default 1..all CPUs")
+    parser.add_argument("--ranks", default=None,
+                        help=f"comma list, default {','.join(map(str, ranks))}")
+    parser.add_argument("--shapes", default=None, help="comma list of RxC, default "
+                        + ",".join(f"{r}x{c}" for r, c in shapes))
+    parser.add_argument("--out", default=None, help="write the rows and the machine as JSON")
+    args = parser.parse_args(argv)
+    check_installed_not_checkout()
+    threads = thread_counts(args.threads)
+    if args.ranks:
+        ranks = [int(r) for r in args.ranks.split(",")]
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    rows = run(threads, shapes, ranks)
+    if args.out:
+        write_json(args.out, {"machine": machine(), "rows": rows})
+    return 0 if all(r["same_bytes"] for r in rows) else 1
