@@ -12,7 +12,7 @@ from libc.math cimport NAN, isnan
 from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport free, malloc
 
-from ._gemm cimport LTX_STREAM_LANES, chunk_wxt, kernels, ltx_kernels
+from ._gemm cimport chunk_panel_bytes, chunk_wxt, kernels, ltx_kernels
 from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num
 
 
@@ -247,9 +247,7 @@ cdef class FeaturePlan:
         self.tasks = first
         self.threads = threads
         # Per thread: the widened weight panel, or on the streaming route its lane sums.
-        self.panel_len = (<size_t>task_feats * task_rows * LTX_STREAM_LANES * sizeof(float)
-                          if stream else
-                          (<size_t>task_feats * chunk * sizeof(float) + 63) & ~(<size_t>63))
+        self.panel_len = chunk_panel_bytes(stream, task_rows, task_feats, chunk)
         self.panels = <char *>ltx_aligned_alloc(self.panel_len * threads)
         if self.panels == NULL:
             raise MemoryError("could not allocate the weight panel buffers")

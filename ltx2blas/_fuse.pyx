@@ -15,7 +15,7 @@ from libc.string cimport memset
 
 from ._gemm cimport (continue_product, exact_product, exact_product_fused,
                      exact_product_fused_pairs, kernels, ltx_kernels)
-from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num
+from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num, up64
 
 import numpy as np
 
@@ -232,10 +232,6 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
                                  job.fmt == 2, job.stochastic, job.key, origin, job.cols)
         if job.check and q >= 0:
             bad[t] = origin + q
-
-
-cdef inline size_t up64(size_t n) noexcept nogil:
-    return (n + 63) & ~(<size_t>63)
 
 
 cdef (size_t, size_t, size_t, size_t, size_t, size_t) buffer_layout(

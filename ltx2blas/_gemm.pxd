@@ -71,6 +71,8 @@ cdef void chunk_wxt(const ltx_kernels *kern, bint stream, int mt, int ot, int kt
                     const float *x, int ldx, const uint16_t *w16, const float *w32, int ldw,
                     float *panel, float *acc) noexcept nogil
 
+cdef size_t chunk_panel_bytes(bint stream, int mt, int ot, int kt) noexcept nogil
+
 cdef void exact_product_fused(const ltx_kernels *kern, int m, int n, int k, const float *x,
                               int ldx, const float *y, const uint16_t *w, Py_ssize_t ldw,
                               uint16_t *out, Py_ssize_t ldo) noexcept nogil

@@ -17,7 +17,7 @@ from cpython.pycapsule cimport PyCapsule_GetName, PyCapsule_GetPointer
 from libc.stdint cimport uint16_t, uint32_t
 from libc.string cimport memset
 
-from ._parallel cimport LTX_HAVE_OPENMP, omp_get_max_threads
+from ._parallel cimport LTX_HAVE_OPENMP, omp_get_max_threads, up64
 
 import os
 
@@ -150,6 +150,14 @@ cdef void chunk_wxt(const ltx_kernels *kern, bint stream, int mt, int ot, int kt
         sgemm_wxt(mt, ot, kt, x, ldx, panel, kt, 1.0, acc, mt)
     else:
         sgemm_wxt(mt, ot, kt, x, ldx, w32, ldw, 1.0, acc, mt)
+
+
+cdef size_t chunk_panel_bytes(bint stream, int mt, int ot, int kt) noexcept nogil:
+    """Bytes of the ``panel`` scratch :func:`chunk_wxt` needs for a bf16 weight: the widened
+    weight panel [ot, kt], or on the streaming route the kernel's lane sums."""
+    if stream:
+        return <size_t>ot * mt * LTX_STREAM_LANES * sizeof(float)
+    return up64(<size_t>ot * kt * sizeof(float))
 
 
 cdef void exact_product_fused(const ltx_kernels *kern, int m, int n, int k, const float *x,

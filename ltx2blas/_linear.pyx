@@ -13,8 +13,8 @@ from cython.parallel cimport parallel, prange
 from libc.stdint cimport uint16_t
 from libc.stdlib cimport free, malloc
 
-from ._gemm cimport LTX_STREAM_LANES, chunk_wxt, dgemm_wxt, kernels, ltx_kernels
-from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num
+from ._gemm cimport chunk_panel_bytes, chunk_wxt, dgemm_wxt, kernels, ltx_kernels
+from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num, up64
 
 
 cdef struct LinearJob:
@@ -99,10 +99,6 @@ cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) n
                 y[m * job.feats + r] = acc32[r * mt + m]
 
 
-cdef inline size_t up64(size_t n) noexcept nogil:
-    return (n + 63) & ~(<size_t>63)
-
-
 cdef (size_t, size_t, size_t) buffer_layout(int task_rows, int task_feats, int chunk, bint f64,
                                             bint stream, bint bf16_weight,
                                             bint bf16_x) noexcept:
@@ -112,10 +108,10 @@ cdef (size_t, size_t, size_t) buffer_layout(int task_rows, int task_feats, int c
     [task_feats, task_rows]."""
     cdef size_t elem = sizeof(double) if f64 else sizeof(float)
     cdef size_t w_len = 0, x_len = 0
-    if stream:
-        w_len = <size_t>task_feats * task_rows * LTX_STREAM_LANES * sizeof(float)
-    elif f64 or bf16_weight:
+    if f64:
         w_len = up64(<size_t>task_feats * chunk * elem)
+    elif stream or bf16_weight:
+        w_len = chunk_panel_bytes(stream, task_rows, task_feats, chunk)
     if f64 or bf16_x:
         x_len = up64(<size_t>task_rows * chunk * elem)
     return w_len, x_len, up64(<size_t>task_rows * task_feats * elem)

@@ -40,7 +40,8 @@ def _validate(hidden_states, attention_mask, version):
 
 
 def _statistics(flat, rows, sample, batch, layers, depth, version, threads):
-    """V1: (mean32, range32) [B, L]; V2: inv32 [n, L] -- the reference's arithmetic."""
+    """(mean32, range32, None) for V1, each [B, L]; (None, None, inv32 [n, L]) for V2 -- the
+    reference's arithmetic."""
     n = rows.shape[0]
     sums = np.empty((n, layers), np.float64)
     squares = np.empty((n, layers), np.float64)
@@ -49,7 +50,7 @@ def _statistics(flat, rows, sample, batch, layers, depth, version, threads):
     _features.row_stats(flat, rows, layers, sums, squares, lows, highs, threads)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         if version == "v2":
-            return (1.0 / np.sqrt(squares / depth + 1e-6)).astype(np.float32)
+            return None, None, (1.0 / np.sqrt(squares / depth + 1e-6)).astype(np.float32)
         mean = np.zeros((batch, layers), np.float32)
         rng = np.ones((batch, layers), np.float32)
         for b in range(batch):
@@ -62,7 +63,7 @@ def _statistics(flat, rows, sample, batch, layers, depth, version, threads):
             rng[b] = (highs[mine].max(axis=0) - lows[mine].min(axis=0)) + np.float32(1e-6)
             nan = np.isnan(lows[mine]).any(axis=0)
             mean[b][nan] = np.nan
-        return mean, rng
+        return mean, rng, None
 
 
 def text_features(hidden_states, attention_mask, projections, *, version="v1", threads=None,
@@ -161,8 +162,7 @@ def _project(flat, rows, tokens, batch, layers, version, weights, biases, output
                      np.float32) for w in weights]
     scales = [float(np.float32(math.sqrt(w.shape[0] / depth))) for w in weights]
     with blas_single_threaded():
-        stats = _statistics(flat, rows, sample, batch, layers, depth, version, threads)
-        mean, rng, inv = (None, None, stats) if version == "v2" else (*stats, None)
+        mean, rng, inv = _statistics(flat, rows, sample, batch, layers, depth, version, threads)
         job = _features.FeaturePlan(flat, rows, sample, version == "v2", mean, rng, inv,
                                     weights, biases, accs, panels, scales, task_rows, task_feats,
                                     chunk, route == "stream", threads, layers)
@@ -205,8 +205,7 @@ def normalized_features(hidden_states, attention_mask, *, version="v1", out_feat
     if n == 0 or width == 0:
         return feats.reshape(batch, tokens, width)
     threads = resolve_threads(threads)
-    stats = _statistics(flat, rows, sample, batch, layers, depth, version, threads)
-    mean, rng, inv = (None, None, stats) if version == "v2" else (*stats, None)
+    mean, rng, inv = _statistics(flat, rows, sample, batch, layers, depth, version, threads)
     x = np.empty(n * width, np.float32)
     scale = float(np.float32(math.sqrt(out_features / depth))) if version == "v2" else 1.0
     # one 1 x 1 task per row: its accumulator is a single float each

@@ -374,8 +374,7 @@ def _first_nonfinite(bits, fmt):
         mag = _Magnitudes(bits)
         return mag.first_nonfinite, mag.max
     values = _quant.fp8_values(fmt == "F8_E5M2")
-    present = np.zeros(256, bool)
-    present[np.unique(bits)] = True
+    present = np.bincount(bits.reshape(-1), minlength=256) > 0  # the codes that occur
     largest = float(np.nanmax(np.abs(values[present & np.isfinite(values)]), initial=0.0))
     return first_nonfinite_fp8(bits.reshape(-1), fmt), largest
 
@@ -590,7 +589,7 @@ def _run(w, result, fmt, prepared, route, depths, tile, threads, check_finite, d
          stochastic_key):
     """The tile driver over the whole weight: first a dry run when one is needed, then the
     fuse; NonFiniteResultError where a checked result overflows."""
-    tiles = -(-w.shape[0] // tile.rows) * -(-w.shape[1] // tile.cols)
+    tiles = tile.count(*w.shape)
     args = dict(
         weight=w.view(np.uint8), out=result.view(np.uint8), fmt=_FORMAT_CODES[fmt],
         lora_a=[ad.a for ad in prepared], lora_b=[ad.b for ad in prepared],
@@ -612,6 +611,10 @@ class Tile(NamedTuple):
     rows: int
     cols: int
 
+    def count(self, rows, cols):
+        """How many tiles cut a [rows, cols] weight."""
+        return -(-rows // self.rows) * -(-cols // self.cols)
+
 
 def default_tile(rows, cols):
     """The tile a fuse into a [rows, cols] weight uses when none is given.
@@ -623,15 +626,14 @@ def default_tile(rows, cols):
     -------
     Tile
     """
-    tr, tc = DEFAULT_TILE
-    def count(tr, tc):
-        return -(-rows // tr) * -(-cols // tc)
-    while count(tr, tc) < MIN_TILES and (tr > SMALLEST_TILE[0] or tc > SMALLEST_TILE[1]):
-        if tr >= tc and tr > SMALLEST_TILE[0] or tc <= SMALLEST_TILE[1]:
-            tr //= 2
+    tile = Tile(*DEFAULT_TILE)
+    smallest = Tile(*SMALLEST_TILE)
+    while tile.count(rows, cols) < MIN_TILES and tile != smallest:
+        if tile.cols > smallest.cols and (tile.cols > tile.rows or tile.rows == smallest.rows):
+            tile = tile._replace(cols=tile.cols // 2)
         else:
-            tc //= 2
-    return Tile(tr, tc)
+            tile = tile._replace(rows=tile.rows // 2)
+    return tile
 
 
 def _tile(tile, shape=None):

@@ -414,9 +414,7 @@ class _Options:
     seed: int
 
 
-def _check_options(rule, fp8_rounding, layouts):
-    choice(rule, RULES, "rule")
-    choice(fp8_rounding, FP8_ROUNDINGS, "fp8_rounding")
+def _check_fp8_rounding(fp8_rounding, layouts):
     if fp8_rounding == "stochastic":
         scaled = [n for n, lay in layouts.items() if lay.quantized]
         if scaled:
@@ -462,6 +460,7 @@ def _prepare(entries, metadata, read_bytes, sources, loras, options, retry_dtype
     is written.  ``retry_dtype``: the fp8 format that U8 weights hold when no quantised layout
     claims them (fuse_state_dict's ``weight_format``)."""
     choice(options["rule"], RULES, "rule")
+    choice(options["fp8_rounding"], FP8_ROUNDINGS, "fp8_rounding")
     configs, marker = layoutmod.comfy_configs(metadata, entries, read_bytes)
     cache = {}
 
@@ -479,7 +478,7 @@ def _prepare(entries, metadata, read_bytes, sources, loras, options, retry_dtype
     plan = plans.make_plan(entries, layout_of, sources, [s for _, s in loras],
                            alpha=options["alpha"], allow_unmatched=options["allow_unmatched"])
     layouts = {n: layout_of(n) for n in plan.weights}
-    _check_options(options["rule"], options["fp8_rounding"], layouts)
+    _check_fp8_rounding(options["fp8_rounding"], layouts)
     return plan, layouts
 
 

@@ -718,20 +718,6 @@ static void f32_to_f64(const float *restrict src, double *restrict dst, ltx_idx 
  * way for any tiling and thread count; a finite value is never rounded up past the largest
  * finite fp8 value. */
 
-static float fp8_table[2][256];
-static int fp8_table_ready;
-
-static void fp8_tables(void)
-{
-    /* fp8 code -> f32 value; built once (the race on first use writes identical values) */
-    if (fp8_table_ready)
-        return;
-    for (int f = 0; f < 2; f++)
-        for (uint32_t code = 0; code < 256; code++)
-            fp8_table[f][code] = ltx_fp8_value(code, f);
-    fp8_table_ready = 1;
-}
-
 /* bf16 bits -> fp8 code. e5m2 selects the format; rnd (32 random bits) is used when
  * stochastic. *over is set when a finite value lands past the largest finite fp8 value. */
 static inline uint32_t fp8_from_bf16(uint32_t h, int e5m2, int stochastic, uint32_t rnd, int *over)
@@ -767,8 +753,7 @@ static ltx_idx store_fused_fp8(const float *acc, const uint8_t *w, ltx_idx ldw, 
                                int stochastic, uint64_t key, ltx_idx index0, ltx_idx stride)
 {
     ltx_idx first_over = -1;
-    fp8_tables();
-    const float *table = fp8_table[e5m2 ? 1 : 0];
+    const float *table = ltx_fp8_table(e5m2);
     for (ltx_idx r = 0; r < rows; r++) {
         if (r + PREFETCH_ROWS < rows)
             prefetch_run(w + (r + PREFETCH_ROWS) * ldw, cols);

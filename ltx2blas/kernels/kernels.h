@@ -69,6 +69,10 @@ static inline float ltx_fp8_value(uint32_t code, int e5m2)
     return (code & 0x80u) ? -v : v;
 }
 
+/* ltx_fp8_value of every code of one format, a table built once (in quant.c) and shared by
+ * every kernel table. */
+const float *ltx_fp8_table(int e5m2);
+
 /* The stochastic rounding's generator (docs/arithmetic.md §2): splitmix64, wrapping. */
 static inline uint64_t ltx_splitmix64(uint64_t x)
 {

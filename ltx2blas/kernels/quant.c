@@ -7,17 +7,19 @@
 
 static inline float absf(float f) { return ltx_bits_f32(ltx_f32_bits(f) & 0x7FFFFFFFu); }
 
-/* fp8 code -> value, both formats, built on first use (a race writes identical values) */
+/* Built on first use; threads racing there write identical values. The flag is published
+ * with release and read with acquire, so that a thread that sees it set sees the whole table
+ * (on weakly ordered CPUs too). */
 static float fp8_table[2][256];
-static volatile int fp8_table_ready;
+static int fp8_table_ready;
 
-static const float *fp8_values(int e5m2)
+const float *ltx_fp8_table(int e5m2)
 {
-    if (!fp8_table_ready) {
+    if (!__atomic_load_n(&fp8_table_ready, __ATOMIC_ACQUIRE)) {
         for (int f = 0; f < 2; f++)
             for (uint32_t c = 0; c < 256; c++)
                 fp8_table[f][c] = ltx_fp8_value(c, f);
-        fp8_table_ready = 1;
+        __atomic_store_n(&fp8_table_ready, 1, __ATOMIC_RELEASE);
     }
     return fp8_table[e5m2 ? 1 : 0];
 }
@@ -82,7 +84,7 @@ uint32_t ltx_e2m1_from_f32(float x)
 float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx count,
                          float scale, int e5m2)
 {
-    const float *values = fp8_values(e5m2);
+    const float *values = ltx_fp8_table(e5m2);
     float table[256], top = 0.0f;
     for (int c = 0; c < 256; c++)
         table[c] = values[c] * scale;
@@ -98,7 +100,7 @@ float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx co
 void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, float scale,
                           float mult, float fmax, int e5m2)
 {
-    const float *values = fp8_values(e5m2);
+    const float *values = ltx_fp8_table(e5m2);
     float table[256];
     const int finite = mult - mult == 0.0f;
     for (int c = 0; c < 256; c++)
@@ -132,7 +134,7 @@ float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales, u
                            ltx_idx cols, ltx_idx r0, ltx_idx r1)
 {
     const ltx_idx ldc = fp6 ? cols / 4 * 3 : cols, blocks = cols / BLOCK;
-    const float *values = fp8_values(0);
+    const float *values = ltx_fp8_table(0);
     float top = 0.0f;
     for (ltx_idx r = r0; r < r1; r++) {
         const uint8_t *row = codes + r * ldc;
@@ -213,7 +215,7 @@ float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx
         const uint8_t *row = packed + r * (cols / 2);
         uint16_t *d = delta + r * cols;
         for (ltx_idx g = 0; g < cols / GROUP; g++) {
-            const float total = scale_2 * fp8_values(0)[scales[ltx_nvfp4_scale_offset(r, g, padded_cols)]];
+            const float total = scale_2 * ltx_fp8_table(0)[scales[ltx_nvfp4_scale_offset(r, g, padded_cols)]];
             for (ltx_idx j = 0; j < GROUP; j++) {
                 const ltx_idx i = g * GROUP + j;
                 const uint8_t byte = row[i / 2];
@@ -248,7 +250,7 @@ void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, u
             }
             const uint32_t sf = fp8_encode(s, 0);
             scales[ltx_nvfp4_scale_offset(r, g, padded_cols)] = (uint8_t)sf;
-            const float total = t * fp8_values(0)[sf];
+            const float total = t * ltx_fp8_table(0)[sf];
             const float inv = total > 0.0f ? 1.0f / total : 0.0f;
             for (ltx_idx j = 0; j < GROUP; j += 2) {
                 const uint32_t hi = ltx_e2m1_from_f32(ltx_bf16_value(m[g * GROUP + j]) * inv);
