@@ -168,6 +168,8 @@ def accuracy(rows=4, out=2048, samples=48):
     ulp = np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64)
     ways = {
         "ltx2blas f32 (default)": lambda: ltx2blas.linear(x, weight),
+        "ltx2blas f32, streaming in segments": lambda: ltx2blas.linear(
+            np.ascontiguousarray(np.resize(x, (8, IN_FEATURES))), weight)[:rows],
         "ltx2blas f32, sgemm route": lambda: ltx2blas.linear(
             np.ascontiguousarray(np.resize(x, (80, IN_FEATURES))), weight)[:rows],
         "ltx2blas f64": lambda: ltx2blas.linear(x, weight, accumulate="f64"),

@@ -1,11 +1,13 @@
-"""Driver of the text feature extractor: per-row statistics, then normalisation a super-chunk of
-features at a time straight into GEMM panels, shared by every projection.
+"""Driver of the text feature extractor: per-row statistics, then normalisation a step at a
+time (a few chunks of every segment of the in-dimension) straight into each projection's GEMM
+panels.
 
-The panels are laid out exactly as ltx2blas.linear lays out its widened input panels (chunk c of
-chunk features, rows packed, row stride = the chunk's width), and every task adds its chunks with
-the same calls in the same order, so a projection's result is byte-identical to
-``linear(features, weight, bias)`` on the same features -- without the features ever existing
-whole.
+Each projection's in-dimension is cut into segments as ltx2blas.linear cuts it; the panels are
+laid out as linear lays out its widened input panels (rows packed, row stride = the chunk's
+width), every task adds its segment's chunks with the same calls in the same order from the
+same start, and finish() adds the segments' sums in the same order, so a projection's result is
+byte-identical to ``linear(features, weight, bias)`` on the same features -- without the
+features ever existing whole.
 """
 from cython.parallel cimport parallel, prange
 from libc.math cimport NAN, isnan
@@ -13,7 +15,7 @@ from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport free, malloc
 
 from ._gemm cimport chunk_panel_bytes, chunk_wxt, kernels, ltx_kernels
-from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num
+from ._parallel cimport add_segments_f32, block_offset, ltx_aligned_alloc, omp_get_thread_num
 
 
 cdef extern from "kernels.h" nogil:
@@ -73,10 +75,12 @@ cdef struct Projection:
     const uint16_t *w16       # [out, F] bf16, or
     const float *w32          # [out, F] f32
     const float *bias         # [out] f32 or NULL
-    float *acc                # every task's transposed accumulator, task after task
-    float *x                  # this projection's panels of the current super-chunk
+    float *acc                # [segments, n, out]: each task's transposed accumulator, packed
+    float *x                  # this projection's panels of the current step
     float scale               # V2: sqrt(out / D) as f32; V1: unused
-    Py_ssize_t out, panels, first_task
+    Py_ssize_t out, panels, blocks, first_task
+    Py_ssize_t segments, seg_len
+    int step_chunks           # chunks of every segment a step normalises and adds
 
 
 cdef struct FeatureJob:
@@ -99,59 +103,85 @@ cdef struct FeatureJob:
     const ltx_kernels *kern
 
 
-cdef void normalize_row(const FeatureJob *job, Py_ssize_t r, Py_ssize_t s0,
-                        Py_ssize_t s1) noexcept nogil:
-    """Row r's features [s0, s1) into every projection's panels (chunk c at c * n * chunk, the
-    row at r * kt within it)."""
+cdef inline void step_range(const FeatureJob *job, const Projection *pr, Py_ssize_t seg,
+                            Py_ssize_t step, Py_ssize_t *s0, Py_ssize_t *s1) noexcept nogil:
+    """The features [s0, s1) of segment ``seg`` that step ``step`` takes (empty past its end)."""
+    cdef Py_ssize_t first = seg * pr.seg_len
+    cdef Py_ssize_t end = min(job.width, first + pr.seg_len)
+    s0[0] = min(end, first + step * pr.step_chunks * job.chunk)
+    s1[0] = min(end, s0[0] + pr.step_chunks * job.chunk)
+
+
+cdef inline Py_ssize_t slot(const FeatureJob *job, const Projection *pr, Py_ssize_t seg,
+                            Py_ssize_t c) noexcept nogil:
+    """Where chunk c of segment ``seg``'s piece starts in the projection's panels: pieces one
+    after another, each chunk's rows packed (row r at r * its width), as linear() packs them."""
+    return (seg * pr.step_chunks + c) * job.n * min(<Py_ssize_t>job.chunk, pr.seg_len)
+
+
+cdef void normalize_row(const FeatureJob *job, Py_ssize_t r, Py_ssize_t step) noexcept nogil:
+    """Row r's features of this step into every projection's panels."""
     cdef const void *row = (<const char *>job.hidden
                             + job.rows[r] * job.width * (2 if job.bf16 else 4))
-    cdef Py_ssize_t c0 = s0, j, base, c = 0
+    cdef Py_ssize_t c0, s0, s1, seg, j, base, c
     cdef int l, p, kt
-    cdef float v, nb
+    cdef float v
     cdef const float *mean = job.mean + job.sample[r] * job.layers if not job.v2 else NULL
     cdef const float *rng = job.range_ + job.sample[r] * job.layers if not job.v2 else NULL
     cdef const float *inv = job.inv + r * job.layers if job.v2 else NULL
-    while c0 < s1:
-        kt = <int>min(<Py_ssize_t>job.chunk, job.width - c0)
-        base = c * job.n * job.chunk + r * kt
-        l = <int>(c0 % job.layers)
-        for j in range(kt):
-            v = load(row, job.bf16, c0 + j)
-            if job.v2:
-                nb = ltx_bf16_round(v * inv[l])
-                for p in range(job.count):
-                    job.proj[p].x[base + j] = ltx_bf16_round(nb * job.proj[p].scale)
-            else:
-                v = ltx_bf16_round(((v - mean[l]) / rng[l]) * <float>8.0)
-                for p in range(job.count):
-                    job.proj[p].x[base + j] = v
-            l += 1
-            if l == job.layers:
-                l = 0
-        c0 += kt
-        c += 1
+    cdef Projection *pr
+    for p in range(job.count):
+        pr = &job.proj[p]
+        for seg in range(pr.segments):
+            step_range(job, pr, seg, step, &s0, &s1)
+            c0, c = s0, 0
+            while c0 < s1:
+                kt = <int>min(<Py_ssize_t>job.chunk, s1 - c0)
+                base = slot(job, pr, seg, c) + r * kt
+                l = <int>(c0 % job.layers)
+                for j in range(kt):
+                    v = load(row, job.bf16, c0 + j)
+                    if job.v2:
+                        v = ltx_bf16_round(ltx_bf16_round(v * inv[l]) * pr.scale)
+                    else:
+                        v = ltx_bf16_round(((v - mean[l]) / rng[l]) * <float>8.0)
+                    pr.x[base + j] = v
+                    l += 1
+                    if l == job.layers:
+                        l = 0
+                c0 += kt
+                c += 1
 
 
-cdef void run_task(const FeatureJob *job, Py_ssize_t task, Py_ssize_t s0, Py_ssize_t s1,
+cdef inline Py_ssize_t acc_at(const FeatureJob *job, const Projection *pr, Py_ssize_t seg,
+                              Py_ssize_t m0, Py_ssize_t o0, int mt) noexcept nogil:
+    """The offset of a task's accumulator [ot, mt], laid out as linear() lays out its segments'
+    sums."""
+    return seg * job.n * pr.out + block_offset(m0, o0, pr.out, mt)
+
+
+cdef void run_task(const FeatureJob *job, Py_ssize_t task, Py_ssize_t step,
                    float *panel) noexcept nogil:
-    """One task's (rows x features) accumulation over the chunks of super-chunk [s0, s1)."""
+    """One task's (rows x features of one segment) accumulation over this step's chunks."""
     cdef int p = 0
     while p + 1 < job.count and task >= job.proj[p + 1].first_task:
         p += 1
     cdef Projection *pr = &job.proj[p]
     cdef Py_ssize_t local = task - pr.first_task
-    cdef Py_ssize_t mi = local // pr.panels, oi = local % pr.panels
+    cdef Py_ssize_t seg = local // pr.blocks, block = local % pr.blocks
+    cdef Py_ssize_t mi = block // pr.panels, oi = block % pr.panels
     cdef Py_ssize_t m0 = mi * job.task_rows, o0 = oi * job.task_feats
     cdef int mt = <int>min(<Py_ssize_t>job.task_rows, job.n - m0)
     cdef int ot = <int>min(<Py_ssize_t>job.task_feats, pr.out - o0)
-    cdef float *acc = pr.acc + local * job.task_rows * job.task_feats
-    cdef Py_ssize_t c0, c = 0
+    cdef float *acc = pr.acc + acc_at(job, pr, seg, m0, o0, mt)
+    cdef Py_ssize_t c0, s0, s1, c = 0
     cdef int kt
     cdef const float *xp
+    step_range(job, pr, seg, step, &s0, &s1)
     c0 = s0
     while c0 < s1:
-        kt = <int>min(<Py_ssize_t>job.chunk, job.width - c0)
-        xp = pr.x + c * job.n * job.chunk + m0 * kt
+        kt = <int>min(<Py_ssize_t>job.chunk, s1 - c0)
+        xp = pr.x + slot(job, pr, seg, c) + m0 * kt
         chunk_wxt(job.kern, job.stream, mt, ot, kt, xp, kt,
                   pr.w16 + o0 * job.width + c0 if pr.w16 != NULL else NULL,
                   pr.w32 + o0 * job.width + c0 if pr.w32 != NULL else NULL,
@@ -161,9 +191,10 @@ cdef void run_task(const FeatureJob *job, Py_ssize_t task, Py_ssize_t s0, Py_ssi
 
 
 cdef class FeaturePlan:
-    """One text_features call: run(s0, s1) normalises features [s0, s1) (a whole number of
-    chunks) and adds them into every projection's accumulators; finish(outputs) scatters the
-    results to their tokens."""
+    """One text_features call: normalize(step) writes a step's features (a whole number of
+    chunks of every segment) into the panels, run(step, first, stop) adds them into tasks'
+    accumulators; finish(outputs) adds up the segments and scatters the results to their
+    tokens."""
     cdef FeatureJob job
     cdef Projection *proj
     cdef char *panels
@@ -178,7 +209,11 @@ cdef class FeaturePlan:
 
     def __init__(self, hidden, const int64_t[::1] rows, const int64_t[::1] sample, bint v2,
                  mean, range_, inv, list weights, list biases, list accs, list xs, list scales,
-                 int task_rows, int task_feats, int chunk, bint stream, int threads, int layers):
+                 list cuts, int task_rows, int task_feats, int chunk, bint stream, int threads,
+                 int layers):
+        """``cuts``: each projection's (segments, segment length, chunks a step); ``accs``:
+        [segments * n * out] f32; ``xs``: the panels, segments * chunks a step * n *
+        min(chunk, segment length) f32."""
         cdef const uint16_t[:, ::1] h16
         cdef const float[:, ::1] h32
         cdef const uint16_t[:, ::1] w16
@@ -234,15 +269,21 @@ cdef class FeaturePlan:
             if biases[p] is not None:
                 b32 = biases[p]
                 self.proj[p].bias = &b32[0]
+            self.proj[p].segments, self.proj[p].seg_len, self.proj[p].step_chunks = cuts[p]
+            self.proj[p].out = w.shape[0]
             acc = accs[p]
-            self.proj[p].acc = &acc[0]
             x = xs[p]
+            if (acc.shape[0] < self.proj[p].segments * self.job.n * self.proj[p].out or
+                    x.shape[0] < self.proj[p].segments * self.proj[p].step_chunks * self.job.n
+                    * min(<Py_ssize_t>chunk, self.proj[p].seg_len)):
+                raise ValueError("accumulator or panel array too small for the cut")
+            self.proj[p].acc = &acc[0]
             self.proj[p].x = &x[0]
             self.proj[p].scale = scales[p]
-            self.proj[p].out = w.shape[0]
             self.proj[p].panels = (w.shape[0] + task_feats - 1) // task_feats
+            self.proj[p].blocks = self.job.row_blocks * self.proj[p].panels
             self.proj[p].first_task = first
-            first += self.job.row_blocks * self.proj[p].panels
+            first += self.proj[p].blocks * self.proj[p].segments
         self.job.proj = self.proj
         self.tasks = first
         self.threads = threads
@@ -254,66 +295,69 @@ cdef class FeaturePlan:
         self._start_accumulators()
 
     cdef void _start_accumulators(self):
-        """Every task's accumulator starts from its bias (or +0.0), as linear() does."""
-        cdef int p
-        cdef Py_ssize_t task, local, mi, oi, m0, o0, r, m
-        cdef int mt, ot
+        """Every task's accumulator starts from its bias (first segment) or +0.0, as linear()
+        does."""
+        cdef int p, mt, ot
+        cdef Py_ssize_t block, m0, o0, r, m, at
         cdef Projection *pr
         for p in range(self.job.count):
             pr = &self.proj[p]
-            for local in range(self.job.row_blocks * pr.panels):
-                mi, oi = local // pr.panels, local % pr.panels
-                m0, o0 = mi * self.job.task_rows, oi * self.job.task_feats
+            for block in range(pr.blocks):
+                m0 = block // pr.panels * self.job.task_rows
+                o0 = block % pr.panels * self.job.task_feats
                 mt = <int>min(<Py_ssize_t>self.job.task_rows, self.job.n - m0)
                 ot = <int>min(<Py_ssize_t>self.job.task_feats, pr.out - o0)
+                at = acc_at(&self.job, pr, 0, m0, o0, mt)
                 for r in range(ot):
                     for m in range(mt):
-                        pr.acc[local * self.job.task_rows * self.job.task_feats + r * mt + m] = \
-                            pr.bias[o0 + r] if pr.bias != NULL else 0.0
+                        pr.acc[at + r * mt + m] = pr.bias[o0 + r] if pr.bias != NULL else 0.0
+            for at in range(self.job.n * pr.out, pr.segments * self.job.n * pr.out):
+                pr.acc[at] = 0.0
 
     def __dealloc__(self):
         free(self.proj)
         free(self.panels)
 
-    def normalize_only(self, Py_ssize_t s0, Py_ssize_t s1):
-        """Only the normalisation of features [s0, s1) into the panels (for checking)."""
+    def normalize(self, Py_ssize_t step):
+        """The normalisation of a step's features into the panels."""
         cdef Py_ssize_t r
         cdef int threads = self.threads
         with nogil:
             for r in prange(self.job.n, num_threads=threads, schedule="static"):
-                normalize_row(&self.job, r, s0, s1)
+                normalize_row(&self.job, r, step)
 
-    def run(self, Py_ssize_t s0, Py_ssize_t s1):
-        cdef Py_ssize_t r, t
-        cdef int threads = self.threads
+    def run(self, Py_ssize_t step, Py_ssize_t first, Py_ssize_t stop):
+        """Tasks [first, stop) of a step, whose features normalize(step) has produced."""
+        cdef Py_ssize_t t
+        cdef int threads = <int>min(<Py_ssize_t>self.threads, stop - first)
         cdef float *mine
-        with nogil:
-            for r in prange(self.job.n, num_threads=threads, schedule="static"):
-                normalize_row(&self.job, r, s0, s1)
-            with parallel(num_threads=threads):
-                mine = <float *>(self.panels + self.panel_len * omp_get_thread_num())
-                for t in prange(self.tasks, schedule="dynamic"):
-                    run_task(&self.job, t, s0, s1, mine)
+        if threads < 1:
+            return
+        with nogil, parallel(num_threads=threads):
+            mine = <float *>(self.panels + self.panel_len * omp_get_thread_num())
+            for t in prange(first, stop, schedule="dynamic"):
+                run_task(&self.job, t, step, mine)
 
     def finish(self, list outputs):
-        """Scatter each task's transposed accumulator into its rows of the outputs
-        ([B * T, out] f32, zero where no valid row lands)."""
+        """Add up each output block's segment sums in segment order, as linear() does, into its
+        rows of the outputs ([B * T, out] f32, zero where no valid row lands)."""
         cdef float[:, ::1] y
-        cdef int p
-        cdef Py_ssize_t local, mi, oi, m0, o0, r, m
-        cdef int mt, ot
+        cdef int p, mt, ot
+        cdef Py_ssize_t block, m0, o0, r, m
+        cdef float *acc
         cdef Projection *pr
-        cdef const float *acc
         for p in range(self.job.count):
             y = outputs[p]
             pr = &self.proj[p]
             with nogil:
-                for local in range(self.job.row_blocks * pr.panels):
-                    mi, oi = local // pr.panels, local % pr.panels
-                    m0, o0 = mi * self.job.task_rows, oi * self.job.task_feats
+                for block in prange(pr.blocks, num_threads=self.threads, schedule="dynamic"):
+                    m0 = block // pr.panels * self.job.task_rows
+                    o0 = block % pr.panels * self.job.task_feats
                     mt = <int>min(<Py_ssize_t>self.job.task_rows, self.job.n - m0)
                     ot = <int>min(<Py_ssize_t>self.job.task_feats, pr.out - o0)
-                    acc = pr.acc + local * self.job.task_rows * self.job.task_feats
+                    acc = pr.acc + acc_at(&self.job, pr, 0, m0, o0, mt)
+                    add_segments_f32(acc, self.job.n * pr.out, pr.segments,
+                                     <Py_ssize_t>mt * ot)
                     for m in range(mt):
                         for r in range(ot):
                             y[self.job.rows[m0 + m], o0 + r] = acc[r * mt + m]

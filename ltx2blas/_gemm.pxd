@@ -5,6 +5,7 @@ from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 cdef extern from "kernels.h" nogil:
     ctypedef Py_ssize_t ltx_idx
     int LTX_STREAM_LANES
+    int LTX_STREAM_BLOCK
     ctypedef struct ltx_kernels:
         const char *name
         void (*seq_gemm)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,

@@ -186,6 +186,10 @@ cdef void exact_product_fused_pairs(const ltx_kernels *kern, int m, int n, int k
 # The kernel tables, and products for the Python layers
 # --------------------------------------------------------------------------------------------
 
+#: The streaming kernel's lane-block length in elements of k (kernels.h).
+STREAM_BLOCK = LTX_STREAM_BLOCK
+
+
 def kernel_name(bint allow_fma=True):
     """Name of the kernel table used: 'avx512bf16', 'avx512', 'avx2', 'neon' or 'base'."""
     return kernels(allow_fma).name.decode()

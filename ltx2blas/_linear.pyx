@@ -1,20 +1,25 @@
 """Task driver of the Linear, y = x @ W^T + bias: bf16 weight panels widened a block at a time,
 multiplied through the seam, with the GIL released.
 
-The output is cut into tasks of [task_rows rows of x] x [task_feats output features]; each
-task starts from the bias and walks the in-dimension in chunks of ``chunk`` features, in order,
-adding every chunk's product into an accumulator (held transposed, [task_feats, task_rows], the
-layout that makes the BLAS pack the weight panel cheaply), then writes its block of y.
-Every product's shape is fixed by (task_rows, task_feats, chunk) and the input's shape --
-never by the thread count -- so the bytes of y do not depend on how many threads ran or which
-ran what.
+The in-dimension is cut into segments (linear_layer.segments), and the output into blocks of
+[task_rows rows of x] x [task_feats output features]; a task is one block of one segment.  It
+starts from the bias (first segment) or +0.0, walks its segment in chunks of ``chunk`` features,
+in order, adding every chunk's product into an accumulator (held transposed,
+[task_feats, task_rows], the layout that makes the BLAS pack the weight panel cheaply), then
+writes its block of y -- or, with several segments, of its segment's sums, which finish() adds
+up in segment order.  Every product's shape is fixed by the blocks, the segments and the
+input's shape -- never by the thread count -- so the bytes of y do not depend on how many
+threads ran or which ran what.
 """
 from cython.parallel cimport parallel, prange
 from libc.stdint cimport uint16_t
 from libc.stdlib cimport free, malloc
 
 from ._gemm cimport chunk_panel_bytes, chunk_wxt, dgemm_wxt, kernels, ltx_kernels
-from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num, up64
+from ._parallel cimport (add_segments_f32, add_segments_f64, block_offset, ltx_aligned_alloc,
+                        omp_get_thread_num, up64)
+
+import numpy as np
 
 
 cdef struct LinearJob:
@@ -26,8 +31,12 @@ cdef struct LinearJob:
     const float *bias32            # f32 bias (widened), or NULL
     const double *bias64           # the same in f64, or NULL
     float *y
+    void *partial                  # every segment's sums (f32 or f64), rows x feats a segment,
+                                   # the tasks' accumulators in place; or NULL
     int task_rows, task_feats, chunk
     Py_ssize_t panels              # output-feature panels per row block
+    Py_ssize_t blocks              # output blocks: tasks per segment
+    Py_ssize_t segments, seg_len
     bint f64
     bint stream                    # few rows, bf16 weight, f32 x: the streaming kernel
     const ltx_kernels *kern
@@ -41,16 +50,20 @@ cdef struct TaskBuffers:
 
 
 cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) noexcept nogil:
-    cdef Py_ssize_t mi = task // job.panels, oi = task % job.panels
+    cdef Py_ssize_t seg = task // job.blocks, block = task % job.blocks
+    cdef Py_ssize_t mi = block // job.panels, oi = block % job.panels
     cdef Py_ssize_t m0 = mi * job.task_rows, o0 = oi * job.task_feats
     cdef int mt = <int>min(<Py_ssize_t>job.task_rows, job.rows - m0)
     cdef int ot = <int>min(<Py_ssize_t>job.task_feats, job.feats - o0)
     cdef const ltx_kernels *kern = job.kern
+    cdef Py_ssize_t first = seg * job.seg_len, end = min(job.cols, first + job.seg_len)
+    cdef float *y = job.y + m0 * job.feats + o0
+    cdef Py_ssize_t at = seg * job.rows * job.feats + block_offset(m0, o0, job.feats, mt)
     cdef Py_ssize_t c0, r, m
     cdef int kt
-    cdef float *y = job.y + m0 * job.feats + o0
-    cdef float *acc32 = <float *>buf.acc
-    cdef double *acc64 = <double *>buf.acc
+    # With several segments the task accumulates in place, in its block of its segment's sums.
+    cdef float *acc32 = <float *>job.partial + at if job.partial != NULL else <float *>buf.acc
+    cdef double *acc64 = <double *>job.partial + at if job.partial != NULL else <double *>buf.acc
     cdef const float *xp32
     cdef int ldx
     cdef double *wp64 = <double *>buf.w_panel
@@ -59,13 +72,15 @@ cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) n
     for r in range(ot):
         for m in range(mt):
             if job.f64:
-                acc64[r * mt + m] = job.bias64[o0 + r] if job.bias64 != NULL else 0.0
+                acc64[r * mt + m] = (job.bias64[o0 + r] if job.bias64 != NULL and seg == 0
+                                     else 0.0)
             else:
-                acc32[r * mt + m] = job.bias32[o0 + r] if job.bias32 != NULL else 0.0
+                acc32[r * mt + m] = (job.bias32[o0 + r] if job.bias32 != NULL and seg == 0
+                                     else 0.0)
 
-    c0 = 0
-    while c0 < job.cols:
-        kt = <int>min(<Py_ssize_t>job.chunk, job.cols - c0)
+    c0 = first
+    while c0 < end:
+        kt = <int>min(<Py_ssize_t>job.chunk, end - c0)
         if job.f64:
             for r in range(ot):
                 if job.w16 != NULL:
@@ -91,12 +106,34 @@ cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) n
                       <int>job.cols, <float *>buf.w_panel, acc32)
         c0 += kt
 
+    if job.partial != NULL:  # finish() adds up the segments
+        return
     for m in range(mt):
         for r in range(ot):
             if job.f64:
                 y[m * job.feats + r] = <float>acc64[r * mt + m]
             else:
                 y[m * job.feats + r] = acc32[r * mt + m]
+
+
+cdef void add_segments(const LinearJob *job, Py_ssize_t block) noexcept nogil:
+    """One output block of y: its segments' sums added in segment order, in the accumulation's
+    type (in place, in the first segment's block), then written out."""
+    cdef Py_ssize_t mi = block // job.panels, oi = block % job.panels
+    cdef Py_ssize_t m0 = mi * job.task_rows, o0 = oi * job.task_feats, r, m
+    cdef int mt = <int>min(<Py_ssize_t>job.task_rows, job.rows - m0)
+    cdef int ot = <int>min(<Py_ssize_t>job.task_feats, job.feats - o0)
+    cdef Py_ssize_t at = block_offset(m0, o0, job.feats, mt), step = job.rows * job.feats
+    cdef float *p32 = <float *>job.partial + at
+    cdef double *p64 = <double *>job.partial + at
+    cdef float *y = job.y + m0 * job.feats + o0
+    if job.f64:
+        add_segments_f64(p64, step, job.segments, <Py_ssize_t>mt * ot)
+    else:
+        add_segments_f32(p32, step, job.segments, <Py_ssize_t>mt * ot)
+    for m in range(mt):
+        for r in range(ot):
+            y[m * job.feats + r] = <float>p64[r * mt + m] if job.f64 else p32[r * mt + m]
 
 
 cdef (size_t, size_t, size_t) buffer_layout(int task_rows, int task_feats, int chunk, bint f64,
@@ -141,7 +178,7 @@ cdef class LinearPlan:
         self.buffers = NULL
 
     def __init__(self, x, w, bias32, bias64, float[:, ::1] y, int task_rows, int task_feats,
-                 int chunk, int threads, bint f64, bint stream):
+                 int chunk, int threads, bint f64, bint stream, Py_ssize_t seg_len, partial):
         cdef const float[:, ::1] x32
         cdef const uint16_t[:, ::1] x16
         cdef const float[:, ::1] w32
@@ -150,7 +187,7 @@ cdef class LinearPlan:
         cdef const double[::1] b64
         cdef size_t w_len, x_len, acc_len, buffer_len
         cdef int s
-        self.keep = (x, w, bias32, bias64, y)
+        self.keep = (x, w, bias32, bias64, y, partial)
         self.job.rows, self.job.cols = x.shape[0], x.shape[1]
         self.job.feats = w.shape[0]
         self.job.x32 = NULL
@@ -178,6 +215,18 @@ cdef class LinearPlan:
             b64 = bias64
             self.job.bias64 = &b64[0]
         self.job.y = &y[0, 0]
+        self.job.partial = NULL
+        self.job.seg_len = seg_len
+        self.job.segments = (self.job.cols + seg_len - 1) // seg_len
+        if partial is not None:
+            if partial.shape != (self.job.segments, self.job.rows, self.job.feats) or \
+                    partial.dtype != (np.float64 if f64 else np.float32) or \
+                    not partial.flags.c_contiguous:
+                raise ValueError("partial must be C-contiguous [segments, rows, feats] in the "
+                                 "accumulation's type (its blocks packed, not row-major)")
+            self.job.partial = <void *><size_t>partial.ctypes.data
+        elif self.job.segments > 1:
+            raise ValueError("several segments need their partial sums' array")
         self.job.task_rows, self.job.task_feats, self.job.chunk = task_rows, task_feats, chunk
         self.job.panels = (self.job.feats + task_feats - 1) // task_feats
         self.job.f64 = f64
@@ -185,7 +234,8 @@ cdef class LinearPlan:
         if self.job.stream and self.job.x16 != NULL:
             raise ValueError("the streaming route takes an f32 x: widen a bf16 x once, before")
         self.job.kern = kernels(True)
-        self.tasks = task_count(self.job.rows, self.job.feats, task_rows, task_feats)
+        self.job.blocks = task_count(self.job.rows, self.job.feats, task_rows, task_feats)
+        self.tasks = self.job.blocks * self.job.segments
         self.threads = threads
 
         w_len, x_len, acc_len = buffer_layout(task_rows, task_feats, chunk, f64, self.job.stream,
@@ -214,7 +264,18 @@ cdef class LinearPlan:
                 linear_task(&self.job, t, &self.per_thread[omp_get_thread_num()])
 
 
+    def finish(self):
+        """After every task has run: with several segments, y is their sums added in order."""
+        cdef Py_ssize_t b
+        cdef int threads = <int>min(<Py_ssize_t>self.threads, self.job.blocks)
+        if self.job.partial == NULL or threads < 1:
+            return
+        with nogil:
+            for b in prange(self.job.blocks, num_threads=threads, schedule="dynamic"):
+                add_segments(&self.job, b)
+
+
 def task_count(Py_ssize_t rows, Py_ssize_t feats, Py_ssize_t task_rows, Py_ssize_t task_feats):
-    """How many independent tasks a Linear of ``rows`` rows of x and ``feats`` output features
-    is cut into by these task blocks."""
+    """How many blocks these task blocks cut the output of a Linear of ``rows`` rows of x and
+    ``feats`` output features into: its tasks per segment."""
     return (rows + task_rows - 1) // task_rows * ((feats + task_feats - 1) // task_feats)

@@ -118,3 +118,16 @@ def blas_single_threaded():
                 _limiter.restore_original_limits()
                 _limiter = None
                 _free_openblas_control()
+
+
+#: About this many waves a call's tasks run in: progress is reported, and an interrupt or an
+#: exception from the progress callback taken, between waves.
+WAVES = 16
+
+
+def waves(tasks, threads):
+    """(first, stop) of each wave of a call's ``tasks``: whole rounds of ``threads`` tasks, so
+    that no thread waits at a wave's end for a round it has no task in (5 tasks on 2 threads
+    would leave one idle a sixth of the time), and about :data:`WAVES` of them."""
+    size = threads * max(1, -(-tasks // (WAVES * threads)))
+    return [(first, min(tasks, first + size)) for first in range(0, tasks, size)]

@@ -3,10 +3,12 @@ to D * L features per token and project them -- without ever materialising the f
 
 Only valid (unmasked) tokens are computed.  A padded row's features are zero, so its output is
 what upstream's Linear gives on zero features: the projection's bias (V2), zeros (V1).  The features
-are produced a super-chunk at a time straight into the GEMM's input panels and shared by every
-projection, so a call reads the hidden states twice (statistics, then features) and holds about
-``valid tokens x 4096 x 4`` bytes of features per projection at a time, where the flattened f32
-features of 1024 tokens would take 770 MB.  The arithmetic is :mod:`ltx2blas.reference`'s
+are produced a step at a time straight into each projection's GEMM input panels, so a call reads
+the hidden states twice (statistics, then features) and holds one step's features per
+projection: about 4096 f32 features per valid token, or one 512-feature chunk of each segment of
+the in-dimension where it is cut into more than 8 (up to 34 at the real shapes; 70 KiB a token),
+and with 64 tokens or fewer (the streaming route) all of them -- where the flattened f32 features
+of 1024 tokens would take 770 MB.  The arithmetic is :mod:`ltx2blas.reference`'s
 ``text_features``; each projection's result is byte-identical to :func:`ltx2blas.linear` on the
 materialised features (same blocks, same order of additions).
 """
@@ -16,9 +18,9 @@ import numpy as np
 
 from . import _features
 from ._validate import bf16_or_f32, choice, contiguous, f32_values, ndarray
-from ._threads import blas_single_threaded, resolve_threads
+from ._threads import blas_single_threaded, resolve_threads, waves
 from .errors import ArgumentError, ArgumentTypeError, DTypeError, ShapeError
-from .linear_layer import plan
+from .linear_layer import plan, segments
 
 __all__ = ["text_features", "normalized_features"]
 
@@ -148,29 +150,38 @@ def _projections(projections, version, depth, layers):
 
 def _project(flat, rows, tokens, batch, layers, version, weights, biases, outputs, threads,
              progress):
-    """Statistics, then the features a super-chunk at a time into every projection's panels,
-    and the results scattered into ``outputs``' valid rows."""
+    """Statistics, then the features a step at a time into every projection's panels, and the
+    segments' sums added up into ``outputs``' valid rows."""
     n, width = rows.shape[0], flat.shape[1]
     depth = width // layers
     sample = (rows // tokens).astype(np.int64)
-    route, (task_rows, task_feats, chunk) = plan(n, weights[0].dtype, "f32")
-    # Features per super-chunk: about 4096, a whole number of chunks.
-    group = max(1, 4096 // chunk) * chunk if chunk < width else width
-    panels = [np.empty(n * chunk * -(-min(group, width) // chunk), np.float32) for _ in weights]
-    row_blocks = -(-n // task_rows)
-    accs = [np.empty(row_blocks * -(-w.shape[0] // task_feats) * task_rows * task_feats,
-                     np.float32) for w in weights]
+    route, blocks = plan(n, weights[0].dtype, "f32")
+    task_rows, task_feats, chunk = blocks
+    # Each projection's in-dimension cut as linear() cuts it; a step takes, from every segment,
+    # a whole number of chunks: about 4096 features in all, at least one chunk a segment.
+    cuts, steps = [], 1
+    for w in weights:
+        count, length = segments(n, w.shape[0], width, route, blocks)
+        per_segment = -(-min(length, width) // chunk)  # chunks in a segment
+        step = max(1, min(per_segment, 4096 // chunk // count))
+        cuts.append((count, length, step))
+        steps = max(steps, -(-per_segment // step))
+    panels = [np.empty(count * step * n * min(chunk, length), np.float32)
+              for count, length, step in cuts]
+    accs = [np.empty(count * n * w.shape[0], np.float32)
+            for (count, _, _), w in zip(cuts, weights)]
     scales = [float(np.float32(math.sqrt(w.shape[0] / depth))) for w in weights]
     with blas_single_threaded():
         mean, rng, inv = _statistics(flat, rows, sample, batch, layers, depth, version, threads)
         job = _features.FeaturePlan(flat, rows, sample, version == "v2", mean, rng, inv,
-                                    weights, biases, accs, panels, scales, task_rows, task_feats,
-                                    chunk, route == "stream", threads, layers)
-        for s0 in range(0, width, group):
-            s1 = min(width, s0 + group)
-            job.run(s0, s1)
-            if progress is not None:
-                progress(s1 / width)
+                                    weights, biases, accs, panels, scales, cuts, task_rows,
+                                    task_feats, chunk, route == "stream", threads, layers)
+        for step in range(steps):
+            job.normalize(step)
+            for first, stop in waves(job.tasks, threads):
+                job.run(step, first, stop)
+                if progress is not None:
+                    progress((step + stop / job.tasks) / steps)
         job.finish(outputs)
 
 
@@ -211,7 +222,7 @@ def normalized_features(hidden_states, attention_mask, *, version="v1", out_feat
     # one 1 x 1 task per row: its accumulator is a single float each
     job = _features.FeaturePlan(flat, rows, sample, version == "v2", mean, rng, inv,
                                 [identity], [None], [np.empty(n, np.float32)], [x], [scale],
-                                1, 1, width, True, threads, layers)
-    job.normalize_only(0, width)
+                                [(1, width, 1)], 1, 1, width, True, threads, layers)
+    job.normalize(0)
     feats[rows] = (x.reshape(n, width).view(np.uint32) >> 16).astype(np.uint16)
     return feats.reshape(batch, tokens, width)

@@ -6,16 +6,17 @@ import sys
 
 import numpy as np
 
-from . import _gemm, _linear, _probe
+from . import _gemm, _probe
 from ._threads import available_cpus, blas_single_threaded, default_threads
 from .fuse import default_tile
-from .linear_layer import STREAM_ROWS, plan
+from .linear_layer import STREAM_ROWS, plan, segments, task_count
 
 # The shapes the routes are shown for: the fuse's tile of an attention weight (4096 x 4096),
 # the Linear's row counts from one prompt to a batch, and the text tower's output widths.
 ROUTE_WEIGHT = (4096, 4096)
 LINEAR_ROWS = (1, 8, 64, 256, 1024)
 LINEAR_OUTPUTS = (2048, 3840, 4096)
+LINEAR_WIDTH = 49 * 3840
 
 
 def _cpu_model():
@@ -77,7 +78,10 @@ def collect(probe_depths=(32, 384, 450, 512)):
         route, blocks = plan(rows, np.uint16)
         linear_routes[str(rows)] = {
             "route": route, "blocks": list(blocks),
-            "tasks": {str(o): _linear.task_count(rows, o, blocks[0], blocks[1])
+            "segments": {str(o): segments(rows, o, LINEAR_WIDTH, route, blocks)[0]
+                         for o in LINEAR_OUTPUTS},
+            "segment_length": segments(rows, LINEAR_OUTPUTS[-1], LINEAR_WIDTH, route, blocks)[1],
+            "tasks": {str(o): task_count(rows, o, LINEAR_WIDTH, np.uint16)
                       for o in LINEAR_OUTPUTS}}
     return {
         "ltx2blas": __version__,
@@ -153,13 +157,16 @@ def format_info(info):
         lines.append(f"  up to rank {info['sgemm_above_rank']}, two terms per instruction "
                      "(VDPBF16PS) where the adapter's magnitudes rule out subnormal and infinite "
                      "sums")
-    lines.append("the Linear, bf16 weight (tasks at out " +
+    lines.append(f"the Linear, bf16 weight, in {LINEAR_WIDTH} (at out " +
                  " / ".join(next(iter(info["linear_routes"].values()))["tasks"]) + "):")
     for rows, route in info["linear_routes"].items():
         tasks = " / ".join(str(t) for t in route["tasks"].values())
+        parts = " / ".join(str(t) for t in route["segments"].values())
+        cut = ("the whole in-dimension" if set(route["segments"].values()) == {1}
+               else f"one of {parts} segments")
         r, f, c = route["blocks"]
-        lines.append(f"  M {rows:>5}: {route['route']:<6} {r} rows x {f} features a task, chunks "
-                     f"of {c}: {tasks} tasks")
+        lines.append(f"  M {rows:>5}: {route['route']:<6} {r} rows x {f} features x {cut} a task, "
+                     f"chunks of {min(c, route['segment_length'])}: {tasks} tasks")
     lines.append(f"  (up to {STREAM_ROWS} rows the streaming kernel reads the bf16 weight rows "
                  "once, where a BLAS would spend longer packing each weight panel than "
                  "multiplying it; above, sgemm on widened weight panels)")

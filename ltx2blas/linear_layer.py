@@ -16,10 +16,10 @@ import numpy as np
 
 from . import _gemm, _linear
 from ._validate import BLAS_INT_MAX, bf16_or_f32, bf16_to_f32, choice, contiguous, ndarray, output
-from ._threads import blas_single_threaded, resolve_threads
+from ._threads import blas_single_threaded, resolve_threads, waves
 from .errors import ArgumentError, DTypeError, ShapeError
 
-__all__ = ["linear", "plan", "error_bound", "gamma", "buffer_bytes"]
+__all__ = ["linear", "plan", "segments", "task_count", "error_bound", "gamma", "buffer_bytes"]
 
 #: Up to this many rows of x (with a bf16 weight and f32 accumulation) the product streams the
 #: bf16 weight rows through the seam's own kernel: with so few rows per weight element, a BLAS
@@ -30,14 +30,38 @@ STREAM_ROWS = 64
 #: results depend on these -- they fix the order of the additions -- never on the thread count.
 #: sgemm: a widened weight panel of 256 x 512 f32 (512 KiB) is packed by the BLAS once per call
 #: and multiplied by up to 512 rows; wider panels are a little faster on two cores but give
-#: half the tasks, and machines with many cores need the tasks.  stream: whole weight rows in
-#: one chunk (188,160 at the real width); its sums do not depend on the blocks at all, which
-#: only set how many weight rows share each block of x held in cache (64 output features for
-#: up to 16 rows, 128 above, still enough tasks at the real shapes).  f64: panels half the
+#: half the tasks, and machines with many cores need the tasks.  stream: a segment of the
+#: weight rows in one chunk; its sums do not depend on the blocks at all, which only set how
+#: many weight rows share each block of x held in cache (64 output features for up to 16 rows,
+#: 128 above; 8 up to STREAM_FEW_ROWS, below).  f64: panels half the
 #: sgemm route's in features, as f64 is twice as wide.  (Tuning runs:
 #: bench/results/amd-epyc-zen4-avx512bf16/tuning.md.)
 BLOCKS = {"sgemm": (512, 256, 512), "stream": (16, 64, 1 << 18), "f64": (256, 128, 512)}
 STREAM_WIDE_BLOCKS = (STREAM_ROWS, 128, 1 << 18)
+
+#: Up to this many rows of x the streaming product is bound by memory: it reads whole weight
+#: rows (one segment; shorter runs read measurably slower) and takes its tasks from the output
+#: features alone, 8 a task, 256 or more at the real widths -- x, at most 3 MiB, is then read
+#: again by every task, from cache.
+STREAM_FEW_ROWS = 4
+STREAM_FEW_BLOCKS = (STREAM_FEW_ROWS, 8, 1 << 18)
+
+#: The fewest independent tasks a Linear is cut into where its in-dimension allows: a machine
+#: with tens of cores shares a few dozen tasks unevenly (32 tasks on 20 cores leave most of them
+#: idle for the second half), and the output alone gives only 8 to 64 at the real shapes.
+MIN_TASKS = 256
+
+#: At most this many segments are asked for (rounding can give up to twice as many): each
+#: segment's sums and, in the feature extractor, a chunk of its features per token are held
+#: at once, and a narrow output would otherwise ask for hundreds.
+MAX_SEGMENTS = 32
+
+#: Above STREAM_FEW_ROWS rows the streaming route cuts the in-dimension into segments of this
+#: many in-features, whole 4096-element blocks (the kernel's lane blocks), whatever the rows,
+#: features or task blocks, so that its bytes stay independent of them: 16 segments at the real
+#: width, 256 tasks or more at every real shape.
+STREAM_SEGMENT = 3 * _gemm.STREAM_BLOCK
+
 
 def plan(rows, weight_dtype, accumulate="f32", blocks=None):
     """The route ("sgemm", "stream" or "f64") and (rows, features, chunk) blocks a call with
@@ -53,17 +77,50 @@ def plan(rows, weight_dtype, accumulate="f32", blocks=None):
         return route, tuple(blocks)
     if route == "stream" and rows > BLOCKS["stream"][0]:
         return route, STREAM_WIDE_BLOCKS
+    if route == "stream" and rows <= STREAM_FEW_ROWS:
+        return route, STREAM_FEW_BLOCKS
     return route, BLOCKS[route]
 
 
+def segments(rows, feats, cols, route, blocks):
+    """(count, length): the in-dimension cut into ``count`` segments of ``length`` in-features
+    (the last may be shorter).  Each segment's sum is taken on its own, by tasks of their own,
+    and y is the segments' sums added in segment order (the first starting from the bias).
+
+    The cut depends on the shape and the blocks only, never on the thread count.  Segments are
+    whole chunks (whole 4096-element blocks on the streaming route); the sgemm and f64 routes
+    take enough to bring the tasks to :data:`MIN_TASKS` (asking for at most
+    :data:`MAX_SEGMENTS`); the streaming route cuts :data:`STREAM_SEGMENT` in-features a
+    segment, or with at most :data:`STREAM_FEW_ROWS` rows none."""
+    task_rows, task_feats, chunk = blocks
+    if route == "stream":
+        length = STREAM_SEGMENT if rows > STREAM_FEW_ROWS else max(1, cols)
+    else:
+        blocks_out = _linear.task_count(rows, feats, task_rows, task_feats)
+        wanted = min(MAX_SEGMENTS, -(-MIN_TASKS // max(1, blocks_out)))
+        units = max(1, -(-cols // chunk))
+        length = max(1, units // wanted) * chunk  # rounded down: at least `wanted` segments
+    return max(1, -(-cols // length)), length
+
+
+def task_count(rows, feats, cols, weight_dtype, accumulate="f32", blocks=None):
+    """How many independent tasks a call is cut into: output blocks times segments."""
+    route, blocks = plan(rows, weight_dtype, accumulate, blocks)
+    count, _ = segments(rows, feats, cols, route, blocks)
+    return _linear.task_count(rows, feats, blocks[0], blocks[1]) * count
+
+
 def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32", threads=1,
-                 blocks=None):
-    """Bytes of panel buffers a linear() call allocates besides its output, never a full-size
-    copy of the weight.  Per thread: the widened weight panel [features x chunk] (sgemm route
-    with a bf16 weight, or f64), the widened x panel [rows x chunk] (bf16 x or f64) and the
+                 blocks=None, *, feats):
+    """Bytes of buffers a linear() call allocates besides its output, never a full-size copy of
+    the weight.  Per thread: the widened weight panel [features x chunk] (sgemm route with a
+    bf16 weight, or f64), the widened x panel [rows x chunk] (bf16 x or f64) and the
     accumulator [features x rows]; on the streaming route, instead of the weight panel, lane
-    sums [features x rows x 16], and a bf16 x is widened once, shared."""
-    route, (mb, ob, kb) = plan(rows, weight_dtype, accumulate, blocks)
+    sums [features x rows x 16], and a bf16 x is widened once, shared.  With more than one
+    segment (:func:`segments`), each segment's sums [rows x feats] (f32, f64 on the f64 route)
+    until they are added up."""
+    route, blocks = plan(rows, weight_dtype, accumulate, blocks)
+    mb, ob, kb = blocks
     bf16_w = np.dtype(weight_dtype).itemsize == 2
     bf16_x = np.dtype(x_dtype).itemsize == 2
     stream = route == "stream" and bf16_w
@@ -72,18 +129,31 @@ def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32",
     per_thread = _linear.thread_buffer_bytes(mb, ob, kb, route == "f64", stream, bf16_w,
                                              bf16_x and not stream)
     shared = 4 * rows * cols if (stream and bf16_x) else 0
+    count, _ = segments(rows, feats, cols, route, blocks)
+    if count > 1:
+        shared += count * rows * feats * (8 if route == "f64" else 4)
     return threads * per_thread + shared
 
 
-def gamma(rows, cols, weight_dtype, accumulate="f32", blocks=None):
-    """gamma_d of :func:`error_bound` for a call with this many rows and in-features."""
-    route, (_, _, kb) = plan(rows, weight_dtype, accumulate, blocks)
-    kt = min(kb, cols)
-    n_chunks = max(1, math.ceil(cols / kb))
-    if route == "stream":
-        d = 1 + 4096 // 4 + math.ceil(kt / 4096) + 4 + 15 + n_chunks + 1
+def gamma(rows, cols, weight_dtype, accumulate="f32", blocks=None, feats=None):
+    """gamma_d of :func:`error_bound` for a call with this many rows, in-features and (if
+    given) out features; without ``feats``, the larger gamma that holds for every cut into
+    segments."""
+    route, blocks = plan(rows, weight_dtype, accumulate, blocks)
+    kb = blocks[2]
+    if feats is None:  # one segment: the longest chain of additions any cut can give
+        count, length = 1, cols
     else:
-        d = 1 + (kt - 1) + n_chunks + 1
+        count, length = segments(rows, feats, cols, route, blocks)
+    length = min(length, cols)
+    kt = min(kb, length)
+    chunks = max(1, math.ceil(length / kb))
+    if route == "stream":
+        block = _gemm.STREAM_BLOCK
+        d = 1 + block // 4 + math.ceil(kt / block) + 4 + 15 + chunks
+    else:
+        d = 1 + (kt - 1) + chunks
+    d += (count - 1) + 1
     u = 2.0**-53 if route == "f64" else 2.0**-24
     return d * u / (1 - d * u)
 
@@ -107,15 +177,17 @@ def error_bound(x, weight, bias=None, accumulate="f32", blocks=None):
     f32, 2^-53 in f64).  If a term of y passes through at most d roundings, then
     |y - exact| <= gamma_d * (sum_i |x_i w_i| + |bias|), gamma_d = d u / (1 - d u) (Higham,
     Accuracy and Stability of Numerical Algorithms, 2nd ed., §3.1, for any summation order).
-    Counting d (kb = the chunk, n = the number of chunks):
+    Counting d along a segment (:func:`segments`: S segments of L in-features; kb the chunk,
+    n = ceil(L / kb) chunks in a segment):
       sgemm/f64 route: 1 product + kb - 1 additions inside a chunk's sum (any order the BLAS
-        takes) + n additions of chunks into the running sum + 1 for the bias;
+        takes) + n additions of chunks into the segment's running sum;
       streaming route: 1 product + 1024 additions in a lane's block (4096 elements, 4 lanes at
-        the narrowest) + ceil(kb / 4096) block sums + 4 tree levels + 15 tail additions + n + 1.
+        the narrowest) + ceil(kb / 4096) block sums + 4 tree levels + 15 tail additions + n;
+      then S - 1 additions of the segments' sums, and 1 for the bias.
     The final rounding to f32 adds half an ulp of y on top."""
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     k = weight.shape[1]
-    g = gamma(rows, k, weight.dtype, accumulate, blocks)
+    g = gamma(rows, k, weight.dtype, accumulate, blocks, feats=weight.shape[0])
     with blas_single_threaded():
         magnitude = _gemm.dgemm_xwt(np.abs(_as_f64(x).reshape(-1, k)), np.abs(_as_f64(weight)))
     if bias is not None:
@@ -178,8 +250,12 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
         # Few rows: widen them once here rather than per thread and chunk.
         x2 = bf16_to_f32(x2)
     bias64 = bias32.astype(np.float64) if (bias32 is not None and route == "f64") else None
+    count, length = segments(rows, feats, cols, route, blocks)
+    partial = None
+    if count > 1:  # each segment's sums, until they are added up in order
+        partial = np.empty((count, rows, feats), np.float64 if route == "f64" else np.float32)
     tasks = _linear.LinearPlan(x2, w_bits, bias32, bias64, y.reshape(rows, feats), *blocks,
-                               threads, route == "f64", route == "stream")
+                               threads, route == "f64", route == "stream", length, partial)
     _run_in_waves(tasks, threads, progress)
     return y
 
@@ -234,10 +310,10 @@ def _checked_plan(rows, weight_dtype, accumulate, blocks):
 def _run_in_waves(tasks, threads, progress):
     """Run the plan's tasks a wave at a time, reporting progress between waves (an exception
     from ``progress`` stops the call there)."""
-    wave = max(2 * threads, -(-tasks.tasks // 64))
     with blas_single_threaded():
-        for first in range(0, tasks.tasks, wave):
-            stop = min(tasks.tasks, first + wave)
+        for first, stop in waves(tasks.tasks, threads):
             tasks.run(first, stop)
+            if stop == tasks.tasks:
+                tasks.finish()
             if progress is not None:
                 progress(stop / tasks.tasks)

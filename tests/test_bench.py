@@ -9,17 +9,20 @@ import sys
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "bench", "run.py")
 
 
-def test_tile_and_route_benchmarks_run_and_check_their_bytes(tmp_path):
+def test_tile_route_and_segment_benchmarks_run_and_check_their_results(tmp_path):
     folder = os.path.dirname(BENCH)
+    segments = ["--width", str(49 * 400), "--out-features", "64", "--feature-out", "40",
+                "--rows", "3,8,70", "--tokens", "8,70", "--repeats", "1"]
     for script, args in (("bench_tiles.py", ["--ranks", "4", "--shapes", "200x300"]),
-                         ("bench_routes.py", ["--ranks", "150", "--shapes", "256x256"])):
+                         ("bench_routes.py", ["--ranks", "150", "--shapes", "256x256"]),
+                         ("bench_segments.py", segments)):
         out = tmp_path / (script + ".json")
         r = subprocess.run([sys.executable, os.path.join(folder, script), "--threads", "1", *args,
                             "--out", str(out)], capture_output=True, text=True, cwd="/",
                            timeout=600)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         rows = json.loads(out.read_text())["rows"]
-        assert rows and all(row["same_bytes"] for row in rows)
+        assert rows and all(row["same_bytes"] and row.get("within_bound", True) for row in rows)
 
 
 def test_quick_suite_runs_every_part(tmp_path):

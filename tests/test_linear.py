@@ -9,7 +9,8 @@ import pytest
 
 import ltx2blas
 from ltx2blas import reference
-from ltx2blas.linear_layer import BLOCKS, STREAM_WIDE_BLOCKS, error_bound, plan
+from ltx2blas.linear_layer import (BLOCKS, STREAM_FEW_BLOCKS, STREAM_SEGMENT, STREAM_WIDE_BLOCKS,
+                                   error_bound, gamma, plan, segments, task_count)
 
 from helpers import random_bf16
 
@@ -188,9 +189,84 @@ def test_eight_python_threads_at_once(rng):
 
 
 def test_blocks_are_fixed_by_shape_not_threads():
-    for rows, route in ((1, "stream"), (16, "stream"), (65, "sgemm"), (1024, "sgemm")):
+    for rows, route in ((5, "stream"), (16, "stream"), (65, "sgemm"), (1024, "sgemm")):
         assert plan(rows, np.uint16) == (route, BLOCKS[route])
+    for rows in (1, 4):
+        assert plan(rows, np.uint16) == ("stream", STREAM_FEW_BLOCKS)
     for rows in (17, 64):
         assert plan(rows, np.uint16) == ("stream", STREAM_WIDE_BLOCKS)
     assert plan(4, np.float32)[0] == "sgemm"  # an f32 weight has nothing to stream
     assert plan(4, np.uint16, "f64")[0] == "f64"
+
+
+@pytest.mark.parametrize("rows", [5, 20])
+def test_streaming_segments_are_summed_on_their_own_then_added_in_order(rng, rows):
+    """The streaming route's cut, written out: every 12,288 in-features' sum is the kernel's on
+    that slice alone (a call that short has one segment), and y is their sums added in segment
+    order in f32, the first starting from the bias."""
+    cols = 3 * STREAM_SEGMENT + 100
+    x, w, b = case(rng, rows, cols, 19)
+    assert segments(rows, 19, cols, *plan(rows, w.dtype)) == (4, STREAM_SEGMENT)
+    y = ltx2blas.linear(x, w, b, threads=2)
+    cuts = range(0, cols, STREAM_SEGMENT)
+    parts = [ltx2blas.linear(np.ascontiguousarray(x[:, c:c + STREAM_SEGMENT]),
+                             np.ascontiguousarray(w[:, c:c + STREAM_SEGMENT]),
+                             b if c == 0 else None) for c in cuts]
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part  # f32 + f32, rounded once each
+    assert total.dtype == np.float32 and total.tobytes() == y.tobytes()
+    assert ltx2blas.linear(x, w, b, threads=1).tobytes() == y.tobytes()
+    assert np.all(np.abs(y - exact(x, w, b)) <= error_bound(x, w, b) + f32_ulp(y) / 2)
+
+
+def test_few_rows_read_whole_weight_rows(rng):
+    """Up to 4 rows: one segment, the bytes the same as one call per row block of outputs."""
+    x, w, b = case(rng, 3, 3 * STREAM_SEGMENT + 100, 19)
+    assert segments(3, 19, x.shape[1], *plan(3, w.dtype))[0] == 1
+    y = ltx2blas.linear(x, w, b, threads=2)
+    assert ltx2blas.linear(x, w, b, blocks=(4, 19, 1 << 18)).tobytes() == y.tobytes()
+
+
+@pytest.mark.parametrize("rows, cols, feats", [(3, 30000, 50), (20, 30000, 50), (300, 9000, 300)])
+def test_the_driver_runs_the_tasks_task_count_gives(rng, monkeypatch, rows, cols, feats):
+    from ltx2blas import linear_layer
+    ran = []
+    original = linear_layer._run_in_waves
+    monkeypatch.setattr(linear_layer, "_run_in_waves",
+                        lambda tasks, *a: (ran.append(tasks.tasks), original(tasks, *a)))
+    x, w, b = case(rng, rows, cols, feats)
+    ltx2blas.linear(x, w, b)
+    assert ran == [task_count(rows, feats, cols, w.dtype)]
+
+
+def test_every_real_shape_is_cut_into_256_tasks():
+    """Out 2048, 3840 and 4096 at 1 to 2048 rows: at least 256 independent tasks, from the output
+    blocks times the in-dimension's segments, whatever the thread count."""
+    for feats in (2048, 3840, 4096):
+        for rows in (1, 2, 4, 8, 16, 17, 32, 64, 65, 128, 256, 512, 513, 1024, 2048):
+            count, length = segments(rows, feats, REAL_WIDTH, *plan(rows, np.uint16))
+            assert count == -(-REAL_WIDTH // length) and count <= 2 * 34
+            assert task_count(rows, feats, REAL_WIDTH, np.uint16) >= 256, (rows, feats)
+
+
+@pytest.mark.parametrize("rows", [70, 600])
+@pytest.mark.parametrize("accumulate", ["f32", "f64"])
+def test_segments_of_the_sgemm_routes_keep_bytes_and_bound(rng, rows, accumulate):
+    """Several segments on the sgemm and f64 routes (6 and 2 output blocks here): the same bytes
+    for any thread count, within the derived bound, which counts the segments' additions."""
+    x, w, b = case(rng, rows, 9000, 300)
+    route, blocks = plan(rows, w.dtype, accumulate)
+    count, _ = segments(rows, 300, 9000, route, blocks)
+    assert count > 1
+    y = ltx2blas.linear(x, w, b, accumulate=accumulate, threads=2)
+    assert ltx2blas.linear(x, w, b, accumulate=accumulate, threads=1).tobytes() == y.tobytes()
+    sample = slice(0, rows, max(1, rows // 12))
+    ref = exact(x[sample], w, b)
+    if accumulate == "f64":  # the exact sum, rounded once
+        assert np.all(np.abs(y[sample] - ref) <= f32_ulp(ref) / 2)
+    else:  # gamma of this call's cut (error_bound on the sampled rows would plan other blocks)
+        g = gamma(rows, 9000, w.dtype, feats=300)
+        assert g <= gamma(rows, 9000, w.dtype)  # no more additions along a segment than along all
+        magnitude = np.abs(as_f64(x[sample])) @ np.abs(as_f64(w)).T + np.abs(as_f64(b))
+        assert np.all(np.abs(y[sample] - ref) <= g * magnitude + f32_ulp(y[sample]) / 2)

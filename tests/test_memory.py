@@ -76,7 +76,7 @@ with open('/proc/self/clear_refs', 'w') as f:
 before = status('VmRSS')
 ltx2blas.linear(x, w, threads=threads, out=y)
 print(json.dumps({{"growth": status('VmHWM') - before, "weight": w.nbytes,
-                  "buffers": buffer_bytes(rows, cols, w.dtype, threads=threads)}}))
+                  "buffers": buffer_bytes(rows, cols, w.dtype, threads=threads, feats=feats)}}))
 """
 
 

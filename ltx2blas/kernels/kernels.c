@@ -542,7 +542,7 @@ static void dot_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp, 
  * of the rows that come next. Far enough ahead to cover the memory latency, near enough that
  * the lines are not evicted before use. */
 #define STREAM_AHEAD 256
-#define STREAM_BLOCK 4096
+#define STREAM_BLOCK LTX_STREAM_BLOCK
 
 /* Keeps a loaded vector in a register: x86 compilers otherwise fold the load into every FMA
  * that uses it, loading it once per weight row instead of once. */

@@ -85,6 +85,10 @@ static inline uint64_t ltx_splitmix64(uint64_t x)
 /* Floats of stream_wxt scratch per (weight row, row of x): the widest vector of any table. */
 #define LTX_STREAM_LANES 16
 
+/* The streaming kernel's lane sums restart every this many elements of k (see stream_wxt);
+ * the Linear's segments are cut at multiples of it. */
+#define LTX_STREAM_BLOCK 4096
+
 typedef struct {
     const char *name;
     /* c[m x n] (ldc) = c + sum_p x[i,p] * y[p,j], p = 0 .. k-1 in order, one element at a time:
