@@ -87,6 +87,22 @@ def timed_pair(make, repeats):
     return times, results["default"][0], results["one"][0], repeatable
 
 
+def compared(times):
+    """The speed ratios of a timed pair: the output-only cut's time / the default's, and the
+    control's, by fastest and by median sample."""
+    return {"ratio_best": times["one"]["min"] / times["default"]["min"],
+            "ratio_median": times["one"]["median"] / times["default"]["median"],
+            "control_best": times["control"]["min"] / times["default"]["min"],
+            "control_median": times["control"]["median"] / times["default"]["median"],
+            "default_s": times["default"], "one_segment_s": times["one"]}
+
+
+def described(row):
+    return (f"{row['tasks']} tasks vs {row['tasks_one_segment']}: speed x{row['ratio_best']:.3f}"
+            f" best, x{row['ratio_median']:.3f} median (control x{row['control_best']:.3f}, "
+            f"x{row['control_median']:.3f}); repeatable: {row['same_bytes']}")
+
+
 def run(threads_list, rows_list, tokens_list, feats=2048, feature_out=3840, width=WIDTH,
         repeats=3, log=print):
     import ltx2blas
@@ -106,19 +122,11 @@ def run(threads_list, rows_list, tokens_list, feats=2048, feature_out=3840, widt
             with one_segment():
                 one_ok = within_bound(x, w, y_one)
             row = {"workload": "linear", "rows": rows, "out": feats, "threads": threads,
-                   "tasks": tasks, "tasks_one_segment": tasks_one,
-                   "ratio_best": times["one"]["min"] / times["default"]["min"],
-                   "ratio_median": times["one"]["median"] / times["default"]["median"],
-                   "control_best": times["control"]["min"] / times["default"]["min"],
-                   "control_median": times["control"]["median"] / times["default"]["median"],
-                   "default_s": times["default"], "one_segment_s": times["one"],
-                   "within_bound": within_bound(x, w, y) and one_ok,
-                   "same_bytes": repeatable}
+                   "tasks": tasks, "tasks_one_segment": tasks_one, **compared(times),
+                   "within_bound": within_bound(x, w, y) and one_ok, "same_bytes": repeatable}
             out.append(row)
-            log(f"linear M {rows:4d} out {feats} threads {threads}: {tasks} tasks vs "
-                f"{tasks_one}: speed x{row['ratio_best']:.3f} best, x{row['ratio_median']:.3f} "
-                f"median (control x{row['control_best']:.3f}, x{row['control_median']:.3f}); "
-                f"within bound: {row['within_bound']}; repeatable: {repeatable}")
+            log(f"linear M {rows:4d} out {feats} threads {threads}: {described(row)}; "
+                f"within bound: {row['within_bound']}")
     w_v1 = harness.random_bf16(rng, (feature_out, width), 0.02)
     for tokens in tokens_list:
         hidden = harness.random_bf16(rng, (1, tokens, width // 49, 49), 1.0)
@@ -132,17 +140,9 @@ def run(threads_list, rows_list, tokens_list, feats=2048, feature_out=3840, widt
                     h, m, [(w_v1, None)], threads=t)[0], repeats)
             row = {"workload": "text_features v1", "rows": tokens, "out": feature_out,
                    "threads": threads, "tasks": tasks, "tasks_one_segment": tasks_one,
-                   "ratio_best": times["one"]["min"] / times["default"]["min"],
-                   "ratio_median": times["one"]["median"] / times["default"]["median"],
-                   "control_best": times["control"]["min"] / times["default"]["min"],
-                   "control_median": times["control"]["median"] / times["default"]["median"],
-                   "default_s": times["default"], "one_segment_s": times["one"],
-                   "same_bytes": repeatable}
+                   **compared(times), "same_bytes": repeatable}
             out.append(row)
-            log(f"text_features v1 tokens {tokens:4d} threads {threads}: {tasks} tasks vs "
-                f"{tasks_one}: speed x{row['ratio_best']:.3f} best, x{row['ratio_median']:.3f} "
-                f"median (control x{row['control_best']:.3f}, x{row['control_median']:.3f}); "
-                f"repeatable: {repeatable}")
+            log(f"text_features v1 tokens {tokens:4d} threads {threads}: {described(row)}")
     return out
 
 

@@ -15,7 +15,7 @@ from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport free, malloc
 
 from ._gemm cimport chunk_panel_bytes, chunk_wxt, kernels, ltx_kernels
-from ._parallel cimport add_segments_f32, block_offset, ltx_aligned_alloc, omp_get_thread_num
+from ._parallel cimport add_segments, block_offset, ltx_aligned_alloc, omp_get_thread_num
 
 
 cdef extern from "kernels.h" nogil:
@@ -356,7 +356,7 @@ cdef class FeaturePlan:
                     mt = <int>min(<Py_ssize_t>self.job.task_rows, self.job.n - m0)
                     ot = <int>min(<Py_ssize_t>self.job.task_feats, pr.out - o0)
                     acc = pr.acc + acc_at(&self.job, pr, 0, m0, o0, mt)
-                    add_segments_f32(acc, self.job.n * pr.out, pr.segments,
+                    add_segments(acc, self.job.n * pr.out, pr.segments,
                                      <Py_ssize_t>mt * ot)
                     for m in range(mt):
                         for r in range(ot):

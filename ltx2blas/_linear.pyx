@@ -16,8 +16,8 @@ from libc.stdint cimport uint16_t
 from libc.stdlib cimport free, malloc
 
 from ._gemm cimport chunk_panel_bytes, chunk_wxt, dgemm_wxt, kernels, ltx_kernels
-from ._parallel cimport (add_segments_f32, add_segments_f64, block_offset, ltx_aligned_alloc,
-                        omp_get_thread_num, up64)
+from ._parallel cimport (add_segments, block_offset, ltx_aligned_alloc, omp_get_thread_num,
+                        up64)
 
 import numpy as np
 
@@ -116,7 +116,7 @@ cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) n
                 y[m * job.feats + r] = acc32[r * mt + m]
 
 
-cdef void add_segments(const LinearJob *job, Py_ssize_t block) noexcept nogil:
+cdef void add_block_segments(const LinearJob *job, Py_ssize_t block) noexcept nogil:
     """One output block of y: its segments' sums added in segment order, in the accumulation's
     type (in place, in the first segment's block), then written out."""
     cdef Py_ssize_t mi = block // job.panels, oi = block % job.panels
@@ -128,9 +128,9 @@ cdef void add_segments(const LinearJob *job, Py_ssize_t block) noexcept nogil:
     cdef double *p64 = <double *>job.partial + at
     cdef float *y = job.y + m0 * job.feats + o0
     if job.f64:
-        add_segments_f64(p64, step, job.segments, <Py_ssize_t>mt * ot)
+        add_segments(p64, step, job.segments, <Py_ssize_t>mt * ot)
     else:
-        add_segments_f32(p32, step, job.segments, <Py_ssize_t>mt * ot)
+        add_segments(p32, step, job.segments, <Py_ssize_t>mt * ot)
     for m in range(mt):
         for r in range(ot):
             y[m * job.feats + r] = <float>p64[r * mt + m] if job.f64 else p32[r * mt + m]
@@ -272,7 +272,7 @@ cdef class LinearPlan:
             return
         with nogil:
             for b in prange(self.job.blocks, num_threads=threads, schedule="dynamic"):
-                add_segments(&self.job, b)
+                add_block_segments(&self.job, b)
 
 
 def task_count(Py_ssize_t rows, Py_ssize_t feats, Py_ssize_t task_rows, Py_ssize_t task_feats):

@@ -20,17 +20,15 @@ cdef inline Py_ssize_t block_offset(Py_ssize_t m0, Py_ssize_t o0, Py_ssize_t out
     return m0 * out + o0 * mt
 
 
-cdef inline void add_segments_f32(float *block, Py_ssize_t stride, Py_ssize_t count,
-                                  Py_ssize_t n) noexcept nogil:
-    """The first segment's block becomes the sum of every segment's, added in segment order."""
-    cdef Py_ssize_t s, i
-    for s in range(1, count):
-        for i in range(n):
-            block[i] = block[i] + block[s * stride + i]
+ctypedef fused accumulation:
+    float
+    double
 
 
-cdef inline void add_segments_f64(double *block, Py_ssize_t stride, Py_ssize_t count,
-                                  Py_ssize_t n) noexcept nogil:
+cdef inline void add_segments(accumulation *block, Py_ssize_t stride, Py_ssize_t count,
+                              Py_ssize_t n) noexcept nogil:
+    """The first segment's block becomes the sum of every segment's, added in segment order, in
+    the accumulation's own type."""
     cdef Py_ssize_t s, i
     for s in range(1, count):
         for i in range(n):
