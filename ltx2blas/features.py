@@ -8,7 +8,8 @@ the hidden states twice (statistics, then features) and holds one step's feature
 projection: about 4096 f32 features per valid token, or one 512-feature chunk of each segment of
 the in-dimension where it is cut into more than 8 (up to 34 at the real shapes; 70 KiB a token),
 and with 64 tokens or fewer (the streaming route) all of them -- where the flattened f32 features
-of 1024 tokens would take 770 MB.  The arithmetic is :mod:`ltx2blas.reference`'s
+of 1024 tokens would take 770 MB -- besides each segment's sums (segments x tokens x out f32, as
+the Linear holds them).  The arithmetic is :mod:`ltx2blas.reference`'s
 ``text_features``; each projection's result is byte-identical to :func:`ltx2blas.linear` on the
 materialised features (same blocks, same order of additions).
 """
