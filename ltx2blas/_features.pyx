@@ -15,7 +15,8 @@ from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport free, malloc
 
 from ._gemm cimport chunk_panel_bytes, chunk_wxt, kernels, ltx_kernels
-from ._parallel cimport add_segments, block_offset, ltx_aligned_alloc, omp_get_thread_num
+from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_alloc,
+                        omp_get_thread_num, start_block)
 
 
 cdef extern from "kernels.h" nogil:
@@ -168,15 +169,16 @@ cdef void run_task(const FeatureJob *job, Py_ssize_t task, Py_ssize_t step,
         p += 1
     cdef Projection *pr = &job.proj[p]
     cdef Py_ssize_t local = task - pr.first_task
-    cdef Py_ssize_t seg = local // pr.blocks, block = local % pr.blocks
-    cdef Py_ssize_t mi = block // pr.panels, oi = block % pr.panels
-    cdef Py_ssize_t m0 = mi * job.task_rows, o0 = oi * job.task_feats
-    cdef int mt = <int>min(<Py_ssize_t>job.task_rows, job.n - m0)
-    cdef int ot = <int>min(<Py_ssize_t>job.task_feats, pr.out - o0)
+    cdef Py_ssize_t seg = local // pr.blocks, m0, o0
+    cdef int mt, ot
+    m0, o0, mt, ot = block_bounds(local % pr.blocks, pr.panels, job.task_rows, job.task_feats,
+                                  job.n, pr.out)
     cdef float *acc = pr.acc + acc_at(job, pr, seg, m0, o0, mt)
     cdef Py_ssize_t c0, s0, s1, c = 0
     cdef int kt
     cdef const float *xp
+    if step == 0:  # every segment has a chunk in the first step
+        start_block(acc, pr.bias, o0, mt, ot, seg == 0)
     step_range(job, pr, seg, step, &s0, &s1)
     c0 = s0
     while c0 < s1:
@@ -292,27 +294,6 @@ cdef class FeaturePlan:
         self.panels = <char *>ltx_aligned_alloc(self.panel_len * threads)
         if self.panels == NULL:
             raise MemoryError("could not allocate the weight panel buffers")
-        self._start_accumulators()
-
-    cdef void _start_accumulators(self):
-        """Every task's accumulator starts from its bias (first segment) or +0.0, as linear()
-        does."""
-        cdef int p, mt, ot
-        cdef Py_ssize_t block, m0, o0, r, m, at
-        cdef Projection *pr
-        for p in range(self.job.count):
-            pr = &self.proj[p]
-            for block in range(pr.blocks):
-                m0 = block // pr.panels * self.job.task_rows
-                o0 = block % pr.panels * self.job.task_feats
-                mt = <int>min(<Py_ssize_t>self.job.task_rows, self.job.n - m0)
-                ot = <int>min(<Py_ssize_t>self.job.task_feats, pr.out - o0)
-                at = acc_at(&self.job, pr, 0, m0, o0, mt)
-                for r in range(ot):
-                    for m in range(mt):
-                        pr.acc[at + r * mt + m] = pr.bias[o0 + r] if pr.bias != NULL else 0.0
-            for at in range(self.job.n * pr.out, pr.segments * self.job.n * pr.out):
-                pr.acc[at] = 0.0
 
     def __dealloc__(self):
         free(self.proj)
@@ -351,10 +332,8 @@ cdef class FeaturePlan:
             pr = &self.proj[p]
             with nogil:
                 for block in prange(pr.blocks, num_threads=self.threads, schedule="dynamic"):
-                    m0 = block // pr.panels * self.job.task_rows
-                    o0 = block % pr.panels * self.job.task_feats
-                    mt = <int>min(<Py_ssize_t>self.job.task_rows, self.job.n - m0)
-                    ot = <int>min(<Py_ssize_t>self.job.task_feats, pr.out - o0)
+                    m0, o0, mt, ot = block_bounds(block, pr.panels, self.job.task_rows,
+                                                  self.job.task_feats, self.job.n, pr.out)
                     acc = pr.acc + acc_at(&self.job, pr, 0, m0, o0, mt)
                     add_segments(acc, self.job.n * pr.out, pr.segments,
                                      <Py_ssize_t>mt * ot)

@@ -16,8 +16,8 @@ from libc.stdint cimport uint16_t
 from libc.stdlib cimport free, malloc
 
 from ._gemm cimport chunk_panel_bytes, chunk_wxt, dgemm_wxt, kernels, ltx_kernels
-from ._parallel cimport (add_segments, block_offset, ltx_aligned_alloc, omp_get_thread_num,
-                        up64)
+from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_alloc,
+                        omp_get_thread_num, start_block, up64)
 
 import numpy as np
 
@@ -50,11 +50,10 @@ cdef struct TaskBuffers:
 
 
 cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) noexcept nogil:
-    cdef Py_ssize_t seg = task // job.blocks, block = task % job.blocks
-    cdef Py_ssize_t mi = block // job.panels, oi = block % job.panels
-    cdef Py_ssize_t m0 = mi * job.task_rows, o0 = oi * job.task_feats
-    cdef int mt = <int>min(<Py_ssize_t>job.task_rows, job.rows - m0)
-    cdef int ot = <int>min(<Py_ssize_t>job.task_feats, job.feats - o0)
+    cdef Py_ssize_t seg = task // job.blocks, m0, o0
+    cdef int mt, ot
+    m0, o0, mt, ot = block_bounds(task % job.blocks, job.panels, job.task_rows, job.task_feats,
+                                  job.rows, job.feats)
     cdef const ltx_kernels *kern = job.kern
     cdef Py_ssize_t first = seg * job.seg_len, end = min(job.cols, first + job.seg_len)
     cdef float *y = job.y + m0 * job.feats + o0
@@ -69,14 +68,10 @@ cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) n
     cdef double *wp64 = <double *>buf.w_panel
     cdef double *xp64 = <double *>buf.x_panel
 
-    for r in range(ot):
-        for m in range(mt):
-            if job.f64:
-                acc64[r * mt + m] = (job.bias64[o0 + r] if job.bias64 != NULL and seg == 0
-                                     else 0.0)
-            else:
-                acc32[r * mt + m] = (job.bias32[o0 + r] if job.bias32 != NULL and seg == 0
-                                     else 0.0)
+    if job.f64:
+        start_block(acc64, job.bias64, o0, mt, ot, seg == 0)
+    else:
+        start_block(acc32, job.bias32, o0, mt, ot, seg == 0)
 
     c0 = first
     while c0 < end:
@@ -119,10 +114,10 @@ cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) n
 cdef void add_block_segments(const LinearJob *job, Py_ssize_t block) noexcept nogil:
     """One output block of y: its segments' sums added in segment order, in the accumulation's
     type (in place, in the first segment's block), then written out."""
-    cdef Py_ssize_t mi = block // job.panels, oi = block % job.panels
-    cdef Py_ssize_t m0 = mi * job.task_rows, o0 = oi * job.task_feats, r, m
-    cdef int mt = <int>min(<Py_ssize_t>job.task_rows, job.rows - m0)
-    cdef int ot = <int>min(<Py_ssize_t>job.task_feats, job.feats - o0)
+    cdef Py_ssize_t m0, o0, r, m
+    cdef int mt, ot
+    m0, o0, mt, ot = block_bounds(block, job.panels, job.task_rows, job.task_feats, job.rows,
+                                  job.feats)
     cdef Py_ssize_t at = block_offset(m0, o0, job.feats, mt), step = job.rows * job.feats
     cdef float *p32 = <float *>job.partial + at
     cdef double *p64 = <double *>job.partial + at
@@ -234,7 +229,7 @@ cdef class LinearPlan:
         if self.job.stream and self.job.x16 != NULL:
             raise ValueError("the streaming route takes an f32 x: widen a bf16 x once, before")
         self.job.kern = kernels(True)
-        self.job.blocks = task_count(self.job.rows, self.job.feats, task_rows, task_feats)
+        self.job.blocks = block_count(self.job.rows, self.job.feats, task_rows, task_feats)
         self.tasks = self.job.blocks * self.job.segments
         self.threads = threads
 
@@ -275,7 +270,7 @@ cdef class LinearPlan:
                 add_block_segments(&self.job, b)
 
 
-def task_count(Py_ssize_t rows, Py_ssize_t feats, Py_ssize_t task_rows, Py_ssize_t task_feats):
+def block_count(Py_ssize_t rows, Py_ssize_t feats, Py_ssize_t task_rows, Py_ssize_t task_feats):
     """How many blocks these task blocks cut the output of a Linear of ``rows`` rows of x and
     ``feats`` output features into: its tasks per segment."""
     return (rows + task_rows - 1) // task_rows * ((feats + task_feats - 1) // task_feats)

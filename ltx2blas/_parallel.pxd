@@ -33,3 +33,23 @@ cdef inline void add_segments(accumulation *block, Py_ssize_t stride, Py_ssize_t
     for s in range(1, count):
         for i in range(n):
             block[i] = block[i] + block[s * stride + i]
+
+
+cdef inline (Py_ssize_t, Py_ssize_t, int, int) block_bounds(
+        Py_ssize_t block, Py_ssize_t panels, int task_rows, int task_feats, Py_ssize_t rows,
+        Py_ssize_t out) noexcept nogil:
+    """Output block ``block`` (row blocks of ``panels`` feature panels each): its first row and
+    output, and its rows and outputs (fewer at the edges)."""
+    cdef Py_ssize_t m0 = block // panels * task_rows, o0 = block % panels * task_feats
+    return m0, o0, <int>min(<Py_ssize_t>task_rows, rows - m0), <int>min(<Py_ssize_t>task_feats,
+                                                                        out - o0)
+
+
+cdef inline void start_block(accumulation *acc, const accumulation *bias, Py_ssize_t o0, int mt,
+                             int ot, bint first_segment) noexcept nogil:
+    """A task's accumulator [ot, mt] at its start: the bias in the first segment (where there
+    is one), +0.0 elsewhere."""
+    cdef Py_ssize_t r, m
+    for r in range(ot):
+        for m in range(mt):
+            acc[r * mt + m] = bias[o0 + r] if bias != NULL and first_segment else 0.0

@@ -96,7 +96,7 @@ def segments(rows, feats, cols, route, blocks):
     if route == "stream":
         length = STREAM_SEGMENT if rows > STREAM_FEW_ROWS else max(1, cols)
     else:
-        blocks_out = _linear.task_count(rows, feats, task_rows, task_feats)
+        blocks_out = _linear.block_count(rows, feats, task_rows, task_feats)
         wanted = min(MAX_SEGMENTS, -(-MIN_TASKS // max(1, blocks_out)))
         units = max(1, -(-cols // chunk))
         length = max(1, units // wanted) * chunk  # rounded down: at least `wanted` segments
@@ -107,7 +107,7 @@ def task_count(rows, feats, cols, weight_dtype, accumulate="f32", blocks=None):
     """How many independent tasks a call is cut into: output blocks times segments."""
     route, blocks = plan(rows, weight_dtype, accumulate, blocks)
     count, _ = segments(rows, feats, cols, route, blocks)
-    return _linear.task_count(rows, feats, blocks[0], blocks[1]) * count
+    return _linear.block_count(rows, feats, blocks[0], blocks[1]) * count
 
 
 def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32", threads=1,
