@@ -171,7 +171,7 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
                                       <const uint16_t *>(job.w + origin * esize), job.cols,
                                       <uint16_t *>dst, ldo)
         else:
-            kern.widen_bf16_rows(ad.a[0] + i0, job.cols, buf.panels, nt, rank, nt)
+            kern.pack_fuse_panel(ad.a[0] + i0, job.cols, buf.panels, rank, nt)
             exact_product_fused(kern, mt, nt, rank, buf.bs, rank, buf.panels,
                                 <const uint16_t *>(job.w + origin * esize), job.cols,
                                 <uint16_t *>dst, ldo)

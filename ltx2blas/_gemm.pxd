@@ -32,6 +32,8 @@ cdef extern from "kernels.h" nogil:
         void (*seq_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
                               const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
                               uint16_t *out, ltx_idx ldo) noexcept nogil
+        void (*pack_fuse_panel)(const uint16_t *src, ltx_idx lds, float *dst, ltx_idx k,
+                                ltx_idx n) noexcept nogil
         void (*dot_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp,
                               ltx_idx ldxp, const uint32_t *yp, ltx_idx ldyp, const uint16_t *w,
                               ltx_idx ldw, uint16_t *out, ltx_idx ldo) noexcept nogil

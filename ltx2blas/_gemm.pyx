@@ -164,8 +164,9 @@ cdef void exact_product_fused(const ltx_kernels *kern, int m, int n, int k, cons
                               int ldx, const float *y, const uint16_t *w, Py_ssize_t ldw,
                               uint16_t *out, Py_ssize_t ldo) noexcept nogil:
     """out[m, n] = bf16(w + bf16(textbook x @ y)), w and out bf16 with row strides ldw and ldo
-    (out may be w), x and y laid out as for :func:`exact_product`: the fuse of one adapter,
-    product and rounding in one pass, for a product that sgemm is not used for."""
+    (out may be w), x row-major with row stride ldx and y the table's fuse panel
+    (``kern.pack_fuse_panel``): the fuse of one adapter, product and rounding in one pass, for a
+    product that sgemm is not used for."""
     if m > 0 and n > 0:
         kern.seq_fuse_bf16(m, n, k, x, ldx, y, n, w, ldw, out, ldo)
 

@@ -73,11 +73,13 @@ def test_sequential_kernel_alone(kernel_table, rng, shape):
     assert np.array_equal(c.view(np.uint32), expected.view(np.uint32))
 
 
-@pytest.mark.parametrize("shape", [(13, 29), (8, 64), (1, 33), (70, 1), (17, 100)])
+@pytest.mark.parametrize("shape", [(13, 29), (8, 64), (1, 33), (70, 1), (17, 100), (9, 48),
+                                   (5, 16), (3, 16)])
 @pytest.mark.parametrize("k", [1, 31, 130])
 def test_fused_kernel_alone(kernel_table, rng, shape, k):
     """The kernel that fuses small ranks in one pass: bf16(w + bf16(x @ y)), the product
-    accumulated from +0.0 in k order, for tiles with and without row and column remainders."""
+    accumulated from +0.0 in k order, for tiles with and without row and column remainders
+    (every height of a last row block from 1 to 5, and whole strips of columns only)."""
     m, n = shape
     x = reference.bf16_widen(random_bf16(rng, (m, k)))
     y = reference.bf16_widen(random_bf16(rng, (k, n)))

@@ -345,7 +345,105 @@ static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16
 #endif
 }
 
-/* R rows (R <= MR) x NR columns. */
+#if defined(LTX_VARIANT_AVX2)
+/* The fuse panel's strips hold their columns in the order AVX2's word unpacks produce (see
+ * panel_column): the widened weight then costs one unpack per vector instead of a zero-extend
+ * and a shift, and one pack of two rounded vectors puts the 16 results back in column order,
+ * with no permute. */
+#define FUSE_UNPACK_ORDER
+#endif
+
+/* The weight column of position q (0 <= q < NR) in a full strip of the fuse panel. Natural
+ * order, or with FUSE_UNPACK_ORDER the order of the two unpacks of 16 bf16 weights: vector
+ * v = q / VW lane l = q % VW holds column 8 (l / 4) + 4 v + l % 4. */
+static inline int panel_column(int q)
+{
+#if defined(FUSE_UNPACK_ORDER)
+    const int v = q / VW, l = q % VW;
+    return (l / 4) * 8 + v * 4 + l % 4;
+#else
+    return q;
+#endif
+}
+
+/* dst = the fuse panel of k bf16 rows of n columns (src, row stride lds), widened: strips of NR
+ * columns, strip s the k rows of columns s NR .. s NR + NR - 1 one after another (k x NR floats
+ * from dst + s k NR), full strips in panel_column order; the last t = n % NR columns, a
+ * partial strip, k rows of t in natural order: k x n floats in all. Each block of the fuse then reads its strip front to back: in a
+ * row-major panel the rows of one strip lie a panel row apart, a power of two that maps them
+ * to a few cache sets. */
+static void pack_fuse_panel(const uint16_t *src, ltx_idx lds, float *dst, ltx_idx k, ltx_idx n)
+{
+    const ltx_idx n_full = n - n % NR;
+    u32a *d = (u32a *)dst;
+    for (ltx_idx p = 0; p < k; p++) {
+        const uint16_t *row = src + p * lds;
+        if (p + PREFETCH_ROWS < k)
+            prefetch_run(src + (p + PREFETCH_ROWS) * lds, n * 2);
+        for (ltx_idx j = 0; j < n_full; j += NR) {
+            u32a *strip_row = d + j * k + p * NR;
+            for (int q = 0; q < NR; q++)
+                strip_row[q] = (uint32_t)row[j + panel_column(q)] << 16;
+        }
+        for (ltx_idx j = n_full; j < n; j++)
+            d[n_full * k + p * (n - n_full) + (j - n_full)] = (uint32_t)row[j] << 16;
+    }
+}
+
+#if defined(FUSE_UNPACK_ORDER)
+/* Lane by lane u + 0x7FFF + bit 16 of u, u the bits of f: its high half is bf16(f),
+ * nearest-even, for an f that is not NaN (LTX_BF16_NEAREST before the mask). */
+static inline __m256i bf16_carry_not_nan(__m256 f)
+{
+    const __m256i u = (__m256i)f;
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd);
+}
+
+/* out[c] = bf16(f32(w[c]) + f32(bf16(acc[c]))) for the 16 columns of one row of a full strip,
+ * a0 and a1 its two accumulators in panel_column order; out may equal w. One check per row
+ * finds a NaN among the products or the sums (UNORD is true where either operand is NaN);
+ * such a row is done element by element by the scalar rule, which gives a NaN its quiet,
+ * signed form. Elsewhere no lane is NaN, and the rounding needs no NaN select. */
+static inline void fuse_row_unpacked(vf a0, vf a1, const uint16_t *w, uint16_t *out)
+{
+    const __m256i wv = _mm256_loadu_si256((const __m256i *)w);
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    const __m256 d0 = (__m256)_mm256_and_si256(bf16_carry_not_nan((__m256)a0), high);
+    const __m256 d1 = (__m256)_mm256_and_si256(bf16_carry_not_nan((__m256)a1), high);
+    const __m256 s0 = _mm256_add_ps((__m256)_mm256_unpacklo_epi16(zero, wv), d0);
+    const __m256 s1 = _mm256_add_ps((__m256)_mm256_unpackhi_epi16(zero, wv), d1);
+    const __m256 nan = _mm256_or_ps(_mm256_cmp_ps((__m256)a0, s0, _CMP_UNORD_Q),
+                                    _mm256_cmp_ps((__m256)a1, s1, _CMP_UNORD_Q));
+    if (__builtin_expect(_mm256_movemask_ps(nan) != 0, 0)) {
+        float a[NR];
+        memcpy(a, &a0, sizeof a0);
+        memcpy(a + VW, &a1, sizeof a1);
+        for (int q = 0; q < NR; q++) {
+            const int c = panel_column(q);
+            store_fused_row(&a[q], w + c, out + c, 1);
+        }
+        return;
+    }
+    _mm256_storeu_si256((__m256i *)out,
+                        _mm256_packus_epi32(_mm256_srli_epi32(bf16_carry_not_nan(s0), 16),
+                                            _mm256_srli_epi32(bf16_carry_not_nan(s1), 16)));
+}
+
+/* fuse_row_unpacked for the R rows of a register block. Not inlined: the accumulators pass
+ * through memory (a few stores and loads a block), so that the rounding's constants are not
+ * held in registers across the product loop, which has none to spare. */
+static __attribute__((noinline)) void store_block_unpacked(int R, const vf acc[][NRV],
+                                                           const uint16_t *w, ltx_idx ldw,
+                                                           uint16_t *out, ltx_idx ldo)
+{
+    for (int r = 0; r < R; r++)
+        fuse_row_unpacked(acc[r][0], acc[r][1], w + r * ldw, out + r * ldo);
+}
+#endif
+
+/* R rows (R <= MR) x NR columns; y is the block's strip of the fuse panel (row stride NR). */
 static inline __attribute__((always_inline)) void
 fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, ltx_idx ldy,
            const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
@@ -368,6 +466,8 @@ fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, 
      * that the accumulators stay in registers. */
 #if defined(LTX_BF16_CONVERT) && NRV == 2
     store_block_rounded(R, acc, w, ldw, out, ldo);
+#elif defined(FUSE_UNPACK_ORDER)
+    store_block_unpacked(R, acc, w, ldw, out, ldo);
 #else
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
@@ -377,19 +477,22 @@ fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, 
 #endif
 }
 
-/* Blocks of MR x NR weight elements ahead of the one being fused that are asked for. The
- * hardware prefetcher does not follow a tile's rows (a few hundred bytes each, then a jump);
- * a whole row block ahead is too far (its lines are evicted before use). */
-#define FUSE_AHEAD 2
+/* How far ahead of the block being fused its weight lines are asked for, in blocks of MR x NR:
+ * about FUSE_AHEAD_TERMS terms of product ahead (the time a line takes to arrive from memory),
+ * and at least two blocks. The hardware prefetcher does not follow a tile's rows (a few hundred
+ * bytes each, then a jump); a whole row block ahead is too far (its lines are evicted before
+ * use). */
+#define FUSE_AHEAD_TERMS 256
+static inline ltx_idx fuse_ahead(ltx_idx k) { return 2 + FUSE_AHEAD_TERMS / (k > 0 ? k : 1); }
 
-/* Asks for the weight lines of the block at column j of row block i, continuing into the next
- * row block past the end of a row. */
+/* Asks for the weight lines of the block at column j of row block i, continuing into the row
+ * blocks that follow past the end of a row. */
 static inline void fuse_prefetch(const uint16_t *w, ltx_idx ldw, ltx_idx m, ltx_idx n_full,
                                  ltx_idx i, ltx_idx j)
 {
     if (j >= n_full) {
-        j -= n_full;
-        i += MR;
+        i += MR * (j / n_full);
+        j %= n_full;
     }
     for (ltx_idx r = i; r < i + MR && r < m; r++) {
         __builtin_prefetch(w + r * ldw + j, 0, 3);
@@ -437,8 +540,9 @@ walk_block(const int pairs, const int R, ltx_idx k, const void *x, ltx_idx ldx, 
 
 /* The walk of a small-rank fuse over its tile, row blocks outer: MR x NR register blocks, the
  * last rows one by one, the last columns one element at a time. pairs: x and y are bf16 pairs
- * (dot_fuse_bf16's layout, k counting pairs) for the dot-product block; else f32 for
- * fuse_block. Both layouts have 4-byte elements, so one pointer arithmetic serves. */
+ * (dot_fuse_bf16's layout, k counting pairs, y row-major with row stride ldy) for the
+ * dot-product block; else f32, y the fuse panel (pack_fuse_panel), for fuse_block. Both
+ * layouts have 4-byte elements, so one pointer arithmetic serves. */
 static inline __attribute__((always_inline)) void
 fuse_walk(const int pairs, ltx_idx m, ltx_idx n, ltx_idx k, const void *x, ltx_idx ldx,
           const void *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
@@ -446,18 +550,48 @@ fuse_walk(const int pairs, ltx_idx m, ltx_idx n, ltx_idx k, const void *x, ltx_i
     const float *xf = x, *yf = y;
     const uint32_t *xp = x, *yp = y;
     const ltx_idx n_full = n - n % NR;
+    /* Where the block at column j reads y, and with what row stride. */
+#define Y_BLOCK(j) (pairs ? yf + (j) : yf + (j) * k)
+    const ltx_idx ldy_block = pairs ? ldy : NR;
+    const ltx_idx ahead = fuse_ahead(pairs ? 2 * k : k);
     for (ltx_idx i = 0; i < m; i += MR) {
         const ltx_idx rows = (m - i < MR) ? m - i : MR;
         for (ltx_idx j = 0; j < n_full; j += NR) {
-            fuse_prefetch(w, ldw, m, n_full, i, j + FUSE_AHEAD * NR);
-            if (rows == MR)
-                walk_block(pairs, MR, k, xf + i * ldx, ldx, yf + j, ldy, w + i * ldw + j, ldw,
-                           out + i * ldo + j, ldo);
-            else
-                for (ltx_idx r = i; r < i + rows; r++)
-                    walk_block(pairs, 1, k, xf + r * ldx, ldx, yf + j, ldy, w + r * ldw + j, ldw,
-                               out + r * ldo + j, ldo);
+            fuse_prefetch(w, ldw, m, n_full, i, j + ahead * NR);
+            /* The last rows as one block of their own height: one row at a time has too few
+             * independent sums to cover the FMA latency. */
+            switch (rows) {
+#define ROWS_CASE(R)                                                                          \
+            case R:                                                                           \
+                walk_block(pairs, R, k, xf + i * ldx, ldx, Y_BLOCK(j), ldy_block,             \
+                           w + i * ldw + j, ldw, out + i * ldo + j, ldo);                     \
+                break;
+                ROWS_CASE(MR)
+#if MR > 1
+                ROWS_CASE(1)
+#endif
+#if MR > 2
+                ROWS_CASE(2)
+#endif
+#if MR > 3
+                ROWS_CASE(3)
+#endif
+#if MR > 4
+                ROWS_CASE(4)
+#endif
+#if MR > 5
+                ROWS_CASE(5)
+#endif
+#if MR > 6
+                ROWS_CASE(6)
+#endif
+#if MR > 7
+                ROWS_CASE(7)
+#endif
+#undef ROWS_CASE
+            }
         }
+#undef Y_BLOCK
         for (ltx_idx r = i; r < i + rows; r++)
             for (ltx_idx j = n_full; j < n; j++) {
                 float acc = 0.0f;
@@ -469,7 +603,9 @@ fuse_walk(const int pairs, ltx_idx m, ltx_idx n, ltx_idx k, const void *x, ltx_i
                         acc = acc + ltx_bits_f32(a & 0xFFFF0000u) * ltx_bits_f32(b & 0xFFFF0000u);
                         acc = acc + ltx_bits_f32(a << 16) * ltx_bits_f32(b << 16);
                     } else {
-                        acc = acc + xf[r * ldx + p] * yf[p * ldy + j];
+                        /* the partial strip, in natural order */
+                        acc = acc + xf[r * ldx + p] *
+                                    yf[n_full * k + p * (n - n_full) + (j - n_full)];
                     }
                 }
                 store_fused_row(&acc, w + r * ldw + j, out + r * ldo + j, 1);
@@ -477,6 +613,7 @@ fuse_walk(const int pairs, ltx_idx m, ltx_idx n, ltx_idx k, const void *x, ltx_i
     }
 }
 
+/* y: the fuse panel of k rows of n columns (pack_fuse_panel); ldy is not used. */
 static void seq_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
                           const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
                           uint16_t *out, ltx_idx ldo)
@@ -872,6 +1009,7 @@ const ltx_kernels TABLE = {
     .stream_wxt = stream_wxt,
     .store_fused_fp8 = store_fused_fp8,
     .seq_fuse_bf16 = seq_fuse_bf16,
+    .pack_fuse_panel = pack_fuse_panel,
 #if defined(LTX_BF16_CONVERT)
     .dot_fuse_bf16 = dot_fuse_bf16,  /* NULL in the other tables */
 #endif

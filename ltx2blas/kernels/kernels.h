@@ -134,10 +134,15 @@ typedef struct {
                                uint64_t key, ltx_idx index0, ltx_idx stride);
     /* out[i, j] = bf16(f32(w[i, j]) + f32(bf16(sum_p x[i, p] * y[p, j]))) over an m x n tile,
      * the sum from +0.0 in the order p = 0 .. k-1: seq_gemm into a zeroed c, then store_fused,
-     * in registers. Row-major; out may equal w */
+     * in registers. x row-major; y the [k, n] fuse panel made by this table's pack_fuse_panel
+     * (ldy unused); out may equal w */
     void (*seq_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
                           const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
                           uint16_t *out, ltx_idx ldo);
+    /* dst = f32 of k bf16 rows of n columns (row stride lds), as seq_fuse_bf16 reads them: in
+     * strips of the table's register block width, a layout private to the table, k * n
+     * floats as a row-major panel would be */
+    void (*pack_fuse_panel)(const uint16_t *src, ltx_idx lds, float *dst, ltx_idx k, ltx_idx n);
     /* The same fuse from bf16 operands packed in pairs of consecutive terms, two terms per
      * instruction (VDPBF16PS): xp[i, q] = x[i, 2q] << 16 | x[i, 2q + 1] and likewise yp[q, j]
      * (bf16 bits; a zero after the last term of an odd depth), kp = ceil(k / 2) pairs. The

@@ -67,20 +67,28 @@ def seq_gemm(const float[:, ::1] x, const float[:, ::1] y, float[:, ::1] c, tabl
         kern.seq_gemm(m, n, k, &x[0, 0], k, &y[0, 0], n, &c[0, 0], n)
 
 
-def seq_fuse_bf16(const float[:, ::1] x, const float[:, ::1] y, const uint16_t[:, ::1] w,
-                  table=None):
+def seq_fuse_bf16(const float[:, ::1] x, y_in, const uint16_t[:, ::1] w, table=None):
     """bf16(w + bf16(x @ y)), the product accumulated in order, by the fused kernel of one
-    table."""
+    table, y (f32 holding bf16 values) packed by the same table's pack_fuse_panel."""
+    y_f32 = np.ascontiguousarray(y_in, dtype=np.float32)
+    if np.any(y_f32.view(np.uint32) & 0xFFFF):
+        raise ValueError("y must hold bf16 values")
+    cdef const uint16_t[:, ::1] y = np.ascontiguousarray(y_f32.view(np.uint32) >> 16,
+                                                         dtype=np.uint16)
     cdef Py_ssize_t m = x.shape[0], k = x.shape[1], n = y.shape[1]
     if y.shape[0] != k or w.shape[0] != m or w.shape[1] != n:
         raise ValueError("shape mismatch")
     cdef const ltx_kernels *kern = _table(table)
     out = np.empty((m, n), np.uint16)
+    panel_array = np.empty(max(k * n, 1), np.float32)
+    cdef float[::1] panel = panel_array
     cdef uint16_t[:, ::1] o = out
     if m and n:
         with nogil:
-            kern.seq_fuse_bf16(m, n, k, &x[0, 0] if k else NULL, k, &y[0, 0] if k else NULL,
-                               n, &w[0, 0], n, &o[0, 0], n)
+            if k:
+                kern.pack_fuse_panel(&y[0, 0], n, &panel[0], k, n)
+            kern.seq_fuse_bf16(m, n, k, &x[0, 0] if k else NULL, k, &panel[0], n, &w[0, 0],
+                               n, &o[0, 0], n)
     return out
 
 
