@@ -42,6 +42,12 @@ def best_time(fn, repeats=3):
     return best
 
 
+#: A candidate whose warm-up call takes this many times the first candidate's is timed by that
+#: call alone: a peer a hundred times slower (torch's bf16 matmul on a CPU without bf16
+#: instructions) would otherwise take most of a run, and its figure needs no precision.
+SLOW_PEER = 20.0
+
+
 def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.25, min_sample=0.05):
     """Time every callable in ``candidates`` (name -> fn) ``repeats`` times, round-robin.
 
@@ -54,20 +60,29 @@ def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.25, m
     pause a parallel call first wakes its idle worker threads, which on a virtual machine costs
     milliseconds and would swamp a call of a few milliseconds.
 
+    A candidate whose warm-up call took more than SLOW_PEER times the first candidate's is not
+    called again: that call is its one sample.
+
     Returns name -> {"median": s, "min": s, "max": s, "spread": (max - min) / median}, times
     per call."""
     inner = dict.fromkeys(candidates, 1)
+    warm = {}
     for _ in range(warmup):
         for name, fn in candidates.items():
+            time.sleep(settle)
             t0 = time.perf_counter()
             fn()
-            once = time.perf_counter() - t0
+            warm[name] = once = time.perf_counter() - t0
             inner[name] = max(1, min(1000, int(min_sample / max(once, 1e-6)) + 1))
-    times = {name: [] for name in candidates}
+    first = next(iter(candidates))
+    slow = {name for name in warm if name != first and warm[name] > SLOW_PEER * warm[first]}
+    times = {name: [warm[name]] if name in slow else [] for name in candidates}
     t_end = time.perf_counter() + min_seconds
     rounds = 0
     while rounds < repeats or time.perf_counter() < t_end:
         for name, fn in candidates.items():
+            if name in slow:
+                continue
             time.sleep(settle)
             t0 = time.perf_counter()
             for _ in range(inner[name]):

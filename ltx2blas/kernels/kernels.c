@@ -382,8 +382,16 @@ static void pack_fuse_panel(const uint16_t *src, ltx_idx lds, float *dst, ltx_id
             prefetch_run(src + (p + PREFETCH_ROWS) * lds, n * 2);
         for (ltx_idx j = 0; j < n_full; j += NR) {
             u32a *strip_row = d + j * k + p * NR;
+#if defined(FUSE_UNPACK_ORDER)
+            /* The two unpacks of 16 weights are panel_column's order itself. */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(row + j));
+            const __m256i zero = _mm256_setzero_si256();
+            _mm256_storeu_si256((__m256i *)strip_row, _mm256_unpacklo_epi16(zero, v));
+            _mm256_storeu_si256((__m256i *)(strip_row + VW), _mm256_unpackhi_epi16(zero, v));
+#else
             for (int q = 0; q < NR; q++)
                 strip_row[q] = (uint32_t)row[j + panel_column(q)] << 16;
+#endif
         }
         for (ltx_idx j = n_full; j < n; j++)
             d[n_full * k + p * (n - n_full) + (j - n_full)] = (uint32_t)row[j] << 16;
