@@ -45,3 +45,26 @@ def test_quick_suite_runs_every_part(tmp_path):
     for png in ("fuse_threads.png", "linear_threads.png", "checkpoint_threads.png",
                 "features_threads.png", "linear_roofline.png"):
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_a_slow_peer_is_timed_by_its_warm_up_call_alone():
+    """harness.interleaved calls a candidate SLOW_PEER times slower than the first one once,
+    and keeps that call as its sample; every other candidate gets all its rounds."""
+    import time
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import harness
+    calls = {"ours": 0, "peer": 0, "slow": 0}
+
+    def sleeper(name, seconds):
+        def call():
+            calls[name] += 1
+            time.sleep(seconds)
+        return call
+
+    quick = 0.002
+    t = harness.interleaved({"ours": sleeper("ours", quick), "peer": sleeper("peer", 2 * quick),
+                             "slow": sleeper("slow", 2 * harness.SLOW_PEER * quick)},
+                            repeats=3, settle=0.0, min_sample=0.0)
+    assert calls == {"ours": 4, "peer": 4, "slow": 1}
+    assert t["slow"]["n"] == 1 and t["ours"]["n"] == t["peer"]["n"] == 3
+    assert t["slow"]["min"] >= 2 * harness.SLOW_PEER * quick
