@@ -369,9 +369,9 @@ static inline int panel_column(int q)
 /* dst = the fuse panel of k bf16 rows of n columns (src, row stride lds), widened: strips of NR
  * columns, strip s the k rows of columns s NR .. s NR + NR - 1 one after another (k x NR floats
  * from dst + s k NR), full strips in panel_column order; the last t = n % NR columns, a
- * partial strip, k rows of t in natural order: k x n floats in all. Each block of the fuse then reads its strip front to back: in a
- * row-major panel the rows of one strip lie a panel row apart, a power of two that maps them
- * to a few cache sets. */
+ * partial strip, k rows of t in natural order: k x n floats in all. Each block of the fuse
+ * then reads its strip front to back: in a row-major panel the rows of one strip lie a panel
+ * row apart, a power of two that maps them to a few cache sets. */
 static void pack_fuse_panel(const uint16_t *src, ltx_idx lds, float *dst, ltx_idx k, ltx_idx n)
 {
     const ltx_idx n_full = n - n % NR;
@@ -547,10 +547,10 @@ walk_block(const int pairs, const int R, ltx_idx k, const void *x, ltx_idx ldx, 
 }
 
 /* The walk of a small-rank fuse over its tile, row blocks outer: MR x NR register blocks, the
- * last rows one by one, the last columns one element at a time. pairs: x and y are bf16 pairs
- * (dot_fuse_bf16's layout, k counting pairs, y row-major with row stride ldy) for the
- * dot-product block; else f32, y the fuse panel (pack_fuse_panel), for fuse_block. Both
- * layouts have 4-byte elements, so one pointer arithmetic serves. */
+ * last rows one block of their own height, the last columns one element at a time. pairs: x
+ * and y are bf16 pairs (dot_fuse_bf16's layout, k counting pairs, y row-major with row stride
+ * ldy) for the dot-product block; else f32, y the fuse panel (pack_fuse_panel), for
+ * fuse_block. Both layouts have 4-byte elements, so one pointer arithmetic serves. */
 static inline __attribute__((always_inline)) void
 fuse_walk(const int pairs, ltx_idx m, ltx_idx n, ltx_idx k, const void *x, ltx_idx ldx,
           const void *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
