@@ -53,6 +53,7 @@
 #endif
 
 #define NR (VW * NRV)
+_Static_assert(MR >= 4 && MR <= 8, "the fuse walk has a block for every last-row count below MR");
 /* Depth of one pass over k: keeps the y strip (KC x NR floats) in L1 between row blocks.
  * Splitting k here is harmless: c is stored exactly between passes. */
 #define KC 128
@@ -558,32 +559,26 @@ fuse_walk(const int pairs, ltx_idx m, ltx_idx n, ltx_idx k, const void *x, ltx_i
     const float *xf = x, *yf = y;
     const uint32_t *xp = x, *yp = y;
     const ltx_idx n_full = n - n % NR;
-    /* Where the block at column j reads y, and with what row stride. */
-#define Y_BLOCK(j) (pairs ? yf + (j) : yf + (j) * k)
+    /* The row stride of a block's y: the pairs' row-major panel, or the strip. */
     const ltx_idx ldy_block = pairs ? ldy : NR;
     const ltx_idx ahead = fuse_ahead(pairs ? 2 * k : k);
     for (ltx_idx i = 0; i < m; i += MR) {
         const ltx_idx rows = (m - i < MR) ? m - i : MR;
         for (ltx_idx j = 0; j < n_full; j += NR) {
+            const float *yb = pairs ? yf + j : yf + j * k;  /* strip j / NR starts at j k */
             fuse_prefetch(w, ldw, m, n_full, i, j + ahead * NR);
             /* The last rows as one block of their own height: one row at a time has too few
-             * independent sums to cover the FMA latency. */
+             * independent sums to cover the FMA latency. Every table's MR is 4 to 8. */
             switch (rows) {
 #define ROWS_CASE(R)                                                                          \
             case R:                                                                           \
-                walk_block(pairs, R, k, xf + i * ldx, ldx, Y_BLOCK(j), ldy_block,             \
-                           w + i * ldw + j, ldw, out + i * ldo + j, ldo);                     \
+                walk_block(pairs, R, k, xf + i * ldx, ldx, yb, ldy_block, w + i * ldw + j,    \
+                           ldw, out + i * ldo + j, ldo);                                      \
                 break;
                 ROWS_CASE(MR)
-#if MR > 1
                 ROWS_CASE(1)
-#endif
-#if MR > 2
                 ROWS_CASE(2)
-#endif
-#if MR > 3
                 ROWS_CASE(3)
-#endif
 #if MR > 4
                 ROWS_CASE(4)
 #endif
@@ -599,7 +594,6 @@ fuse_walk(const int pairs, ltx_idx m, ltx_idx n, ltx_idx k, const void *x, ltx_i
 #undef ROWS_CASE
             }
         }
-#undef Y_BLOCK
         for (ltx_idx r = i; r < i + rows; r++)
             for (ltx_idx j = n_full; j < n; j++) {
                 float acc = 0.0f;
