@@ -14,7 +14,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 from ._gemm cimport (continue_product, exact_product, exact_product_fused,
-                     exact_product_fused_pairs, kernels, ltx_kernels)
+                     exact_product_fused_pairs, exact_product_panel, kernels, ltx_kernels)
 from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num, up64
 
 import numpy as np
@@ -193,9 +193,14 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
         elif ad.rank[a] <= PASS_DEPTH_C:
             rank = ad.rank[a]
             panel = buf.panels + ad.panel_offset[a]
-            kern.widen_bf16_rows(ad.a[a] + i0, job.cols, panel, nt, rank, nt)
-            exact_product(kern, mt, nt, rank, buf.bs + ad.bs_offset[a], rank, panel, buf.acc,
-                          ad.depth[4 * a + shape])
+            if ad.depth[4 * a + shape] == 0:
+                kern.pack_fuse_panel(ad.a[a] + i0, job.cols, panel, rank, nt)
+                exact_product_panel(kern, mt, nt, rank, buf.bs + ad.bs_offset[a], rank, panel,
+                                    buf.acc)
+            else:
+                kern.widen_bf16_rows(ad.a[a] + i0, job.cols, panel, nt, rank, nt)
+                exact_product(kern, mt, nt, rank, buf.bs + ad.bs_offset[a], rank, panel,
+                              buf.acc, ad.depth[4 * a + shape])
         else:
             # passes of PASS_DEPTH_C terms: sgemm (to its verified depth) in the first only,
             # the sequential kernel continuing each element's sum in the later ones

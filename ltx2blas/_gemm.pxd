@@ -34,6 +34,8 @@ cdef extern from "kernels.h" nogil:
                               uint16_t *out, ltx_idx ldo) noexcept nogil
         void (*pack_fuse_panel)(const uint16_t *src, ltx_idx lds, float *dst, ltx_idx k,
                                 ltx_idx n) noexcept nogil
+        void (*seq_product_panel)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
+                                  const float *y, float *c, ltx_idx ldc) noexcept nogil
         void (*dot_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp,
                               ltx_idx ldxp, const uint32_t *yp, ltx_idx ldyp, const uint16_t *w,
                               ltx_idx ldw, uint16_t *out, ltx_idx ldo) noexcept nogil
@@ -61,6 +63,9 @@ cdef void dgemm_wxt(int m, int n, int k, const double *x, int ldx, const double 
 
 cdef void exact_product(const ltx_kernels *kern, int m, int n, int k, const float *x, int ldx,
                         const float *y, float *c, int blas_depth) noexcept nogil
+
+cdef void exact_product_panel(const ltx_kernels *kern, int m, int n, int k, const float *x,
+                              int ldx, const float *y, float *c) noexcept nogil
 
 cdef void continue_product(const ltx_kernels *kern, int m, int n, int k, const float *x,
                            Py_ssize_t ldx, const float *y, Py_ssize_t ldy, float *c,

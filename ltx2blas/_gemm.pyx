@@ -116,6 +116,15 @@ cdef void exact_product(const ltx_kernels *kern, int m, int n, int k, const floa
         kern.seq_gemm(m, n, k - d, x + d, ldx, y + <Py_ssize_t>d * n, n, c, n)
 
 
+cdef void exact_product_panel(const ltx_kernels *kern, int m, int n, int k, const float *x,
+                              int ldx, const float *y, float *c) noexcept nogil:
+    """As :func:`exact_product` with no sgemm, y the table's fuse panel
+    (``kern.pack_fuse_panel``) instead of a row-major one: the one-pass fuse's register blocks,
+    storing the product where it is rounded and added later (several adapters, fp8 weights)."""
+    if m > 0 and n > 0:
+        kern.seq_product_panel(m, n, k, x, ldx, y, c, n)
+
+
 cdef void continue_product(const ltx_kernels *kern, int m, int n, int k, const float *x,
                            Py_ssize_t ldx, const float *y, Py_ssize_t ldy, float *c,
                            Py_ssize_t ldc) noexcept nogil:

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import _ltx2blas_hooks as hooks
+from helpers import random_bf16
 from ltx2blas import _gemm, reference
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -85,6 +86,18 @@ def test_kernel_store_matches_reference(kernel_table):
     both_nan = np.isnan(reference.bf16_widen(w)) & np.isnan(acc)
     assert np.array_equal(got[~both_nan], expected[~both_nan])
     assert np.all(np.isnan(reference.bf16_widen(got[both_nan])))
+
+
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 40, 257])
+def test_kernel_store_tile(kernel_table, cols):
+    """The rounding store over a tile whose rows lie apart in w and in the output (a tile of a
+    larger weight), for whole vectors, a tail and both; nothing written past the tile."""
+    rng = np.random.default_rng(cols)
+    acc = rng.standard_normal((7, cols), dtype=np.float32) * np.float32(0.01)
+    w = random_bf16(rng, (7, cols + 9))
+    got = hooks.store_fused_tile(acc, w, kernel_table)
+    assert np.array_equal(got[:, :cols], expected_fuse(w[:, :cols], acc))
+    assert np.all(got[:, cols:] == 0xABCD)
 
 
 @pytest.mark.parametrize("s", [0.8, -1.5, 0.0, 1e30, 3.0e-39, 1.0])

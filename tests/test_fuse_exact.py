@@ -92,6 +92,24 @@ def test_fused_kernel_alone(kernel_table, rng, shape, k):
     assert np.array_equal(hooks.seq_fuse_bf16(x, y, w, kernel_table), expected)
 
 
+@pytest.mark.parametrize("shape", [(13, 29), (8, 64), (1, 33), (70, 1), (17, 100), (9, 48),
+                                   (5, 16), (3, 16)])
+@pytest.mark.parametrize("k", [0, 1, 31, 130])
+def test_product_kernel_alone(kernel_table, rng, shape, k):
+    """The one-pass kernel's product alone, stored for a later rounding (several adapters, fp8
+    weights): x @ y accumulated from +0.0 in k order, in column order, bit for bit, and
+    nothing written past each row of the tile."""
+    m, n = shape
+    x = reference.bf16_widen(random_bf16(rng, (m, k)))
+    y = reference.bf16_widen(random_bf16(rng, (k, n)))
+    acc = np.zeros((m, n), np.float32)
+    for p in range(k):
+        acc = acc + x[:, p:p + 1] * y[p:p + 1, :]
+    got = hooks.seq_product_panel(x, y, kernel_table)
+    assert np.array_equal(got[:, :n].view(np.uint32), acc.view(np.uint32))
+    assert np.all(np.isnan(got[:, n:]))
+
+
 @pytest.mark.parametrize("shape", [(13, 29), (8, 64), (1, 33), (70, 1), (17, 100)])
 @pytest.mark.parametrize("k", [1, 2, 31, 32, 130])
 def test_pairs_kernel_alone(pairs_table, rng, shape, k):

@@ -310,42 +310,6 @@ store_block_rounded(const int R, vf acc[][2], const uint16_t *w, ltx_idx ldw, ui
 }
 #endif
 
-static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16_t *out,
-                        ltx_idx ldo, ltx_idx rows, ltx_idx cols)
-{
-#if defined(LTX_BF16_CONVERT)
-    /* Blocks of MR rows, loads before stores within each (see store_block_rounded). */
-    const ltx_idx pairs = cols - cols % 32;
-    for (ltx_idx r0 = 0; r0 < rows; r0 += MR) {
-        const int rb = (rows - r0 < MR) ? (int)(rows - r0) : MR;
-        for (ltx_idx r = r0 + MR; r < r0 + 2 * MR && r < rows; r++)
-            prefetch_run(w + r * ldw, cols * 2);
-        for (ltx_idx i = 0; i < pairs; i += 32) {
-            vf block[MR][2];
-            for (int r = 0; r < rb; r++) {
-                block[r][0] = LOADV(acc + (r0 + r) * cols + i);
-                block[r][1] = LOADV(acc + (r0 + r) * cols + i + 16);
-            }
-            if (rb == MR)
-                store_block_rounded(MR, block, w + r0 * ldw + i, ldw, out + r0 * ldo + i, ldo);
-            else
-                for (int r = 0; r < rb; r++)
-                    store_block_rounded(1, &block[r], w + (r0 + r) * ldw + i, ldw,
-                                        out + (r0 + r) * ldo + i, ldo);
-        }
-        for (ltx_idx r = r0; r < r0 + rb; r++)
-            store_fused_row(acc + r * cols + pairs, w + r * ldw + pairs, out + r * ldo + pairs,
-                            cols - pairs);
-    }
-#else
-    for (ltx_idx r = 0; r < rows; r++) {
-        if (r + PREFETCH_ROWS < rows)
-            prefetch_run(w + (r + PREFETCH_ROWS) * ldw, cols * 2);
-        store_fused_row(acc + r * cols, w + r * ldw, out + r * ldo, cols);
-    }
-#endif
-}
-
 #if defined(LTX_VARIANT_AVX2)
 /* The fuse panel's strips hold their columns in the order AVX2's word unpacks produce (see
  * panel_column): the widened weight then costs one unpack per vector instead of a zero-extend
@@ -452,12 +416,65 @@ static __attribute__((noinline)) void store_block_unpacked(int R, const vf acc[]
 }
 #endif
 
-/* R rows (R <= MR) x NR columns; y is the block's strip of the fuse panel (row stride NR). */
-static inline __attribute__((always_inline)) void
-fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, ltx_idx ldy,
-           const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
+static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16_t *out,
+                        ltx_idx ldo, ltx_idx rows, ltx_idx cols)
 {
-    vf acc[MR][NRV];
+#if defined(LTX_BF16_CONVERT)
+    /* Blocks of MR rows, loads before stores within each (see store_block_rounded). */
+    const ltx_idx pairs = cols - cols % 32;
+    for (ltx_idx r0 = 0; r0 < rows; r0 += MR) {
+        const int rb = (rows - r0 < MR) ? (int)(rows - r0) : MR;
+        for (ltx_idx r = r0 + MR; r < r0 + 2 * MR && r < rows; r++)
+            prefetch_run(w + r * ldw, cols * 2);
+        for (ltx_idx i = 0; i < pairs; i += 32) {
+            vf block[MR][2];
+            for (int r = 0; r < rb; r++) {
+                block[r][0] = LOADV(acc + (r0 + r) * cols + i);
+                block[r][1] = LOADV(acc + (r0 + r) * cols + i + 16);
+            }
+            if (rb == MR)
+                store_block_rounded(MR, block, w + r0 * ldw + i, ldw, out + r0 * ldo + i, ldo);
+            else
+                for (int r = 0; r < rb; r++)
+                    store_block_rounded(1, &block[r], w + (r0 + r) * ldw + i, ldw,
+                                        out + (r0 + r) * ldo + i, ldo);
+        }
+        for (ltx_idx r = r0; r < r0 + rb; r++)
+            store_fused_row(acc + r * cols + pairs, w + r * ldw + pairs, out + r * ldo + pairs,
+                            cols - pairs);
+    }
+#else
+    const ltx_idx full = cols - cols % NR;
+    for (ltx_idx r = 0; r < rows; r++) {
+        const float *a = acc + r * cols;
+        if (r + PREFETCH_ROWS < rows)
+            prefetch_run(w + (r + PREFETCH_ROWS) * ldw, cols * 2);
+#if defined(FUSE_UNPACK_ORDER)
+        /* 16 columns at a time, their sums put in panel_column order for fuse_row_unpacked */
+        for (ltx_idx i = 0; i < full; i += NR) {
+            const __m256 lo = _mm256_loadu_ps(a + i), hi = _mm256_loadu_ps(a + i + VW);
+            fuse_row_unpacked((vf)_mm256_permute2f128_ps(lo, hi, 0x20),
+                              (vf)_mm256_permute2f128_ps(lo, hi, 0x31), w + r * ldw + i,
+                              out + r * ldo + i);
+        }
+#else
+        for (ltx_idx i = 0; i < full; i += NR)
+            for (int v = 0; v < NRV; v++)
+                fuse_vec(LOADV(a + i + v * VW), w + r * ldw + i + v * VW,
+                         out + r * ldo + i + v * VW);
+#endif
+        store_fused_row(a + full, w + r * ldw + full, out + r * ldo + full, cols - full);
+    }
+#endif
+}
+
+/* The sums of an R x NR register block (R <= MR), from +0.0 in the order p = 0, 1, ...; y is
+ * the block's strip of the fuse panel (row stride ldy = NR), its columns in panel_column
+ * order, and so are acc's. */
+static inline __attribute__((always_inline)) void
+block_sums(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, ltx_idx ldy,
+           vf acc[][NRV])
+{
     for (int r = 0; r < R; r++)
         for (int v = 0; v < NRV; v++)
             acc[r][v] = (vf){0};
@@ -471,6 +488,34 @@ fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, 
                 acc[r][v] = acc[r][v] + yv[v] * xs;
         }
     }
+}
+
+/* The product alone of an R x NR block: c = its sums, row stride ldc, in column order. */
+static inline __attribute__((always_inline)) void
+product_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y,
+              ltx_idx ldy, float *c, ltx_idx ldc)
+{
+    vf acc[MR][NRV];
+    block_sums(R, k, x, ldx, y, ldy, acc);
+    for (int r = 0; r < R; r++) {
+#if defined(FUSE_UNPACK_ORDER)
+        /* acc[r][0] holds columns 0-3 and 8-11, acc[r][1] columns 4-7 and 12-15 */
+        STOREV(c + r * ldc, (vf)_mm256_permute2f128_ps(acc[r][0], acc[r][1], 0x20));
+        STOREV(c + r * ldc + VW, (vf)_mm256_permute2f128_ps(acc[r][0], acc[r][1], 0x31));
+#else
+        for (int v = 0; v < NRV; v++)
+            STOREV(c + r * ldc + v * VW, acc[r][v]);
+#endif
+    }
+}
+
+/* The fuse of an R x NR block: its sums rounded and added to w, into out. */
+static inline __attribute__((always_inline)) void
+fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, ltx_idx ldy,
+           const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
+{
+    vf acc[MR][NRV];
+    block_sums(R, k, x, ldx, y, ldy, acc);
     /* out may alias w (in-place fuse): each vector is read before it is written. Unrolled, so
      * that the accumulators stay in registers. */
 #if defined(LTX_BF16_CONVERT) && NRV == 2
@@ -533,29 +578,39 @@ dot_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp, const uint3
 }
 #endif
 
-/* One register block of the walk below: the dot-product block on bf16 pairs, or fuse_block. */
+/* What the walk below does with each block's sums: the fuse from the fuse panel, the fuse
+ * from bf16 pairs (dot_block), or the product alone, stored to c. */
+enum walk_kind { WALK_FUSE, WALK_PAIRS, WALK_PRODUCT };
+
 static inline __attribute__((always_inline)) void
-walk_block(const int pairs, const int R, ltx_idx k, const void *x, ltx_idx ldx, const void *y,
-           ltx_idx ldy, const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
+walk_block(const enum walk_kind kind, const int R, ltx_idx k, const void *x, ltx_idx ldx,
+           const void *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw, uint16_t *out,
+           ltx_idx ldo, float *c, ltx_idx ldc)
 {
 #if defined(LTX_BF16_CONVERT)
-    if (pairs) {
+    if (kind == WALK_PAIRS) {
         dot_block(R, k, x, ldx, y, ldy, w, ldw, out, ldo);
         return;
     }
 #endif
-    fuse_block(R, k, x, ldx, y, ldy, w, ldw, out, ldo);
+    if (kind == WALK_PRODUCT)
+        product_block(R, k, x, ldx, y, ldy, c, ldc);
+    else
+        fuse_block(R, k, x, ldx, y, ldy, w, ldw, out, ldo);
 }
 
-/* The walk of a small-rank fuse over its tile, row blocks outer: MR x NR register blocks, the
- * last rows one block of their own height, the last columns one element at a time. pairs: x
- * and y are bf16 pairs (dot_fuse_bf16's layout, k counting pairs, y row-major with row stride
- * ldy) for the dot-product block; else f32, y the fuse panel (pack_fuse_panel), for
- * fuse_block. Both layouts have 4-byte elements, so one pointer arithmetic serves. */
+/* The walk of a small-rank fuse (or of its product alone) over its tile, row blocks outer:
+ * MR x NR register blocks, the last rows one block of their own height, the last columns one
+ * element at a time. WALK_PAIRS: x and y are bf16 pairs (dot_fuse_bf16's layout, k counting
+ * pairs, y row-major with row stride ldy) for the dot-product block; else f32, y the fuse
+ * panel (pack_fuse_panel). Both layouts have 4-byte elements, so one pointer arithmetic
+ * serves. WALK_PRODUCT writes the sums to c (row stride ldc) and reads no w. */
 static inline __attribute__((always_inline)) void
-fuse_walk(const int pairs, ltx_idx m, ltx_idx n, ltx_idx k, const void *x, ltx_idx ldx,
-          const void *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
+fuse_walk(const enum walk_kind kind, ltx_idx m, ltx_idx n, ltx_idx k, const void *x,
+          ltx_idx ldx, const void *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
+          uint16_t *out, ltx_idx ldo, float *c, ltx_idx ldc)
 {
+    const int pairs = kind == WALK_PAIRS;
     const float *xf = x, *yf = y;
     const uint32_t *xp = x, *yp = y;
     const ltx_idx n_full = n - n % NR;
@@ -566,14 +621,19 @@ fuse_walk(const int pairs, ltx_idx m, ltx_idx n, ltx_idx k, const void *x, ltx_i
         const ltx_idx rows = (m - i < MR) ? m - i : MR;
         for (ltx_idx j = 0; j < n_full; j += NR) {
             const float *yb = pairs ? yf + j : yf + j * k;  /* strip j / NR starts at j k */
-            fuse_prefetch(w, ldw, m, n_full, i, j + ahead * NR);
+            /* the block's place in w and out, or in c */
+            const uint16_t *wb = (kind == WALK_PRODUCT) ? w : w + i * ldw + j;
+            uint16_t *ob = (kind == WALK_PRODUCT) ? out : out + i * ldo + j;
+            float *cb = (kind == WALK_PRODUCT) ? c + i * ldc + j : c;
+            if (kind != WALK_PRODUCT)
+                fuse_prefetch(w, ldw, m, n_full, i, j + ahead * NR);
             /* The last rows as one block of their own height: one row at a time has too few
              * independent sums to cover the FMA latency. Every table's MR is 4 to 8. */
             switch (rows) {
 #define ROWS_CASE(R)                                                                          \
             case R:                                                                           \
-                walk_block(pairs, R, k, xf + i * ldx, ldx, yb, ldy_block, w + i * ldw + j,    \
-                           ldw, out + i * ldo + j, ldo);                                      \
+                walk_block(kind, R, k, xf + i * ldx, ldx, yb, ldy_block, wb, ldw, ob, ldo, cb,   \
+                           ldc);                                                              \
                 break;
                 ROWS_CASE(MR)
                 ROWS_CASE(1)
@@ -610,7 +670,10 @@ fuse_walk(const int pairs, ltx_idx m, ltx_idx n, ltx_idx k, const void *x, ltx_i
                                     yf[n_full * k + p * (n - n_full) + (j - n_full)];
                     }
                 }
-                store_fused_row(&acc, w + r * ldw + j, out + r * ldo + j, 1);
+                if (kind == WALK_PRODUCT)
+                    c[r * ldc + j] = acc;
+                else
+                    store_fused_row(&acc, w + r * ldw + j, out + r * ldo + j, 1);
             }
     }
 }
@@ -620,7 +683,15 @@ static void seq_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_i
                           const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
                           uint16_t *out, ltx_idx ldo)
 {
-    fuse_walk(0, m, n, k, x, ldx, y, ldy, w, ldw, out, ldo);
+    fuse_walk(WALK_FUSE, m, n, k, x, ldx, y, ldy, w, ldw, out, ldo, NULL, 0);
+}
+
+/* c = x @ y, each sum from +0.0 in the order p = 0, 1, ...; y the fuse panel of k rows of n
+ * columns (pack_fuse_panel), c with row stride ldc. */
+static void seq_product_panel(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
+                              const float *y, float *c, ltx_idx ldc)
+{
+    fuse_walk(WALK_PRODUCT, m, n, k, x, ldx, y, 0, NULL, 0, NULL, 0, c, ldc);
 }
 
 static void pack_pairs_rows(const uint16_t *src, ltx_idx lds, uint32_t *dst, ltx_idx rows,
@@ -657,7 +728,7 @@ static void dot_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp, 
                           const uint32_t *yp, ltx_idx ldyp, const uint16_t *w, ltx_idx ldw,
                           uint16_t *out, ltx_idx ldo)
 {
-    fuse_walk(1, m, n, kp, xp, ldxp, yp, ldyp, w, ldw, out, ldo);
+    fuse_walk(WALK_PAIRS, m, n, kp, xp, ldxp, yp, ldyp, w, ldw, out, ldo, NULL, 0);
 }
 #endif
 
@@ -1012,6 +1083,7 @@ const ltx_kernels TABLE = {
     .store_fused_fp8 = store_fused_fp8,
     .seq_fuse_bf16 = seq_fuse_bf16,
     .pack_fuse_panel = pack_fuse_panel,
+    .seq_product_panel = seq_product_panel,
 #if defined(LTX_BF16_CONVERT)
     .dot_fuse_bf16 = dot_fuse_bf16,  /* NULL in the other tables */
 #endif

@@ -143,6 +143,10 @@ typedef struct {
      * strips of the table's register block width, a layout private to the table, k * n
      * floats as a row-major panel would be */
     void (*pack_fuse_panel)(const uint16_t *src, ltx_idx lds, float *dst, ltx_idx k, ltx_idx n);
+    /* c[m x n] (ldc) = x @ y, each element's sum from +0.0 in the order p = 0 .. k-1: the
+     * product alone of seq_fuse_bf16, from the same fuse panel y */
+    void (*seq_product_panel)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
+                              const float *y, float *c, ltx_idx ldc);
     /* The same fuse from bf16 operands packed in pairs of consecutive terms, two terms per
      * instruction (VDPBF16PS): xp[i, q] = x[i, 2q] << 16 | x[i, 2q + 1] and likewise yp[q, j]
      * (bf16 bits; a zero after the last term of an odd depth), kp = ceil(k / 2) pairs. The

@@ -36,6 +36,21 @@ def store_fused(const float[::1] acc, const uint16_t[::1] w, table=None):
     return out
 
 
+def store_fused_tile(const float[:, ::1] acc, const uint16_t[:, ::1] w, table=None):
+    """bf16(w + bf16(acc)) over a tile by one kernel table: acc [rows, cols] packed, w's rows
+    (row stride w.shape[1] >= cols) and the output's (row stride w.shape[1] + 5) longer than
+    the tile; the output's elements past the tile hold 0xABCD and must keep it."""
+    cdef Py_ssize_t rows = acc.shape[0], cols = acc.shape[1], ldw = w.shape[1]
+    if w.shape[0] != rows or ldw < cols:
+        raise ValueError("shape mismatch")
+    cdef const ltx_kernels *kern = _table(table)
+    out = np.full((rows, ldw + 5), 0xABCD, np.uint16)
+    cdef uint16_t[:, ::1] o = out
+    if rows and cols:
+        kern.store_fused(&acc[0, 0], &w[0, 0], ldw, &o[0, 0], ldw + 5, rows, cols)
+    return out
+
+
 def scale_round_widen(const uint16_t[::1] bits, float s, table=None):
     """f32(bf16(f32(bits) * s)) elementwise by one kernel table."""
     cdef const ltx_kernels *kern = _table(table)
@@ -89,6 +104,32 @@ def seq_fuse_bf16(const float[:, ::1] x, y_in, const uint16_t[:, ::1] w, table=N
                 kern.pack_fuse_panel(&y[0, 0], n, &panel[0], k, n)
             kern.seq_fuse_bf16(m, n, k, &x[0, 0] if k else NULL, k, &panel[0], n, &w[0, 0],
                                n, &o[0, 0], n)
+    return out
+
+
+def seq_product_panel(const float[:, ::1] x, y_in, table=None):
+    """x @ y, each sum from +0.0 in order, by one table's product kernel from its fuse panel,
+    y (f32 holding bf16 values) packed by the same table's pack_fuse_panel. The result's rows
+    lie 3 floats apart beyond its n columns, which must stay as they were (NaN)."""
+    y_f32 = np.ascontiguousarray(y_in, dtype=np.float32)
+    if np.any(y_f32.view(np.uint32) & 0xFFFF):
+        raise ValueError("y must hold bf16 values")
+    cdef const uint16_t[:, ::1] y = np.ascontiguousarray(y_f32.view(np.uint32) >> 16,
+                                                         dtype=np.uint16)
+    cdef Py_ssize_t m = x.shape[0], k = x.shape[1], n = y.shape[1]
+    if y.shape[0] != k:
+        raise ValueError("shape mismatch")
+    cdef const ltx_kernels *kern = _table(table)
+    out = np.full((m, n + 3), np.nan, np.float32)
+    panel_array = np.empty(max(k * n, 1), np.float32)
+    cdef float[::1] panel = panel_array
+    cdef float[:, ::1] c = out
+    if m and n:
+        with nogil:
+            if k:
+                kern.pack_fuse_panel(&y[0, 0], n, &panel[0], k, n)
+            kern.seq_product_panel(m, n, k, &x[0, 0] if k else NULL, k, &panel[0], &c[0, 0],
+                                   n + 3)
     return out
 
 
