@@ -64,6 +64,8 @@ from ltx2blas import errors  # noqa: E402
 
 from helpers import random_bf16  # noqa: E402
 
+hooks = pytest.importorskip("_ltx2blas_hooks")
+
 
 def fp8_weight(rng, shape, fmt, scale=0.05):
     return reference.fp8_round(rng.standard_normal(shape, dtype=np.float32) * np.float32(scale), fmt)
@@ -96,6 +98,58 @@ def test_fuse_into_fp8_matches_reference(rng, fmt, ranks):
             got = ltx2blas.fuse_loras(weight, adapters, weight_format=fmt, threads=threads, tile=tile)
         assert got.dtype == np.uint8
         assert np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fuse_keeps_upstreams_nan_and_inf_codes(rng, fmt):
+    """Weight codes that are NaN with either sign bit, and the infinities of e5m2, fused as
+    upstream's torch does: a NaN code widens to the positive NaN and comes back as 0x7F."""
+    weight = fp8_weight(rng, (9, 40), fmt)
+    specials = [0x7F, 0xFF] if fmt == "F8_E4M3" else [0x7C, 0xFC, 0x7D, 0xFE, 0xFF]
+    weight[::2, :len(specials)] = specials
+    adapters = [(random_bf16(rng, (4, 40), 0.01), random_bf16(rng, (9, 4), 0.01), 0.8)]
+    got = ltx2blas.fuse_lora(weight, *adapters[0], weight_format=fmt)
+    expected = reference.fuse_loras_fp8(weight, adapters, fmt)
+    assert np.array_equal(got, expected)
+    assert set(got[::2, :len(specials)].ravel()) <= {0x7F, 0x7C, 0xFC}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_kernel_fp8_store_every_code(kernel_table, fmt):
+    """The fp8 rounding store of each kernel table (nearest-even): every code of the format as
+    the weight, against deltas spanning every bf16 exponent, both signs, ties, subnormals,
+    inf and NaN; rows of 40 (whole vectors and a tail on every table) in a wider weight; and
+    the first overflow's index."""
+    rng = np.random.default_rng(11)
+    codes = np.arange(256, dtype=np.uint8)
+    deltas = np.concatenate([
+        (np.arange(0, 65536, 7, dtype=np.uint32) << 16).view(np.float32),   # bf16 values
+        (rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)).view(np.float32),
+        np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, 448.0, 464.0, 57344.0, 61440.0],
+                 np.float32)])
+    w_flat, acc_flat = (a.ravel() for a in np.meshgrid(codes, deltas))
+    n = w_flat.size - w_flat.size % 40
+    acc = np.ascontiguousarray(acc_flat[:n].reshape(-1, 40))
+    w = np.zeros((acc.shape[0], 45), np.uint8)
+    w[:, :40] = w_flat[:n].reshape(-1, 40)
+    got, first = hooks.store_fused_fp8(acc, w, fmt == "F8_E5M2", kernel_table)
+    with np.errstate(invalid="ignore", over="ignore"):
+        summed = reference.bf16_round(reference.fp8_widen(w[:, :40], fmt) +
+                                      reference.bf16_widen(reference.bf16_round(acc)))
+        expected = reference.fp8_round(reference.bf16_widen(summed), fmt)
+    # NaN + NaN keeps one of the two NaNs (IEEE leaves which unspecified): compare NaN-ness
+    # there, bits everywhere else.
+    both_nan = np.isnan(reference.fp8_widen(w[:, :40], fmt)) & np.isnan(acc)
+    assert np.array_equal(got[:, :40][~both_nan], expected[~both_nan])
+    assert np.all(np.isnan(reference.fp8_widen(got[:, :40][both_nan], fmt)))
+    assert np.all(got[:, 40:] == 0xAB)
+    # overflow: a finite sum that rounds past the largest finite code. e4m3: 448 + 16 (half
+    # its unit) ties down to 448 (even), anything above rounds up; e5m2: 57344 + 4096 ties up.
+    magnitude = np.abs(reference.bf16_widen(summed))
+    finite = np.isfinite(magnitude)
+    over = finite & ((magnitude > 464.0) if fmt == "F8_E4M3" else (magnitude >= 61440.0))
+    flat = np.flatnonzero(over.ravel())
+    assert flat.size and first == flat[0]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -958,16 +958,122 @@ static inline uint32_t fp8_from_bf16(uint32_t h, int e5m2, int stochastic, uint3
     return code | sign;
 }
 
+typedef int32_t vi32 __attribute__((vector_size(VW * 4)));
+typedef uint8_t vu8 __attribute__((vector_size(VW), aligned(1), may_alias));
+
+/* VW bytes widened to 32-bit lanes, and the low bytes of VW lanes (each below 256) stored.
+ * Spelled with intrinsics on x86, where GCC builds the generic conversions byte by byte. */
+static inline vu32 load_u8_vec(const uint8_t *p)
+{
+#if defined(LTX_VARIANT_AVX512)
+    return (vu32)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(LTX_VARIANT_AVX2)
+    return (vu32)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    return __builtin_convertvector(*(const vu8 *)p, vu32);
+#endif
+}
+
+static inline void store_u8_vec(uint8_t *p, vu32 v)
+{
+#if defined(LTX_VARIANT_AVX512)
+    _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8((__m512i)v));
+#elif defined(LTX_VARIANT_AVX2)
+    /* byte 0 of each lane to the low 4 bytes of its 128-bit half, then the halves joined */
+    const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1,
+                                               -1, -1, -1, -1, -1, -1);
+    const __m256i t = _mm256_shuffle_epi8((__m256i)v, low_bytes);
+    _mm_storel_epi64((__m128i *)p, _mm_unpacklo_epi32(_mm256_castsi256_si128(t),
+                                                      _mm256_extracti128_si256(t, 1)));
+#else
+    *(vu8 *)p = __builtin_convertvector(v, vu8);
+#endif
+}
+
+/* ltx_fp8_value of VW codes (each below 256), lane by lane, without the table: for a normal
+ * code its exponent and mantissa bits placed in an f32's and the exponent rebiased (integer
+ * operations); for a subnormal code, its mantissa m converted and scaled, m 2**(1 - bias -
+ * mant), exact; inf and NaN codes selected, NaN unsigned. No f32 subnormal is formed: an
+ * operation on one can take a slow path. */
+static inline vf fp8_value_vec(vu32 c, int e5m2)
+{
+    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    const float quantum = e5m2 ? 0x1p-16f : 0x1p-9f;
+    const vu32 mag = c & 0x7Fu;
+    const vu32 subnormal = (vu32)((mag >> mant) == 0);
+    const vu32 normal_bits = (mag << (23 - mant)) + (uint32_t)((127 - bias) << 23);
+    const vu32 subnormal_bits = (vu32)(__builtin_convertvector((vi32)mag, vf) * quantum);
+    const vu32 signed_value = ((normal_bits & ~subnormal) | (subnormal_bits & subnormal)) |
+                              ((c & 0x80u) << 24);
+    /* e4m3: 0x7F is NaN; e5m2: exponent 31 is inf (mantissa 0) or NaN */
+    const vu32 nan = e5m2 ? (vu32)((mag & 0x7Cu) == 0x7Cu) & (vu32)((mag & 3u) != 0)
+                          : (vu32)(mag == 0x7Fu);
+    const vu32 inf = e5m2 ? (vu32)(mag == 0x7Cu) : (vu32){0};
+    const vu32 value = (signed_value & ~inf) | (inf & (0x7F800000u | ((c & 0x80u) << 24)));
+    return (vf)((value & ~nan) | (nan & 0x7FC00000u));
+}
+
+/* fp8_from_bf16 with nearest-even rounding, lane by lane, h the bf16 bits (each below
+ * 2**16): the same expressions, the branches made masks. Lanes that overflowed are set in
+ * *over. */
+static inline vu32 fp8_nearest_vec(vu32 h, int e5m2, vu32 *over)
+{
+    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    const int32_t largest = e5m2 ? 0x7B : 0x7E;
+    const vu32 sign = (h >> 8) & 0x80u;
+    const vu32 E = (h >> 7) & 0xFFu, M = h & 0x7Fu;
+    const vu32 normal = (vu32)(E != 0);
+    const vu32 S = (normal & 0x80u) | M;
+    const vi32 f = (vi32)(E | (~normal & 1u)) - 127 + bias;
+    const vi32 sub = (vi32)(f < 1);
+    vi32 shift = (7 - mant) + (sub & (1 - f));
+    const vi32 far = (vi32)(shift > 31);
+    shift = (shift & ~far) | (far & 31);
+    const vu32 sh = (vu32)shift;
+    const vu32 one = (vu32){0} + 1u;
+    const vu32 R = (S + (one << (sh - 1u)) - 1u + ((S >> sh) & 1u)) >> sh;
+    const vu32 normal_code = ((vu32)(f - 1) << mant) + R;
+    vu32 code = (R & (vu32)sub) | (normal_code & ~(vu32)sub);
+    const vu32 special = (vu32)(E == 0xFFu);
+    const vu32 o = (vu32)((vi32)code > largest) & ~special;
+    code = (code & ~o) | (o & (uint32_t)(e5m2 ? 0x7C : largest));
+    const vu32 special_code = ((vu32)(M != 0) & 0x7Fu) | (~(vu32)(M != 0) & (e5m2 ? 0x7Cu : 0x7Eu));
+    code = (code & ~special) | (special_code & special);
+    *over = o;
+    return code | sign;
+}
+
+/* The fp8 rounding store. Nearest-even goes VW elements at a time (fp8_value_vec and
+ * fp8_nearest_vec, the scalar rules lane by lane); the stochastic rounding and each row's
+ * last cols % VW elements, element by element. */
 static ltx_idx store_fused_fp8(const float *acc, const uint8_t *w, ltx_idx ldw, uint8_t *out,
                                ltx_idx ldo, ltx_idx rows, ltx_idx cols, int e5m2,
                                int stochastic, uint64_t key, ltx_idx index0, ltx_idx stride)
 {
     ltx_idx first_over = -1;
     const float *table = ltx_fp8_table(e5m2);
+    const ltx_idx full = stochastic ? 0 : cols - cols % VW;
     for (ltx_idx r = 0; r < rows; r++) {
         if (r + PREFETCH_ROWS < rows)
             prefetch_run(w + (r + PREFETCH_ROWS) * ldw, cols);
-        for (ltx_idx i = 0; i < cols; i++) {
+        for (ltx_idx i = 0; i < full; i += VW) {
+            const vf value = fp8_value_vec(load_u8_vec(w + r * ldw + i), e5m2);
+            const vf sum = value + (vf)bf16_high_vec(LOADV(acc + r * cols + i));
+            vu32 over;
+            const vu32 code = fp8_nearest_vec(bf16_high_vec(sum) >> 16, e5m2, &over);
+            store_u8_vec(out + r * ldo + i, code);
+            if (first_over < 0) {
+                uint32_t lanes[VW];
+                memcpy(lanes, &over, sizeof lanes);
+                for (int l = 0; l < VW; l++)
+                    if (lanes[l]) {
+                        first_over = r * stride + i + l;
+                        break;
+                    }
+            }
+        }
+        for (ltx_idx i = full; i < cols; i++) {
             const float delta = ltx_bits_f32(ltx_bf16_high(acc[r * cols + i]));
             const float sum = table[w[r * ldw + i]] + delta;
             const uint32_t rnd =

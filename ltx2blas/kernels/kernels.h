@@ -52,16 +52,17 @@ static inline float ltx_bf16_round(float f) { return ltx_bits_f32(ltx_bf16_high(
 /* The value of bf16 bits, exactly. */
 static inline float ltx_bf16_value(uint16_t h) { return ltx_bits_f32((uint32_t)h << 16); }
 
-/* Value of an fp8 code: F8_E4M3 (e5m2 = 0) or F8_E5M2, exactly. */
+/* Value of an fp8 code: F8_E4M3 (e5m2 = 0) or F8_E5M2, exactly. Every NaN code, whatever its
+ * sign bit, is the positive quiet NaN: torch widens them so, and upstream fuses through it. */
 static inline float ltx_fp8_value(uint32_t code, int e5m2)
 {
     const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
     const uint32_t e = (code & 0x7Fu) >> mant, m = code & ((1u << mant) - 1u);
     float v;
-    if (!e5m2 && (code & 0x7Fu) == 0x7Fu)
-        v = __builtin_nanf("");
+    if ((!e5m2 && (code & 0x7Fu) == 0x7Fu) || (e5m2 && e == 31 && m))
+        return __builtin_nanf("");
     else if (e5m2 && e == 31)
-        v = m ? __builtin_nanf("") : __builtin_inff();
+        v = __builtin_inff();
     else if (e == 0)
         v = (float)m * __builtin_ldexpf(1.0f, 1 - bias - mant);
     else

@@ -3,7 +3,7 @@ benchmarks: each runs one element kernel of a named table on numpy arrays, so th
 the CPU can run is checked on its own.  Built with ltx2blas and installed beside it as its own
 top-level module; ltx2blas never imports it.
 """
-from libc.stdint cimport uint16_t, uint32_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t
 
 from ltx2blas._gemm cimport ltx_kernels, sgemm_rowmajor
 
@@ -51,6 +51,24 @@ def store_fused_tile(const float[:, ::1] acc, const uint16_t[:, ::1] w, table=No
     return out
 
 
+def store_fused_fp8(const float[:, ::1] acc, const uint8_t[:, ::1] w, bint e5m2, table=None):
+    """fp8(bf16(f32(w) + f32(bf16(acc)))), nearest-even, over a tile by one kernel table, w's
+    rows (row stride w.shape[1] >= cols) and the output's (row stride w.shape[1] + 3) longer
+    than the tile, whose elements past the tile hold 0xAB and must keep it. Returns (out, the
+    kernel's r * cols + i of the first overflow, or -1)."""
+    cdef Py_ssize_t rows = acc.shape[0], cols = acc.shape[1], ldw = w.shape[1]
+    if w.shape[0] != rows or ldw < cols:
+        raise ValueError("shape mismatch")
+    cdef const ltx_kernels *kern = _table(table)
+    out = np.full((rows, ldw + 3), 0xAB, np.uint8)
+    cdef uint8_t[:, ::1] o = out
+    cdef Py_ssize_t first = -1
+    if rows and cols:
+        first = kern.store_fused_fp8(&acc[0, 0], &w[0, 0], ldw, &o[0, 0], ldw + 3, rows, cols,
+                                     e5m2, 0, 0, 0, cols)
+    return out, first
+
+
 def scale_round_widen(const uint16_t[::1] bits, float s, table=None):
     """f32(bf16(f32(bits) * s)) elementwise by one kernel table."""
     cdef const ltx_kernels *kern = _table(table)
@@ -82,14 +100,18 @@ def seq_gemm(const float[:, ::1] x, const float[:, ::1] y, float[:, ::1] c, tabl
         kern.seq_gemm(m, n, k, &x[0, 0], k, &y[0, 0], n, &c[0, 0], n)
 
 
-def seq_fuse_bf16(const float[:, ::1] x, y_in, const uint16_t[:, ::1] w, table=None):
-    """bf16(w + bf16(x @ y)), the product accumulated in order, by the fused kernel of one
-    table, y (f32 holding bf16 values) packed by the same table's pack_fuse_panel."""
+def _bf16_bits(y_in):
+    """The bf16 bits of f32 values that must be bf16 values, as a contiguous uint16 array."""
     y_f32 = np.ascontiguousarray(y_in, dtype=np.float32)
     if np.any(y_f32.view(np.uint32) & 0xFFFF):
         raise ValueError("y must hold bf16 values")
-    cdef const uint16_t[:, ::1] y = np.ascontiguousarray(y_f32.view(np.uint32) >> 16,
-                                                         dtype=np.uint16)
+    return np.ascontiguousarray(y_f32.view(np.uint32) >> 16, dtype=np.uint16)
+
+
+def seq_fuse_bf16(const float[:, ::1] x, y_in, const uint16_t[:, ::1] w, table=None):
+    """bf16(w + bf16(x @ y)), the product accumulated in order, by the fused kernel of one
+    table, y (f32 holding bf16 values) packed by the same table's pack_fuse_panel."""
+    cdef const uint16_t[:, ::1] y = _bf16_bits(y_in)
     cdef Py_ssize_t m = x.shape[0], k = x.shape[1], n = y.shape[1]
     if y.shape[0] != k or w.shape[0] != m or w.shape[1] != n:
         raise ValueError("shape mismatch")
@@ -111,11 +133,7 @@ def seq_product_panel(const float[:, ::1] x, y_in, table=None):
     """x @ y, each sum from +0.0 in order, by one table's product kernel from its fuse panel,
     y (f32 holding bf16 values) packed by the same table's pack_fuse_panel. The result's rows
     lie 3 floats apart beyond its n columns, which must stay as they were (NaN)."""
-    y_f32 = np.ascontiguousarray(y_in, dtype=np.float32)
-    if np.any(y_f32.view(np.uint32) & 0xFFFF):
-        raise ValueError("y must hold bf16 values")
-    cdef const uint16_t[:, ::1] y = np.ascontiguousarray(y_f32.view(np.uint32) >> 16,
-                                                         dtype=np.uint16)
+    cdef const uint16_t[:, ::1] y = _bf16_bits(y_in)
     cdef Py_ssize_t m = x.shape[0], k = x.shape[1], n = y.shape[1]
     if y.shape[0] != k:
         raise ValueError("shape mismatch")
