@@ -364,6 +364,16 @@ static void pack_fuse_panel(const uint16_t *src, ltx_idx lds, float *dst, ltx_id
 }
 
 #if defined(FUSE_UNPACK_ORDER)
+/* Sixteen consecutive columns between column order (lo: columns 0-7, hi: 8-15) and
+ * panel_column order (lo: 0-3 and 8-11, hi: 4-7 and 12-15): one exchange of 128-bit halves,
+ * its own inverse. */
+static inline void swap_strip_order(vf *lo, vf *hi)
+{
+    const vf a = *lo, b = *hi;
+    *lo = (vf)_mm256_permute2f128_ps(a, b, 0x20);
+    *hi = (vf)_mm256_permute2f128_ps(a, b, 0x31);
+}
+
 /* Lane by lane u + 0x7FFF + bit 16 of u, u the bits of f: its high half is bf16(f),
  * nearest-even, for an f that is not NaN (LTX_BF16_NEAREST before the mask). */
 static inline __m256i bf16_carry_not_nan(__m256 f)
@@ -452,10 +462,9 @@ static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16
 #if defined(FUSE_UNPACK_ORDER)
         /* 16 columns at a time, their sums put in panel_column order for fuse_row_unpacked */
         for (ltx_idx i = 0; i < full; i += NR) {
-            const __m256 lo = _mm256_loadu_ps(a + i), hi = _mm256_loadu_ps(a + i + VW);
-            fuse_row_unpacked((vf)_mm256_permute2f128_ps(lo, hi, 0x20),
-                              (vf)_mm256_permute2f128_ps(lo, hi, 0x31), w + r * ldw + i,
-                              out + r * ldo + i);
+            vf lo = LOADV(a + i), hi = LOADV(a + i + VW);
+            swap_strip_order(&lo, &hi);
+            fuse_row_unpacked(lo, hi, w + r * ldw + i, out + r * ldo + i);
         }
 #else
         for (ltx_idx i = 0; i < full; i += NR)
@@ -499,13 +508,10 @@ product_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *
     block_sums(R, k, x, ldx, y, ldy, acc);
     for (int r = 0; r < R; r++) {
 #if defined(FUSE_UNPACK_ORDER)
-        /* acc[r][0] holds columns 0-3 and 8-11, acc[r][1] columns 4-7 and 12-15 */
-        STOREV(c + r * ldc, (vf)_mm256_permute2f128_ps(acc[r][0], acc[r][1], 0x20));
-        STOREV(c + r * ldc + VW, (vf)_mm256_permute2f128_ps(acc[r][0], acc[r][1], 0x31));
-#else
+        swap_strip_order(&acc[r][0], &acc[r][1]);
+#endif
         for (int v = 0; v < NRV; v++)
             STOREV(c + r * ldc + v * VW, acc[r][v]);
-#endif
     }
 }
 
@@ -961,6 +967,21 @@ static inline uint32_t fp8_from_bf16(uint32_t h, int e5m2, int stochastic, uint3
 typedef int32_t vi32 __attribute__((vector_size(VW * 4)));
 typedef uint8_t vu8 __attribute__((vector_size(VW), aligned(1), may_alias));
 
+/* Whether any lane of v is non-zero. */
+static inline int any_lane(vu32 v)
+{
+#if defined(LTX_VARIANT_AVX512)
+    return _mm512_test_epi32_mask((__m512i)v, (__m512i)v) != 0;
+#elif defined(LTX_VARIANT_AVX2)
+    return !_mm256_testz_si256((__m256i)v, (__m256i)v);
+#else
+    uint32_t any = 0;
+    for (int l = 0; l < VW; l++)
+        any |= v[l];
+    return any != 0;
+#endif
+}
+
 /* VW bytes widened to 32-bit lanes, and the low bytes of VW lanes (each below 256) stored.
  * Spelled with intrinsics on x86, where GCC builds the generic conversions byte by byte. */
 static inline vu32 load_u8_vec(const uint8_t *p)
@@ -1035,10 +1056,10 @@ static inline vu32 fp8_nearest_vec(vu32 h, int e5m2, vu32 *over)
     const vu32 R = (S + (one << (sh - 1u)) - 1u + ((S >> sh) & 1u)) >> sh;
     const vu32 normal_code = ((vu32)(f - 1) << mant) + R;
     vu32 code = (R & (vu32)sub) | (normal_code & ~(vu32)sub);
-    const vu32 special = (vu32)(E == 0xFFu);
+    const vu32 special = (vu32)(E == 0xFFu), nan = (vu32)(M != 0);
     const vu32 o = (vu32)((vi32)code > largest) & ~special;
     code = (code & ~o) | (o & (uint32_t)(e5m2 ? 0x7C : largest));
-    const vu32 special_code = ((vu32)(M != 0) & 0x7Fu) | (~(vu32)(M != 0) & (e5m2 ? 0x7Cu : 0x7Eu));
+    const vu32 special_code = (nan & 0x7Fu) | (~nan & (e5m2 ? 0x7Cu : 0x7Eu));
     code = (code & ~special) | (special_code & special);
     *over = o;
     return code | sign;
@@ -1063,15 +1084,12 @@ static ltx_idx store_fused_fp8(const float *acc, const uint8_t *w, ltx_idx ldw, 
             vu32 over;
             const vu32 code = fp8_nearest_vec(bf16_high_vec(sum) >> 16, e5m2, &over);
             store_u8_vec(out + r * ldo + i, code);
-            if (first_over < 0) {
-                uint32_t lanes[VW];
-                memcpy(lanes, &over, sizeof lanes);
+            if (__builtin_expect(first_over < 0 && any_lane(over), 0))
                 for (int l = 0; l < VW; l++)
-                    if (lanes[l]) {
+                    if (over[l]) {
                         first_over = r * stride + i + l;
                         break;
                     }
-            }
         }
         for (ltx_idx i = full; i < cols; i++) {
             const float delta = ltx_bits_f32(ltx_bf16_high(acc[r * cols + i]));
