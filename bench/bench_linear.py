@@ -156,6 +156,15 @@ def accuracy(rows=4, out=2048, samples=48):
     """Max error of each way of computing the caption projection, on the real width, against
     the exact sum: in f32 ulps of the exact value, and relative to sum |x w|."""
     import ltx2blas
+    from ltx2blas import linear_layer
+
+    def panel_route(xs):
+        own = linear_layer._panel_min_rows
+        linear_layer._panel_min_rows = lambda: 1  # on every kernel table
+        try:
+            return ltx2blas.linear(xs, weight)
+        finally:
+            linear_layer._panel_min_rows = own
 
     rng = np.random.default_rng(1)
     weight = harness.random_bf16(rng, (out, IN_FEATURES), 0.02)
@@ -170,6 +179,8 @@ def accuracy(rows=4, out=2048, samples=48):
         "ltx2blas f32 (default)": lambda: ltx2blas.linear(x, weight),
         "ltx2blas f32, streaming in segments": lambda: ltx2blas.linear(
             np.ascontiguousarray(np.resize(x, (8, IN_FEATURES))), weight)[:rows],
+        "ltx2blas f32, panel route": lambda: panel_route(
+            np.ascontiguousarray(np.resize(x, (64, IN_FEATURES))))[:rows],
         "ltx2blas f32, sgemm route": lambda: ltx2blas.linear(
             np.ascontiguousarray(np.resize(x, (80, IN_FEATURES))), weight)[:rows],
         "ltx2blas f64": lambda: ltx2blas.linear(x, weight, accumulate="f64"),

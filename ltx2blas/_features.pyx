@@ -100,7 +100,7 @@ cdef struct FeatureJob:
     Projection *proj
     int task_rows, task_feats, chunk
     Py_ssize_t row_blocks
-    bint stream
+    int product               # chunk_wxt's product (PRODUCT_*)
     const ltx_kernels *kern
 
 
@@ -184,7 +184,7 @@ cdef void run_task(const FeatureJob *job, Py_ssize_t task, Py_ssize_t step,
     while c0 < s1:
         kt = <int>min(<Py_ssize_t>job.chunk, s1 - c0)
         xp = pr.x + slot(job, pr, seg, c) + m0 * kt
-        chunk_wxt(job.kern, job.stream, mt, ot, kt, xp, kt,
+        chunk_wxt(job.kern, job.product, mt, ot, kt, xp, kt,
                   pr.w16 + o0 * job.width + c0 if pr.w16 != NULL else NULL,
                   pr.w32 + o0 * job.width + c0 if pr.w32 != NULL else NULL,
                   <int>job.width, panel, acc)
@@ -211,7 +211,7 @@ cdef class FeaturePlan:
 
     def __init__(self, hidden, const int64_t[::1] rows, const int64_t[::1] sample, bint v2,
                  mean, range_, inv, list weights, list biases, list accs, list xs, list scales,
-                 list cuts, int task_rows, int task_feats, int chunk, bint stream, int threads,
+                 list cuts, int task_rows, int task_feats, int chunk, int product, int threads,
                  int layers):
         """``cuts``: each projection's (segments, segment length, chunks a step); ``accs``:
         [segments * n * out] f32; ``xs``: the panels, segments * chunks a step * n *
@@ -251,7 +251,7 @@ cdef class FeaturePlan:
             self.job.range_ = &st[0, 0]
         self.job.task_rows, self.job.task_feats, self.job.chunk = task_rows, task_feats, chunk
         self.job.row_blocks = (self.job.n + task_rows - 1) // task_rows
-        self.job.stream = stream
+        self.job.product = product
         self.job.kern = kernels(True)
         self.job.count = count
         self.proj = <Projection *>malloc(count * sizeof(Projection))
@@ -289,8 +289,8 @@ cdef class FeaturePlan:
         self.job.proj = self.proj
         self.tasks = first
         self.threads = threads
-        # Per thread: the widened weight panel, or on the streaming route its lane sums.
-        self.panel_len = chunk_panel_bytes(stream, task_rows, task_feats, chunk)
+        # Per thread: the widened weight panel, or on the kernels' routes their scratch.
+        self.panel_len = chunk_panel_bytes(product, task_rows, task_feats, chunk)
         self.panels = <char *>ltx_aligned_alloc(self.panel_len * threads)
         if self.panels == NULL:
             raise MemoryError("could not allocate the weight panel buffers")

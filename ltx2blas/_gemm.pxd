@@ -6,6 +6,8 @@ cdef extern from "kernels.h" nogil:
     ctypedef Py_ssize_t ltx_idx
     int LTX_STREAM_LANES
     int LTX_STREAM_BLOCK
+    int LTX_PANEL_CHUNK
+    size_t LTX_PANEL_SCRATCH(size_t mt)
     ctypedef struct ltx_kernels:
         const char *name
         void (*seq_gemm)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
@@ -25,6 +27,10 @@ cdef extern from "kernels.h" nogil:
         void (*stream_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
                            const uint16_t *w, ltx_idx ldw, float *acc,
                            float *lanes) noexcept nogil
+        void (*panel_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
+                          const uint16_t *w, ltx_idx ldw, float *acc,
+                          float *scratch) noexcept nogil
+        int panel_min_rows
         ltx_idx (*store_fused_fp8)(const float *acc, const uint8_t *w, ltx_idx ldw,
                                    uint8_t *out, ltx_idx ldo, ltx_idx rows, ltx_idx cols,
                                    int e5m2, int stochastic, uint64_t key, ltx_idx index0,
@@ -71,15 +77,18 @@ cdef void continue_product(const ltx_kernels *kern, int m, int n, int k, const f
                            Py_ssize_t ldx, const float *y, Py_ssize_t ldy, float *c,
                            Py_ssize_t ldc) noexcept nogil
 
-cdef void stream_product(const ltx_kernels *kern, int mt, int n, int kt, const float *x,
-                         Py_ssize_t ldx, const uint16_t *w, Py_ssize_t ldw, float *acc,
-                         float *lanes) noexcept nogil
+# How a Linear's chunk is multiplied (chunk_wxt): sgemm on a widened weight panel, or straight
+# from the bf16 weight rows by the streaming or the panel kernel.
+cdef enum:
+    PRODUCT_SGEMM = 0
+    PRODUCT_STREAM = 1
+    PRODUCT_PANEL = 2
 
-cdef void chunk_wxt(const ltx_kernels *kern, bint stream, int mt, int ot, int kt,
+cdef void chunk_wxt(const ltx_kernels *kern, int product, int mt, int ot, int kt,
                     const float *x, int ldx, const uint16_t *w16, const float *w32, int ldw,
                     float *panel, float *acc) noexcept nogil
 
-cdef size_t chunk_panel_bytes(bint stream, int mt, int ot, int kt) noexcept nogil
+cdef size_t chunk_panel_bytes(int product, int mt, int ot, int kt) noexcept nogil
 
 cdef void exact_product_fused(const ltx_kernels *kern, int m, int n, int k, const float *x,
                               int ldx, const float *y, const uint16_t *w, Py_ssize_t ldw,

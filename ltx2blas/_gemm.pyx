@@ -10,7 +10,7 @@ order p = 0, 1, 2, ... (the textbook loop, docs/arithmetic.md §1).
 * The terms beyond that depth are added by the sequential kernel (``continue_product``), which
   continues the accumulation element by element, in order, from what sgemm left in ``c``.
 
-The Linear's products (``sgemm_wxt``, ``dgemm_wxt``, ``stream_product``) have no order
+The Linear's products (``sgemm_wxt``, ``dgemm_wxt``, ``chunk_wxt``'s kernels) have no order
 contract; their order is fixed by the blocks the driver cuts, so results repeat exactly.
 """
 from cpython.pycapsule cimport PyCapsule_GetName, PyCapsule_GetPointer
@@ -134,26 +134,21 @@ cdef void continue_product(const ltx_kernels *kern, int m, int n, int k, const f
         kern.seq_gemm(m, n, k, x, ldx, y, ldy, c, ldc)
 
 
-cdef void stream_product(const ltx_kernels *kern, int mt, int n, int kt, const float *x,
-                         Py_ssize_t ldx, const uint16_t *w, Py_ssize_t ldw, float *acc,
-                         float *lanes) noexcept nogil:
-    """acc[o * mt + m] += sum over k < kt of x[m, k] * f32(w[o, k]) for a Linear with few rows
-    of x, straight from bf16 weight rows, in the kernel's fixed order; ``lanes`` is scratch of
-    n * mt * LTX_STREAM_LANES floats."""
-    if mt > 0 and n > 0 and kt > 0:
-        kern.stream_wxt(mt, n, kt, x, ldx, w, ldw, acc, lanes)
-
-
-cdef void chunk_wxt(const ltx_kernels *kern, bint stream, int mt, int ot, int kt,
+cdef void chunk_wxt(const ltx_kernels *kern, int product, int mt, int ot, int kt,
                     const float *x, int ldx, const uint16_t *w16, const float *w32, int ldw,
                     float *panel, float *acc) noexcept nogil:
     """acc[ot, mt] += w[ot, kt] @ x[mt, kt]^T: one chunk of a Linear's task, the weight bf16
-    (w16) or f32 (w32), rows of stride ldw.  A bf16 weight is widened into ``panel`` (ot x kt
-    floats) and multiplied by sgemm, or with ``stream`` read straight from its rows by the
-    streaming kernel (``panel`` then holds its lane sums).  The Linear and the feature extractor
-    both add their chunks here, so their results are the same bytes."""
-    if stream:
-        stream_product(kern, mt, ot, kt, x, ldx, w16, ldw, acc, panel)
+    (w16) or f32 (w32), rows of stride ldw.  PRODUCT_SGEMM: a bf16 weight is widened into
+    ``panel`` (ot x kt floats) and multiplied by sgemm.  PRODUCT_STREAM / PRODUCT_PANEL: a bf16
+    weight is read straight from its rows by the streaming or the panel kernel (``panel`` then
+    holds the kernel's scratch).  The Linear and the feature extractor both add their chunks
+    here, so their results are the same bytes."""
+    if mt <= 0 or ot <= 0 or kt <= 0:
+        return
+    if product == PRODUCT_STREAM:
+        kern.stream_wxt(mt, ot, kt, x, ldx, w16, ldw, acc, panel)
+    elif product == PRODUCT_PANEL:
+        kern.panel_wxt(mt, ot, kt, x, ldx, w16, ldw, acc, panel)
     elif w16 != NULL:
         kern.widen_bf16_rows(w16, ldw, panel, kt, ot, kt)
         sgemm_wxt(mt, ot, kt, x, ldx, panel, kt, 1.0, acc, mt)
@@ -161,11 +156,13 @@ cdef void chunk_wxt(const ltx_kernels *kern, bint stream, int mt, int ot, int kt
         sgemm_wxt(mt, ot, kt, x, ldx, w32, ldw, 1.0, acc, mt)
 
 
-cdef size_t chunk_panel_bytes(bint stream, int mt, int ot, int kt) noexcept nogil:
+cdef size_t chunk_panel_bytes(int product, int mt, int ot, int kt) noexcept nogil:
     """Bytes of the ``panel`` scratch :func:`chunk_wxt` needs for a bf16 weight: the widened
-    weight panel [ot, kt], or on the streaming route the kernel's lane sums."""
-    if stream:
+    weight panel [ot, kt], the streaming kernel's lane sums, or the panel kernel's scratch."""
+    if product == PRODUCT_STREAM:
         return <size_t>ot * mt * LTX_STREAM_LANES * sizeof(float)
+    if product == PRODUCT_PANEL:
+        return up64(LTX_PANEL_SCRATCH(mt) * sizeof(float))
     return up64(<size_t>ot * kt * sizeof(float))
 
 
@@ -198,6 +195,16 @@ cdef void exact_product_fused_pairs(const ltx_kernels *kern, int m, int n, int k
 
 #: The streaming kernel's lane-block length in elements of k (kernels.h).
 STREAM_BLOCK = LTX_STREAM_BLOCK
+#: The panel kernel's chunk, in elements of k: each chunk's sums start from +0.0.
+PANEL_CHUNK = LTX_PANEL_CHUNK
+#: chunk_wxt's products by route name.
+PRODUCTS = {"sgemm": PRODUCT_SGEMM, "stream": PRODUCT_STREAM, "panel": PRODUCT_PANEL}
+
+
+def panel_min_rows():
+    """The fewest rows of x for which the kernel table in use takes the panel kernel for a
+    Linear (0: this table keeps the streaming kernel)."""
+    return _fast.panel_min_rows
 
 
 def kernel_name(bint allow_fma=True):

@@ -15,7 +15,8 @@ from cython.parallel cimport parallel, prange
 from libc.stdint cimport uint16_t
 from libc.stdlib cimport free, malloc
 
-from ._gemm cimport chunk_panel_bytes, chunk_wxt, dgemm_wxt, kernels, ltx_kernels
+from ._gemm cimport (PRODUCT_SGEMM, chunk_panel_bytes, chunk_wxt, dgemm_wxt, kernels,
+                     ltx_kernels)
 from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_alloc,
                         omp_get_thread_num, start_block, up64)
 
@@ -38,7 +39,7 @@ cdef struct LinearJob:
     Py_ssize_t blocks              # output blocks: tasks per segment
     Py_ssize_t segments, seg_len
     bint f64
-    bint stream                    # few rows, bf16 weight, f32 x: the streaming kernel
+    int product                    # chunk_wxt's product (PRODUCT_*); the kernels take f32 x
     const ltx_kernels *kern
 
 
@@ -89,13 +90,13 @@ cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) n
                     kern.f32_to_f64(job.x32 + (m0 + r) * job.cols + c0, xp64 + r * kt, kt)
             dgemm_wxt(mt, ot, kt, xp64, kt, wp64, kt, 1.0, acc64, mt)
         else:
-            if job.x16 != NULL:  # never on the streaming route, which takes x widened
+            if job.x16 != NULL:  # never on the kernels' routes, which take x widened
                 kern.widen_bf16_rows(job.x16 + m0 * job.cols + c0, job.cols,
                                      <float *>buf.x_panel, kt, mt, kt)
                 xp32, ldx = <float *>buf.x_panel, kt
             else:
                 xp32, ldx = job.x32 + m0 * job.cols + c0, <int>job.cols
-            chunk_wxt(kern, job.stream, mt, ot, kt, xp32, ldx,
+            chunk_wxt(kern, job.product, mt, ot, kt, xp32, ldx,
                       job.w16 + o0 * job.cols + c0 if job.w16 != NULL else NULL,
                       job.w32 + o0 * job.cols + c0 if job.w32 != NULL else NULL,
                       <int>job.cols, <float *>buf.w_panel, acc32)
@@ -132,28 +133,29 @@ cdef void add_block_segments(const LinearJob *job, Py_ssize_t block) noexcept no
 
 
 cdef (size_t, size_t, size_t) buffer_layout(int task_rows, int task_feats, int chunk, bint f64,
-                                            bint stream, bint bf16_weight,
+                                            int product, bint bf16_weight,
                                             bint bf16_x) noexcept:
     """One thread's buffers: the widened weight panel [task_feats, chunk] (unless the weight is
-    f32 and the accumulation f32; on the streaming route, the kernel's lane sums instead), the
+    f32 and the accumulation f32; on the kernels' routes, their scratch instead), the
     widened input panel [task_rows, chunk] (unless likewise), and the accumulator
     [task_feats, task_rows]."""
     cdef size_t elem = sizeof(double) if f64 else sizeof(float)
     cdef size_t w_len = 0, x_len = 0
     if f64:
         w_len = up64(<size_t>task_feats * chunk * elem)
-    elif stream or bf16_weight:
-        w_len = chunk_panel_bytes(stream, task_rows, task_feats, chunk)
+    elif product != PRODUCT_SGEMM or bf16_weight:
+        w_len = chunk_panel_bytes(product, task_rows, task_feats, chunk)
     if f64 or bf16_x:
         x_len = up64(<size_t>task_rows * chunk * elem)
     return w_len, x_len, up64(<size_t>task_rows * task_feats * elem)
 
 
-def thread_buffer_bytes(int task_rows, int task_feats, int chunk, bint f64, bint stream,
+def thread_buffer_bytes(int task_rows, int task_feats, int chunk, bint f64, int product,
                         bint bf16_weight, bint bf16_x):
-    """Bytes of one thread's buffers, as LinearPlan allocates them."""
-    w_len, x_len, acc_len = buffer_layout(task_rows, task_feats, chunk, f64, stream, bf16_weight,
-                                          bf16_x)
+    """Bytes of one thread's buffers, as LinearPlan allocates them (product: a value of
+    ``_gemm.PRODUCTS``)."""
+    w_len, x_len, acc_len = buffer_layout(task_rows, task_feats, chunk, f64, product,
+                                          bf16_weight, bf16_x)
     return w_len + x_len + acc_len
 
 
@@ -173,7 +175,7 @@ cdef class LinearPlan:
         self.buffers = NULL
 
     def __init__(self, x, w, bias32, bias64, float[:, ::1] y, int task_rows, int task_feats,
-                 int chunk, int threads, bint f64, bint stream, Py_ssize_t seg_len, partial):
+                 int chunk, int threads, bint f64, int product, Py_ssize_t seg_len, partial):
         cdef const float[:, ::1] x32
         cdef const uint16_t[:, ::1] x16
         cdef const float[:, ::1] w32
@@ -225,15 +227,15 @@ cdef class LinearPlan:
         self.job.task_rows, self.job.task_feats, self.job.chunk = task_rows, task_feats, chunk
         self.job.panels = (self.job.feats + task_feats - 1) // task_feats
         self.job.f64 = f64
-        self.job.stream = stream and not f64 and self.job.w16 != NULL
-        if self.job.stream and self.job.x16 != NULL:
-            raise ValueError("the streaming route takes an f32 x: widen a bf16 x once, before")
+        self.job.product = product if (not f64 and self.job.w16 != NULL) else PRODUCT_SGEMM
+        if self.job.product != PRODUCT_SGEMM and self.job.x16 != NULL:
+            raise ValueError("the kernels' routes take an f32 x: widen a bf16 x once, before")
         self.job.kern = kernels(True)
         self.job.blocks = block_count(self.job.rows, self.job.feats, task_rows, task_feats)
         self.tasks = self.job.blocks * self.job.segments
         self.threads = threads
 
-        w_len, x_len, acc_len = buffer_layout(task_rows, task_feats, chunk, f64, self.job.stream,
+        w_len, x_len, acc_len = buffer_layout(task_rows, task_feats, chunk, f64, self.job.product,
                                               self.job.w16 != NULL, self.job.x16 != NULL)
         buffer_len = w_len + x_len + acc_len
         self.buffers = <char *>ltx_aligned_alloc(buffer_len * threads)

@@ -167,7 +167,11 @@ def format_info(info):
         r, f, c = route["blocks"]
         lines.append(f"  M {rows:>5}: {route['route']:<6} {r} rows x {f} features x {cut} a task, "
                      f"chunks of {min(c, route['segment_length'])}: {tasks} tasks")
-    lines.append(f"  (up to {STREAM_ROWS} rows the streaming kernel reads the bf16 weight rows "
+    panel_rows = _gemm.panel_min_rows()
+    panel = (f"; from {panel_rows} rows the panel kernel, the fuse's register blocks on weight "
+             "rows widened 512 at a time, where the streaming kernel's widening would share "
+             "the FMA pipes" if panel_rows else "")
+    lines.append(f"  (up to {STREAM_ROWS} rows ltx2blas's kernels read the bf16 weight rows "
                  "once, where a BLAS would spend longer packing each weight panel than "
-                 "multiplying it; above, sgemm on widened weight panels)")
+                 f"multiplying it{panel}; above, sgemm on widened weight panels)")
     return "\n".join(lines)

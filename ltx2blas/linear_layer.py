@@ -39,6 +39,17 @@ STREAM_ROWS = 64
 BLOCKS = {"sgemm": (512, 256, 512), "stream": (16, 64, 1 << 18), "f64": (256, 128, 512)}
 STREAM_WIDE_BLOCKS = (STREAM_ROWS, 128, 1 << 18)
 
+#: From the kernel table's ``panel_min_rows`` (on the AVX2 table 48) up to STREAM_ROWS rows,
+#: the "panel" route: the same tasks and segments as the streaming route, multiplied by the
+#: fuse's register blocks (``_gemm.PANEL_CHUNK`` in-features a chunk, each chunk's sums in
+#: order from +0.0), where the streaming kernel's widening would share the FMA pipes.
+BLOCKS["panel"] = STREAM_WIDE_BLOCKS
+
+
+def _panel_min_rows():
+    """The fewest rows the table in use takes the panel route for (0: never)."""
+    return _gemm.panel_min_rows()
+
 #: Up to this many rows of x the streaming product is bound by memory: it reads whole weight
 #: rows (one segment; shorter runs read measurably slower) and takes its tasks from the output
 #: features alone, 8 a task, 256 or more at the real widths -- x, at most 3 MiB, is then read
@@ -64,18 +75,21 @@ STREAM_SEGMENT = 3 * _gemm.STREAM_BLOCK
 
 
 def plan(rows, weight_dtype, accumulate="f32", blocks=None):
-    """The route ("sgemm", "stream" or "f64") and (rows, features, chunk) blocks a call with
-    ``rows`` rows of x and this weight dtype takes."""
+    """The route ("sgemm", "stream", "panel" or "f64") and (rows, features, chunk) blocks a call
+    with ``rows`` rows of x and this weight dtype takes."""
     bf16_weight = np.dtype(weight_dtype).itemsize == 2
+    panel_rows = _panel_min_rows()
     if accumulate == "f64":
         route = "f64"
+    elif bf16_weight and 0 < panel_rows <= rows <= STREAM_ROWS:
+        route = "panel"
     elif bf16_weight and rows <= STREAM_ROWS:
         route = "stream"
     else:
         route = "sgemm"
     if blocks is not None:
         return route, tuple(blocks)
-    if route == "stream" and rows > BLOCKS["stream"][0]:
+    if route in ("stream", "panel") and rows > BLOCKS["stream"][0]:
         return route, STREAM_WIDE_BLOCKS
     if route == "stream" and rows <= STREAM_FEW_ROWS:
         return route, STREAM_FEW_BLOCKS
@@ -88,12 +102,12 @@ def segments(rows, feats, cols, route, blocks):
     and y is the segments' sums added in segment order (the first starting from the bias).
 
     The cut depends on the shape and the blocks only, never on the thread count.  Segments are
-    whole chunks (whole 4096-element blocks on the streaming route); the sgemm and f64 routes
-    take enough to bring the tasks to :data:`MIN_TASKS` (asking for at most
-    :data:`MAX_SEGMENTS`); the streaming route cuts :data:`STREAM_SEGMENT` in-features a
-    segment, or with at most :data:`STREAM_FEW_ROWS` rows none."""
+    whole chunks (whole 4096-element blocks on the streaming and panel routes); the sgemm and
+    f64 routes take enough to bring the tasks to :data:`MIN_TASKS` (asking for at most
+    :data:`MAX_SEGMENTS`); the streaming and panel routes cut :data:`STREAM_SEGMENT`
+    in-features a segment, or with at most :data:`STREAM_FEW_ROWS` rows none."""
     task_rows, task_feats, chunk = blocks
-    if route == "stream":
+    if route in ("stream", "panel"):
         length = STREAM_SEGMENT if rows > STREAM_FEW_ROWS else max(1, cols)
     else:
         blocks_out = _linear.block_count(rows, feats, task_rows, task_feats)
@@ -116,17 +130,19 @@ def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32",
     the weight.  Per thread: the widened weight panel [features x chunk] (sgemm route with a
     bf16 weight, or f64), the widened x panel [rows x chunk] (bf16 x or f64) and the
     accumulator [features x rows]; on the streaming route, instead of the weight panel, lane
-    sums [features x rows x 16], and a bf16 x is widened once, shared.  With more than one
+    sums [features x rows x 16], on the panel route x's strips and one block of widened weight
+    rows for a chunk, and on both a bf16 x is widened once, shared.  With more than one
     segment (:func:`segments`), each segment's sums [rows x feats] (f32, f64 on the f64 route)
     until they are added up."""
     route, blocks = plan(rows, weight_dtype, accumulate, blocks)
     mb, ob, kb = blocks
     bf16_w = np.dtype(weight_dtype).itemsize == 2
     bf16_x = np.dtype(x_dtype).itemsize == 2
-    stream = route == "stream" and bf16_w
-    # On the streaming route a bf16 x is widened once, whole, and shared: the panel kernels
-    # then take it as f32.
-    per_thread = _linear.thread_buffer_bytes(mb, ob, kb, route == "f64", stream, bf16_w,
+    stream = route in ("stream", "panel") and bf16_w
+    # On the kernels' routes a bf16 x is widened once, whole, and shared: the kernels then take
+    # it as f32.
+    product = _gemm.PRODUCTS[route] if stream else _gemm.PRODUCTS["sgemm"]
+    per_thread = _linear.thread_buffer_bytes(mb, ob, kb, route == "f64", product, bf16_w,
                                              bf16_x and not stream)
     shared = 4 * rows * cols if (stream and bf16_x) else 0
     count, _ = segments(rows, feats, cols, route, blocks)
@@ -151,6 +167,9 @@ def gamma(rows, cols, weight_dtype, accumulate="f32", blocks=None, feats=None):
     if route == "stream":
         block = _gemm.STREAM_BLOCK
         d = 1 + block // 4 + math.ceil(kt / block) + 4 + 15 + chunks
+    elif route == "panel":
+        block = _gemm.PANEL_CHUNK
+        d = 1 + (min(kt, block) - 1) + math.ceil(kt / block) + chunks
     else:
         d = 1 + (kt - 1) + chunks
     d += (count - 1) + 1
@@ -183,6 +202,8 @@ def error_bound(x, weight, bias=None, accumulate="f32", blocks=None):
         takes) + n additions of chunks into the segment's running sum;
       streaming route: 1 product + 1024 additions in a lane's block (4096 elements, 4 lanes at
         the narrowest) + ceil(kb / 4096) block sums + 4 tree levels + 15 tail additions + n;
+      panel route: 1 product + 511 additions in a chunk's sum (512 elements, in order) +
+        ceil(kb / 512) chunk sums + n;
       then S - 1 additions of the segments' sums, and 1 for the bias.
     The final rounding to f32 adds half an ulp of y on top."""
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
@@ -246,7 +267,7 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
             progress(1.0)
         return y
     x2 = x_bits.reshape(rows, cols)
-    if route == "stream" and x_kind == "bf16":
+    if route in ("stream", "panel") and x_kind == "bf16":
         # Few rows: widen them once here rather than per thread and chunk.
         x2 = bf16_to_f32(x2)
     bias64 = bias32.astype(np.float64) if (bias32 is not None and route == "f64") else None
@@ -255,7 +276,8 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
     if count > 1:  # each segment's sums, until they are added up in order
         partial = np.empty((count, rows, feats), np.float64 if route == "f64" else np.float32)
     tasks = _linear.LinearPlan(x2, w_bits, bias32, bias64, y.reshape(rows, feats), *blocks,
-                               threads, route == "f64", route == "stream", length, partial)
+                               threads, route == "f64", _gemm.PRODUCTS.get(route, 0), length,
+                               partial)
     _run_in_waves(tasks, threads, progress)
     return y
 

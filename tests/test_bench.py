@@ -23,6 +23,13 @@ def test_tile_route_and_segment_benchmarks_run_and_check_their_results(tmp_path)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         rows = json.loads(out.read_text())["rows"]
         assert rows and all(row["same_bytes"] and row.get("within_bound", True) for row in rows)
+    out = tmp_path / "linear_routes.json"
+    r = subprocess.run([sys.executable, os.path.join(folder, "bench_linear_routes.py"), "--threads",
+                        "1", "--rows", "48", "--outs", "40", "--width", "3000", "--out", str(out)],
+                       capture_output=True, text=True, cwd="/", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(row["checked"] == {"panel": True, "stream": True} for row in rows)
 
 
 def test_quick_suite_runs_every_part(tmp_path):

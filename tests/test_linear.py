@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ltx2blas
-from ltx2blas import reference
+from ltx2blas import _gemm, linear_layer, reference
 from ltx2blas.linear_layer import (BLOCKS, STREAM_FEW_BLOCKS, STREAM_SEGMENT, STREAM_WIDE_BLOCKS,
                                    error_bound, gamma, plan, segments, task_count)
 
@@ -193,8 +193,10 @@ def test_blocks_are_fixed_by_shape_not_threads():
         assert plan(rows, np.uint16) == (route, BLOCKS[route])
     for rows in (1, 4):
         assert plan(rows, np.uint16) == ("stream", STREAM_FEW_BLOCKS)
-    for rows in (17, 64):
-        assert plan(rows, np.uint16) == ("stream", STREAM_WIDE_BLOCKS)
+    panel_rows = _gemm.panel_min_rows()  # 48 on the AVX2 table, where it was measured; else 0
+    for rows in (17, 47, 48, 64):
+        route = "panel" if 0 < panel_rows <= rows else "stream"
+        assert plan(rows, np.uint16) == (route, STREAM_WIDE_BLOCKS)
     assert plan(4, np.float32)[0] == "sgemm"  # an f32 weight has nothing to stream
     assert plan(4, np.uint16, "f64")[0] == "f64"
 
@@ -270,3 +272,60 @@ def test_segments_of_the_sgemm_routes_keep_bytes_and_bound(rng, rows, accumulate
         assert g <= gamma(rows, 9000, w.dtype)  # no more additions along a segment than along all
         magnitude = np.abs(as_f64(x[sample])) @ np.abs(as_f64(w)).T + np.abs(as_f64(b))
         assert np.all(np.abs(y[sample] - ref) <= g * magnitude + f32_ulp(y[sample]) / 2)
+
+
+def panel_order(x, w, b, seg_len, chunk=_gemm.PANEL_CHUNK):
+    """The panel route's sums written out with mul then add, each rounded to f32 (the base
+    table's arithmetic): every chunk of ``chunk`` in-features from +0.0 in order, the chunks
+    added to the segment's sum (the first segment's starting from the bias), then the
+    segments added in order."""
+    x32, w32 = as_f64(x).astype(np.float32), as_f64(w).astype(np.float32)
+    segs = []
+    for s0 in range(0, x32.shape[1], seg_len):
+        acc = np.zeros((x32.shape[0], w32.shape[0]), np.float32)
+        if s0 == 0 and b is not None:
+            acc = acc + b.astype(np.float32)
+        for c0 in range(s0, min(x32.shape[1], s0 + seg_len), chunk):
+            s = np.zeros_like(acc)
+            for k in range(c0, min(x32.shape[1], s0 + seg_len, c0 + chunk)):
+                s = s + np.outer(x32[:, k], w32[:, k])  # f32 products, f32 sums
+            acc = acc + s
+        segs.append(acc)
+    y = segs[0]
+    for part in segs[1:]:
+        y = y + part
+    return y
+
+
+@pytest.mark.parametrize("rows, cols, feats", [(48, 1100, 13), (19, 1030, 7), (1, 517, 9),
+                                              (64, STREAM_SEGMENT + 700, 11)])
+def test_panel_kernel_in_every_table(kernel_table, rng, monkeypatch, rows, cols, feats):
+    # Every table's panel kernel, whatever rows it is the default for: partial strips (19, 1
+    # rows), a last row block shorter than the table's (7, 9, 11, 13 features), chunks of 512
+    # with a tail that is not a multiple of 8, and two segments.
+    monkeypatch.setattr(linear_layer, "_panel_min_rows", lambda: 1)
+    x, w, b = case(rng, rows, cols, feats)
+    assert plan(rows, w.dtype)[0] == "panel"
+    y = ltx2blas.linear(x, w, b, threads=2)
+    assert np.all(np.abs(y - exact(x, w, b)) <= error_bound(x, w, b) + f32_ulp(y) / 2)
+    assert ltx2blas.linear(x, w, b, threads=1).tobytes() == y.tobytes()
+    # The tasks' row and feature blocks do not change any output's sum.
+    for blocks in ((5, 3, 1 << 18), (16, 6, 1 << 18), (rows, 1, 1 << 18)):
+        assert ltx2blas.linear(x, w, b, blocks=blocks).tobytes() == y.tobytes()
+    if kernel_table == "base":  # no contraction: the order written out, byte for byte
+        seg_len = segments(rows, feats, cols, *plan(rows, w.dtype))[1]
+        assert y.tobytes() == panel_order(x, w, b, seg_len).tobytes()
+
+
+def test_panel_route_agrees_with_the_streaming_route_within_both_bounds(rng, monkeypatch):
+    # 64 rows at two segments' width on the table in use, by both routes.
+    x, w, b = case(rng, 64, 2 * STREAM_SEGMENT, 24)
+    routes = {}
+    for rows_from in (1, 0):  # panel, then never panel: the streaming kernel
+        monkeypatch.setattr(linear_layer, "_panel_min_rows", lambda r=rows_from: r)
+        routes[plan(64, w.dtype)[0]] = (ltx2blas.linear(x, w, b), error_bound(x, w, b))
+    assert set(routes) == {"panel", "stream"}
+    sample = slice(0, 64, 9)
+    ref = exact(x[sample], w, b)
+    for y, bound in routes.values():
+        assert np.all(np.abs(y[sample] - ref) <= bound[sample] + f32_ulp(y[sample]) / 2)

@@ -912,6 +912,125 @@ static void stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_id
         }
 }
 
+/* ---- The Linear from 48 to 64 rows of x: the fuse's register blocks ----
+ *
+ * With that many rows the streaming kernel's widening (two vector operations per 8 weights,
+ * for 12 FMAs) takes a fifth of the FMA pipes' time. Here each chunk of LTX_PANEL_CHUNK
+ * weights of a row is widened once, into a block of MR rows that L1 holds, and feeds
+ * product_block's broadcasts against x transposed into the fuse panel's strips (zero columns
+ * past the last row of x), so the widening is shared by every strip. */
+
+/* dst = the fuse panel of the transpose of x's k columns from 0 (mt rows, row stride ldx):
+ * np / NR full strips in panel_column order, columns from mt to np zero. */
+static void pack_x_strips(const float *x, ltx_idx ldx, ltx_idx mt, ltx_idx np, ltx_idx k,
+                          float *dst)
+{
+    for (ltx_idx j = 0; j < np; j += NR) {
+        float *strip = dst + j * k;
+        ltx_idx p = 0;
+#if defined(FUSE_UNPACK_ORDER)
+        /* Two 8 x 8 transposes a step, their halves exchanged into the strip order. */
+        for (; j + NR <= mt && p + 8 <= k; p += 8) {
+            __m256 u[2][8];
+            for (int h = 0; h < 2; h++) {
+                const float *s = x + (j + 8 * h) * ldx + p;
+                __m256 r[8], t[8];
+                for (int i = 0; i < 8; i++)
+                    r[i] = _mm256_loadu_ps(s + i * ldx);
+                for (int i = 0; i < 4; i++) {
+                    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+                    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+                }
+                for (int i = 0; i < 2; i++) {
+                    u[h][4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+                    u[h][4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+                    u[h][4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+                    u[h][4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+                }
+            }
+            /* u[h][i], i < 4: columns 8h .. 8h + 3 of term p + i (low half) and p + i + 4
+             * (high half); u[h][i + 4] the same for columns 8h + 4 .. 8h + 7. */
+            for (int i = 0; i < 4; i++) {
+                float *lo = strip + (p + i) * NR, *hi = strip + (p + i + 4) * NR;
+                _mm256_storeu_ps(lo, _mm256_permute2f128_ps(u[0][i], u[1][i], 0x20));
+                _mm256_storeu_ps(lo + 8, _mm256_permute2f128_ps(u[0][i + 4], u[1][i + 4], 0x20));
+                _mm256_storeu_ps(hi, _mm256_permute2f128_ps(u[0][i], u[1][i], 0x31));
+                _mm256_storeu_ps(hi + 8, _mm256_permute2f128_ps(u[0][i + 4], u[1][i + 4], 0x31));
+            }
+        }
+#endif
+        for (; p < k; p++)
+            for (int q = 0; q < NR; q++) {
+                const ltx_idx col = j + panel_column(q);
+                strip[p * NR + q] = col < mt ? x[col * ldx + p] : 0.0f;
+            }
+    }
+}
+
+static void panel_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
+                      const uint16_t *w, ltx_idx ldw, float *acc, float *scratch)
+{
+    const ltx_idx np = (mt + NR - 1) / NR * NR, strips = np / NR;
+    float *xs = scratch, *wr = xs + np * LTX_PANEL_CHUNK, *sums = wr + MR * LTX_PANEL_CHUNK;
+    for (ltx_idx k0 = 0; k0 < kt; k0 += LTX_PANEL_CHUNK) {
+        const ltx_idx len = (kt - k0 < LTX_PANEL_CHUNK) ? kt - k0 : LTX_PANEL_CHUNK;
+        const ltx_idx lines = (len * 2 + 63) / 64;
+        pack_x_strips(x + k0, ldx, mt, np, len, xs);
+        for (ltx_idx i = 0; i < n; i += MR) {
+            const ltx_idx rows = (n - i < MR) ? n - i : MR;
+            for (ltx_idx r = 0; r < rows; r++)
+                widen_bf16(w + (i + r) * ldw + k0, wr + r * len, len);
+            /* The next row block's weights (past the last, the next chunk's first), asked for
+             * a slice a strip while the products run: the hardware prefetcher does not follow
+             * runs of 1 KiB a row apart. */
+            const ltx_idx ni = (i + MR < n) ? i + MR : 0;
+            const ltx_idx nk = (i + MR < n) ? k0 : k0 + len;
+            const ltx_idx nrows = (nk < kt) ? ((n - ni < MR) ? n - ni : MR) : 0;
+            for (ltx_idx s = 0; s < strips; s++) {
+                for (ltx_idx r = 0; r < nrows; r++)
+                    for (ltx_idx l = s * lines / strips; l < (s + 1) * lines / strips; l++)
+                        __builtin_prefetch(w + (ni + r) * ldw + nk + l * 32, 0, 3);
+                const float *strip = xs + s * NR * len;
+                float *cb = sums + s * NR;
+                switch (rows) {
+#define PANEL_ROWS_CASE(R)                                                                    \
+                case R:                                                                       \
+                    product_block(R, len, wr, len, strip, NR, cb, np);                        \
+                    break;
+                    PANEL_ROWS_CASE(MR)
+                    PANEL_ROWS_CASE(1)
+                    PANEL_ROWS_CASE(2)
+                    PANEL_ROWS_CASE(3)
+#if MR > 4
+                    PANEL_ROWS_CASE(4)
+#endif
+#if MR > 5
+                    PANEL_ROWS_CASE(5)
+#endif
+#if MR > 6
+                    PANEL_ROWS_CASE(6)
+#endif
+#if MR > 7
+                    PANEL_ROWS_CASE(7)
+#endif
+#undef PANEL_ROWS_CASE
+                }
+            }
+            for (ltx_idx r = 0; r < rows; r++)
+                for (ltx_idx m = 0; m < mt; m++)
+                    acc[(i + r) * mt + m] = acc[(i + r) * mt + m] + sums[r * np + m];
+        }
+    }
+}
+
+/* Measured on an AVX2 core (bench/results/amd-epyc-avx2): faster than the streaming kernel from
+ * 48 rows of x, equal at 32 to 40, slower below. Not measured on the other tables. */
+#if defined(LTX_VARIANT_AVX2)
+#define PANEL_MIN_ROWS 48
+#else
+#define PANEL_MIN_ROWS 0
+#endif
+
 static void widen_bf16_f64(const uint16_t *restrict src, double *restrict dst, ltx_idx n)
 {
     for (ltx_idx i = 0; i < n; i++)
@@ -1204,6 +1323,8 @@ const ltx_kernels TABLE = {
     .f32_to_f64 = f32_to_f64,
     .widen_bf16_rows = widen_bf16_rows,
     .stream_wxt = stream_wxt,
+    .panel_wxt = panel_wxt,
+    .panel_min_rows = PANEL_MIN_ROWS,
     .store_fused_fp8 = store_fused_fp8,
     .seq_fuse_bf16 = seq_fuse_bf16,
     .pack_fuse_panel = pack_fuse_panel,

@@ -90,6 +90,14 @@ static inline uint64_t ltx_splitmix64(uint64_t x)
  * the Linear's segments are cut at multiples of it. */
 #define LTX_STREAM_BLOCK 4096
 
+/* The panel Linear's sums restart every this many elements of k (see panel_wxt). */
+#define LTX_PANEL_CHUNK 512
+
+/* Floats of panel_wxt scratch for mt rows of x: one chunk of x in strips (mt columns rounded
+ * up to a table's strip width, at most 32), one row block (at most 8 rows) of the chunk's
+ * weight widened, and that block's sums. */
+#define LTX_PANEL_SCRATCH(mt) (((mt) + 40) * (LTX_PANEL_CHUNK + 8))
+
 typedef struct {
     const char *name;
     /* c[m x n] (ldc) = c + sum_p x[i,p] * y[p,j], p = 0 .. k-1 in order, one element at a time:
@@ -126,6 +134,17 @@ typedef struct {
      * lanes: scratch of n * mt * LTX_STREAM_LANES floats */
     void (*stream_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
                        const uint16_t *w, ltx_idx ldw, float *acc, float *lanes);
+    /* acc[o * mt + m] += sum_k x[m, k] * f32(w[o, k]) as stream_wxt computes it, in another
+     * fixed order: k cut into chunks of LTX_PANEL_CHUNK from 0, each chunk's sum from +0.0 in
+     * the order k = 0, 1, ... (one FMA a term where the table contracts), the chunks' sums
+     * added to acc in order. The fuse's register blocks, on weight rows widened a block at a
+     * time and x transposed into strips: for 48 to 64 rows of x, where the streaming kernel's
+     * widening shares the FMA pipes. scratch: LTX_PANEL_SCRATCH(mt) floats */
+    void (*panel_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
+                      const uint16_t *w, ltx_idx ldw, float *acc, float *scratch);
+    /* The fewest rows of x for which this table's Linear takes panel_wxt (0: never; the
+     * tables where it was not measured faster keep the streaming kernel) */
+    int panel_min_rows;
     /* out[r, i] = fp8(bf16(f32(w[r, i]) + f32(bf16(acc[r, i])))) over a rows x cols tile of an
      * fp8 weight (e5m2: F8_E5M2, else F8_E4M3); nearest-even, or stochastic with random bits
      * from splitmix64(key + index0 + r * stride + i).  Returns the offset (r * stride + i) of

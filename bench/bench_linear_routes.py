@@ -1,0 +1,100 @@
+"""The Linear's two kernel routes from 48 to 64 rows, against each other and the sgemm rate, in
+the same run.
+
+  * ``panel``: the fuse's register blocks on weight rows widened 512 at a time (the route the
+    kernel table takes from its ``panel_min_rows``);
+  * ``stream``: the streaming kernel, as the tables without the panel route run these rows.
+
+Both are interleaved with a square 2048^3 sgemm at the same thread count
+(harness.square_sgemm); every result is checked on sampled outputs against the exact sum,
+within the derived bound of the route that computed it. Reported per row: each route's rate as
+a fraction of the sgemm rate (fastest samples) and the panel route's speed over the stream's
+(fastest and median samples).
+
+    python bench/bench_linear_routes.py [--threads 1,2] [--rows 48,64] [--outs 2048,4096]
+                                        [--width 188160] [--out FILE.json]
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+from bench_linear import IN_FEATURES, check_rows  # noqa: E402
+
+ROWS = [48, 64]
+OUTS = [2048, 4096]
+
+
+def run(threads_list, rows_list, outs, width=IN_FEATURES, repeats=5, log=print):
+    import ltx2blas
+    from ltx2blas import linear_layer
+
+    rng = np.random.default_rng(0)
+    own = linear_layer._panel_min_rows
+    panel_from = {"panel": lambda: 1, "stream": lambda: 0}
+    x_all = rng.standard_normal((max(rows_list), width), dtype=np.float32)
+    result = []
+    for out in outs:
+        weight = harness.random_bf16(rng, (out, width), 0.02)
+        for rows in rows_list:
+            x = x_all[:rows]
+            for threads in threads_list:
+                ys = {name: np.empty((rows, out), np.float32) for name in panel_from}
+
+                def linear(name):
+                    def call():
+                        linear_layer._panel_min_rows = panel_from[name]
+                        try:
+                            ltx2blas.linear(x, weight, threads=threads, out=ys[name])
+                        finally:
+                            linear_layer._panel_min_rows = own
+                    return call
+
+                sgemm, flops = harness.square_sgemm(threads)
+                times = harness.interleaved({"panel": linear("panel"), "stream": linear("stream"),
+                                             "sgemm": sgemm}, repeats=repeats)
+                checked = {}
+                for name in panel_from:
+                    linear_layer._panel_min_rows = panel_from[name]
+                    try:
+                        assert linear_layer.plan(rows, weight.dtype)[0] == name
+                        checked[name] = check_rows(x, weight, ys[name], rng)
+                    finally:
+                        linear_layer._panel_min_rows = own
+                work = 2.0 * rows * out * width
+                rate = {name: (work / times[name]["min"]) / (flops / times["sgemm"]["min"])
+                        for name in panel_from}
+                row = {"rows": rows, "out": out, "in": width, "threads": threads,
+                       "panel_of_sgemm": rate["panel"], "stream_of_sgemm": rate["stream"],
+                       "panel_speedup": times["stream"]["min"] / times["panel"]["min"],
+                       "panel_speedup_median": times["stream"]["median"] / times["panel"]["median"],
+                       "sgemm_gflops": flops / times["sgemm"]["min"] / 1e9,
+                       "times": times, "checked": checked}
+                result.append(row)
+                log(f"out {out} M {rows} threads {threads}: panel x{rate['panel']:.2f} of sgemm, "
+                    f"stream x{rate['stream']:.2f}; panel faster x{row['panel_speedup']:.3f} "
+                    f"(medians x{row['panel_speedup_median']:.3f}); checked: {checked}")
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", default=None, help="comma list, default 1..all CPUs")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--outs", default=",".join(map(str, OUTS)))
+    parser.add_argument("--width", type=int, default=IN_FEATURES, help="in-features")
+    parser.add_argument("--out", default=None, help="write the rows and the machine as JSON")
+    args = parser.parse_args(argv)
+    harness.check_installed_not_checkout()
+    rows = run(harness.thread_counts(args.threads), [int(r) for r in args.rows.split(",")],
+               [int(o) for o in args.outs.split(",")], args.width)
+    if args.out:
+        harness.write_json(args.out, {"machine": harness.machine(), "rows": rows})
+    return 0 if all(all(r["checked"].values()) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
