@@ -9,10 +9,11 @@ Both are interleaved with a square 2048^3 sgemm at the same thread count
 (harness.square_sgemm); every result is checked on sampled outputs against the exact sum,
 within the derived bound of the route that computed it. Reported per row: each route's rate as
 a fraction of the sgemm rate (fastest samples) and the panel route's speed over the stream's
-(fastest and median samples).
+(fastest and median samples).  With ``--tokens``, also ``text_features`` V2 (hidden states
+[1, T, 3840, 49], every token valid, the 4096 and 2048 projections) by both routes.
 
     python bench/bench_linear_routes.py [--threads 1,2] [--rows 48,64] [--outs 2048,4096]
-                                        [--width 188160] [--out FILE.json]
+                                        [--width 188160] [--tokens 64] [--out FILE.json]
 """
 import argparse
 import os
@@ -80,17 +81,82 @@ def run(threads_list, rows_list, outs, width=IN_FEATURES, repeats=5, log=print):
     return result
 
 
+def run_features(threads_list, tokens, depth=3840, layers=49, outs=(4096, 2048), repeats=5,
+                 log=print):
+    import math
+
+    import ltx2blas
+    from ltx2blas import linear_layer
+
+    rng = np.random.default_rng(1)
+    own = linear_layer._panel_min_rows
+    panel_from = {"panel": lambda: 1, "stream": lambda: 0}
+    hidden = harness.random_bf16(rng, (1, tokens, depth, layers), 1.0)
+    mask = np.ones((1, tokens), np.int64)
+    projections = [(harness.random_bf16(rng, (o, depth * layers), 0.02),
+                    rng.standard_normal(o, dtype=np.float32)) for o in outs]
+    feats = harness.widen(ltx2blas.normalized_features(
+        hidden, mask, version="v2", out_features=outs[0])[0])
+    result = []
+    for threads in threads_list:
+        ys = {}
+
+        def features(name):
+            def call():
+                linear_layer._panel_min_rows = panel_from[name]
+                try:
+                    ys[name] = ltx2blas.text_features(hidden, mask, projections, version="v2",
+                                                      threads=threads)
+                finally:
+                    linear_layer._panel_min_rows = own
+            return call
+
+        times = harness.interleaved({name: features(name) for name in panel_from},
+                                    repeats=repeats)
+        # The first projection's outputs, sampled, against the exact sum of its features.
+        checked = {}
+        w, b = projections[0]
+        for name in panel_from:
+            linear_layer._panel_min_rows = panel_from[name]
+            try:
+                g = linear_layer.gamma(tokens, depth * layers, w.dtype)
+            finally:
+                linear_layer._panel_min_rows = own
+            ok = True
+            for t, o in zip(rng.integers(0, tokens, 6), rng.integers(0, outs[0], 6)):
+                terms = feats[t].astype(np.float64) * harness.widen(w[o]).astype(np.float64)
+                exact = math.fsum(list(terms) + [float(b[o])])
+                got = float(np.asarray(ys[name][0]).reshape(tokens, -1)[t, o])
+                ulp = float(np.spacing(np.float32(abs(got))))
+                ok &= abs(got - exact) <= g * (np.sum(np.abs(terms)) + abs(b[o])) + ulp / 2
+            checked[name] = bool(ok)
+        row = {"workload": "text_features", "tokens": tokens, "threads": threads,
+               "panel_speedup": times["stream"]["min"] / times["panel"]["min"],
+               "panel_speedup_median": times["stream"]["median"] / times["panel"]["median"],
+               "times": times, "checked": checked}
+        result.append(row)
+        log(f"text_features V2, {tokens} tokens, threads {threads}: panel faster "
+            f"x{row['panel_speedup']:.3f} (medians x{row['panel_speedup_median']:.3f}); "
+            f"checked: {checked}")
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", default=None, help="comma list, default 1..all CPUs")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--outs", default=",".join(map(str, OUTS)))
     parser.add_argument("--width", type=int, default=IN_FEATURES, help="in-features")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="also text_features V2 with this many tokens")
     parser.add_argument("--out", default=None, help="write the rows and the machine as JSON")
     args = parser.parse_args(argv)
     harness.check_installed_not_checkout()
-    rows = run(harness.thread_counts(args.threads), [int(r) for r in args.rows.split(",")],
+    threads = harness.thread_counts(args.threads)
+    rows = run(threads, [int(r) for r in args.rows.split(",")],
                [int(o) for o in args.outs.split(",")], args.width)
+    if args.tokens:
+        rows += run_features(threads, args.tokens)
     if args.out:
         harness.write_json(args.out, {"machine": harness.machine(), "rows": rows})
     return 0 if all(all(r["checked"].values()) for r in rows) else 1

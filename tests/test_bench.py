@@ -30,6 +30,13 @@ def test_tile_route_and_segment_benchmarks_run_and_check_their_results(tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert rows and all(row["checked"] == {"panel": True, "stream": True} for row in rows)
+    # its text_features part, on small hidden states
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_linear_routes as b; "
+            "rows = b.run_features([1], 8, depth=64, layers=3, outs=(40, 24), repeats=1); "
+            "sys.exit(0 if rows and all(all(r['checked'].values()) for r in rows) else 1)")
+    r = subprocess.run([sys.executable, "-c", code, folder], capture_output=True, text=True,
+                       cwd="/", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 def test_quick_suite_runs_every_part(tmp_path):
