@@ -197,8 +197,10 @@ cdef void exact_product_fused_pairs(const ltx_kernels *kern, int m, int n, int k
 STREAM_BLOCK = LTX_STREAM_BLOCK
 #: The panel kernel's chunk, in elements of k: each chunk's sums start from +0.0.
 PANEL_CHUNK = LTX_PANEL_CHUNK
-#: chunk_wxt's products by route name.
-PRODUCTS = {"sgemm": PRODUCT_SGEMM, "stream": PRODUCT_STREAM, "panel": PRODUCT_PANEL}
+#: chunk_wxt's products by the Linear's route name (the f64 route's dgemm panels take the
+#: sgemm route's place).
+PRODUCTS = {"sgemm": PRODUCT_SGEMM, "f64": PRODUCT_SGEMM, "stream": PRODUCT_STREAM,
+            "panel": PRODUCT_PANEL}
 
 
 def panel_min_rows():

@@ -176,8 +176,7 @@ def _project(flat, rows, tokens, batch, layers, version, weights, biases, output
         mean, rng, inv = _statistics(flat, rows, sample, batch, layers, depth, version, threads)
         job = _features.FeaturePlan(flat, rows, sample, version == "v2", mean, rng, inv,
                                     weights, biases, accs, panels, scales, cuts, task_rows,
-                                    task_feats, chunk, _gemm.PRODUCTS.get(route, 0), threads,
-                                    layers)
+                                    task_feats, chunk, _gemm.PRODUCTS[route], threads, layers)
         for step in range(steps):
             job.normalize(step)
             for first, stop in waves(job.tasks, threads):
@@ -224,8 +223,8 @@ def normalized_features(hidden_states, attention_mask, *, version="v1", out_feat
     # one 1 x 1 task per row: its accumulator is a single float each
     job = _features.FeaturePlan(flat, rows, sample, version == "v2", mean, rng, inv,
                                 [identity], [None], [np.empty(n, np.float32)], [x], [scale],
-                                [(1, width, 1)], 1, 1, width, _gemm.PRODUCTS["stream"], threads,
-                                layers)
+                                [(1, width, 1)], 1, 1, width, _gemm.PRODUCTS["stream"],
+                                threads, layers)
     job.normalize(0)
     feats[rows] = (x.reshape(n, width).view(np.uint32) >> 16).astype(np.uint16)
     return feats.reshape(batch, tokens, width)

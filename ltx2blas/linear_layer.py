@@ -50,6 +50,7 @@ def _panel_min_rows():
     """The fewest rows the table in use takes the panel route for (0: never)."""
     return _gemm.panel_min_rows()
 
+
 #: Up to this many rows of x the streaming product is bound by memory: it reads whole weight
 #: rows (one segment; shorter runs read measurably slower) and takes its tasks from the output
 #: features alone, 8 a task, 256 or more at the real widths -- x, at most 3 MiB, is then read
@@ -276,8 +277,7 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
     if count > 1:  # each segment's sums, until they are added up in order
         partial = np.empty((count, rows, feats), np.float64 if route == "f64" else np.float32)
     tasks = _linear.LinearPlan(x2, w_bits, bias32, bias64, y.reshape(rows, feats), *blocks,
-                               threads, route == "f64", _gemm.PRODUCTS.get(route, 0), length,
-                               partial)
+                               threads, route == "f64", _gemm.PRODUCTS[route], length, partial)
     _run_in_waves(tasks, threads, progress)
     return y
 
