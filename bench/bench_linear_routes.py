@@ -16,6 +16,7 @@ a fraction of the sgemm rate (fastest samples) and the panel route's speed over 
                                         [--width 188160] [--tokens 64] [--out FILE.json]
 """
 import argparse
+import contextlib
 import os
 import sys
 
@@ -27,6 +28,33 @@ from bench_linear import IN_FEATURES, check_rows  # noqa: E402
 
 ROWS = [48, 64]
 OUTS = [2048, 4096]
+ROUTES = ("panel", "stream")
+
+
+@contextlib.contextmanager
+def taking(route):
+    """The Linear's plan (and text_features') sent to the panel route, or away from it to the
+    streaming kernel, whatever the kernel table's own panel_min_rows."""
+    from ltx2blas import linear_layer
+
+    own = linear_layer._panel_min_rows
+    linear_layer._panel_min_rows = (lambda: 1) if route == "panel" else (lambda: 0)
+    try:
+        yield
+    finally:
+        linear_layer._panel_min_rows = own
+
+
+def compared(times, checked):
+    """A row's common part: the panel route's speed over the stream's, the samples, the checks."""
+    return {"panel_speedup": times["stream"]["min"] / times["panel"]["min"],
+            "panel_speedup_median": times["stream"]["median"] / times["panel"]["median"],
+            "times": times, "checked": checked}
+
+
+def said(row):
+    return (f"panel faster x{row['panel_speedup']:.3f} (medians "
+            f"x{row['panel_speedup_median']:.3f}); checked: {row['checked']}")
 
 
 def run(threads_list, rows_list, outs, width=IN_FEATURES, repeats=5, log=print):
@@ -34,8 +62,6 @@ def run(threads_list, rows_list, outs, width=IN_FEATURES, repeats=5, log=print):
     from ltx2blas import linear_layer
 
     rng = np.random.default_rng(0)
-    own = linear_layer._panel_min_rows
-    panel_from = {"panel": lambda: 1, "stream": lambda: 0}
     x_all = rng.standard_normal((max(rows_list), width), dtype=np.float32)
     result = []
     for out in outs:
@@ -43,41 +69,32 @@ def run(threads_list, rows_list, outs, width=IN_FEATURES, repeats=5, log=print):
         for rows in rows_list:
             x = x_all[:rows]
             for threads in threads_list:
-                ys = {name: np.empty((rows, out), np.float32) for name in panel_from}
+                ys = {name: np.empty((rows, out), np.float32) for name in ROUTES}
 
                 def linear(name):
                     def call():
-                        linear_layer._panel_min_rows = panel_from[name]
-                        try:
+                        with taking(name):
                             ltx2blas.linear(x, weight, threads=threads, out=ys[name])
-                        finally:
-                            linear_layer._panel_min_rows = own
                     return call
 
                 sgemm, flops = harness.square_sgemm(threads)
                 times = harness.interleaved({"panel": linear("panel"), "stream": linear("stream"),
                                              "sgemm": sgemm}, repeats=repeats)
                 checked = {}
-                for name in panel_from:
-                    linear_layer._panel_min_rows = panel_from[name]
-                    try:
+                for name in ROUTES:
+                    with taking(name):
                         assert linear_layer.plan(rows, weight.dtype)[0] == name
                         checked[name] = check_rows(x, weight, ys[name], rng)
-                    finally:
-                        linear_layer._panel_min_rows = own
                 work = 2.0 * rows * out * width
                 rate = {name: (work / times[name]["min"]) / (flops / times["sgemm"]["min"])
-                        for name in panel_from}
+                        for name in ROUTES}
                 row = {"rows": rows, "out": out, "in": width, "threads": threads,
                        "panel_of_sgemm": rate["panel"], "stream_of_sgemm": rate["stream"],
-                       "panel_speedup": times["stream"]["min"] / times["panel"]["min"],
-                       "panel_speedup_median": times["stream"]["median"] / times["panel"]["median"],
                        "sgemm_gflops": flops / times["sgemm"]["min"] / 1e9,
-                       "times": times, "checked": checked}
+                       **compared(times, checked)}
                 result.append(row)
                 log(f"out {out} M {rows} threads {threads}: panel x{rate['panel']:.2f} of sgemm, "
-                    f"stream x{rate['stream']:.2f}; panel faster x{row['panel_speedup']:.3f} "
-                    f"(medians x{row['panel_speedup_median']:.3f}); checked: {checked}")
+                    f"stream x{rate['stream']:.2f}; " + said(row))
     return result
 
 
@@ -89,8 +106,6 @@ def run_features(threads_list, tokens, depth=3840, layers=49, outs=(4096, 2048),
     from ltx2blas import linear_layer
 
     rng = np.random.default_rng(1)
-    own = linear_layer._panel_min_rows
-    panel_from = {"panel": lambda: 1, "stream": lambda: 0}
     hidden = harness.random_bf16(rng, (1, tokens, depth, layers), 1.0)
     mask = np.ones((1, tokens), np.int64)
     projections = [(harness.random_bf16(rng, (o, depth * layers), 0.02),
@@ -103,25 +118,18 @@ def run_features(threads_list, tokens, depth=3840, layers=49, outs=(4096, 2048),
 
         def features(name):
             def call():
-                linear_layer._panel_min_rows = panel_from[name]
-                try:
+                with taking(name):
                     ys[name] = ltx2blas.text_features(hidden, mask, projections, version="v2",
                                                       threads=threads)
-                finally:
-                    linear_layer._panel_min_rows = own
             return call
 
-        times = harness.interleaved({name: features(name) for name in panel_from},
-                                    repeats=repeats)
+        times = harness.interleaved({name: features(name) for name in ROUTES}, repeats=repeats)
         # The first projection's outputs, sampled, against the exact sum of its features.
         checked = {}
         w, b = projections[0]
-        for name in panel_from:
-            linear_layer._panel_min_rows = panel_from[name]
-            try:
+        for name in ROUTES:
+            with taking(name):
                 g = linear_layer.gamma(tokens, depth * layers, w.dtype)
-            finally:
-                linear_layer._panel_min_rows = own
             ok = True
             for t, o in zip(rng.integers(0, tokens, 6), rng.integers(0, outs[0], 6)):
                 terms = feats[t].astype(np.float64) * harness.widen(w[o]).astype(np.float64)
@@ -131,13 +139,9 @@ def run_features(threads_list, tokens, depth=3840, layers=49, outs=(4096, 2048),
                 ok &= abs(got - exact) <= g * (np.sum(np.abs(terms)) + abs(b[o])) + ulp / 2
             checked[name] = bool(ok)
         row = {"workload": "text_features", "tokens": tokens, "threads": threads,
-               "panel_speedup": times["stream"]["min"] / times["panel"]["min"],
-               "panel_speedup_median": times["stream"]["median"] / times["panel"]["median"],
-               "times": times, "checked": checked}
+               **compared(times, checked)}
         result.append(row)
-        log(f"text_features V2, {tokens} tokens, threads {threads}: panel faster "
-            f"x{row['panel_speedup']:.3f} (medians x{row['panel_speedup_median']:.3f}); "
-            f"checked: {checked}")
+        log(f"text_features V2, {tokens} tokens, threads {threads}: " + said(row))
     return result
 
 
