@@ -45,6 +45,10 @@ STREAM_WIDE_BLOCKS = (STREAM_ROWS, 128, 1 << 18)
 #: order from +0.0), where the streaming kernel's widening would share the FMA pipes.
 BLOCKS["panel"] = STREAM_WIDE_BLOCKS
 
+#: The routes whose kernels read the bf16 weight rows themselves: they share the streaming
+#: route's blocks and segments, and take x in f32 (a bf16 x is widened once, shared).
+KERNEL_ROUTES = ("stream", "panel")
+
 
 def _panel_min_rows():
     """The fewest rows the table in use takes the panel route for (0: never)."""
@@ -90,7 +94,7 @@ def plan(rows, weight_dtype, accumulate="f32", blocks=None):
         route = "sgemm"
     if blocks is not None:
         return route, tuple(blocks)
-    if route in ("stream", "panel") and rows > BLOCKS["stream"][0]:
+    if route in KERNEL_ROUTES and rows > BLOCKS["stream"][0]:
         return route, STREAM_WIDE_BLOCKS
     if route == "stream" and rows <= STREAM_FEW_ROWS:
         return route, STREAM_FEW_BLOCKS
@@ -108,7 +112,7 @@ def segments(rows, feats, cols, route, blocks):
     :data:`MAX_SEGMENTS`); the streaming and panel routes cut :data:`STREAM_SEGMENT`
     in-features a segment, or with at most :data:`STREAM_FEW_ROWS` rows none."""
     task_rows, task_feats, chunk = blocks
-    if route in ("stream", "panel"):
+    if route in KERNEL_ROUTES:
         length = STREAM_SEGMENT if rows > STREAM_FEW_ROWS else max(1, cols)
     else:
         blocks_out = _linear.block_count(rows, feats, task_rows, task_feats)
@@ -139,7 +143,7 @@ def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32",
     mb, ob, kb = blocks
     bf16_w = np.dtype(weight_dtype).itemsize == 2
     bf16_x = np.dtype(x_dtype).itemsize == 2
-    stream = route in ("stream", "panel") and bf16_w
+    stream = route in KERNEL_ROUTES and bf16_w
     # On the kernels' routes a bf16 x is widened once, whole, and shared: the kernels then take
     # it as f32.
     product = _gemm.PRODUCTS[route] if stream else _gemm.PRODUCTS["sgemm"]
@@ -268,7 +272,7 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
             progress(1.0)
         return y
     x2 = x_bits.reshape(rows, cols)
-    if route in ("stream", "panel") and x_kind == "bf16":
+    if route in KERNEL_ROUTES and x_kind == "bf16":
         # Few rows: widen them once here rather than per thread and chunk.
         x2 = bf16_to_f32(x2)
     bias64 = bias32.astype(np.float64) if (bias32 is not None and route == "f64") else None

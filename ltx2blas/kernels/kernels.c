@@ -916,8 +916,8 @@ static void stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_id
  *
  * With that many rows the streaming kernel's widening (two vector operations per 8 weights,
  * for 12 FMAs) takes a fifth of the FMA pipes' time. Here each chunk of LTX_PANEL_CHUNK
- * weights of a row is widened once, into a block of MR rows that L1 holds, and feeds
- * product_block's broadcasts against x transposed into the fuse panel's strips (zero columns
+ * weights of a row is widened once, into a block of MR rows that L1 holds, and feeds the
+ * product walk's broadcasts against x transposed into the fuse panel's strips (zero columns
  * past the last row of x), so the widening is shared by every strip. */
 
 /* dst = the fuse panel of the transpose of x's k columns from 0 (mt rows, row stride ldx):
@@ -978,8 +978,7 @@ static void panel_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx
         pack_x_strips(x + k0, ldx, mt, np, len, xs);
         for (ltx_idx i = 0; i < n; i += MR) {
             const ltx_idx rows = (n - i < MR) ? n - i : MR;
-            for (ltx_idx r = 0; r < rows; r++)
-                widen_bf16(w + (i + r) * ldw + k0, wr + r * len, len);
+            widen_bf16_rows(w + i * ldw + k0, ldw, wr, len, rows, len);
             /* The next row block's weights (past the last, the next chunk's first), asked for
              * a slice a strip while the products run: the hardware prefetcher does not follow
              * runs of 1 KiB a row apart. */
@@ -990,31 +989,8 @@ static void panel_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx
                 for (ltx_idx r = 0; r < nrows; r++)
                     for (ltx_idx l = s * lines / strips; l < (s + 1) * lines / strips; l++)
                         __builtin_prefetch(w + (ni + r) * ldw + nk + l * 32, 0, 3);
-                const float *strip = xs + s * NR * len;
-                float *cb = sums + s * NR;
-                switch (rows) {
-#define PANEL_ROWS_CASE(R)                                                                    \
-                case R:                                                                       \
-                    product_block(R, len, wr, len, strip, NR, cb, np);                        \
-                    break;
-                    PANEL_ROWS_CASE(MR)
-                    PANEL_ROWS_CASE(1)
-                    PANEL_ROWS_CASE(2)
-                    PANEL_ROWS_CASE(3)
-#if MR > 4
-                    PANEL_ROWS_CASE(4)
-#endif
-#if MR > 5
-                    PANEL_ROWS_CASE(5)
-#endif
-#if MR > 6
-                    PANEL_ROWS_CASE(6)
-#endif
-#if MR > 7
-                    PANEL_ROWS_CASE(7)
-#endif
-#undef PANEL_ROWS_CASE
-                }
+                /* one row block by one strip: the walk's block of this height */
+                seq_product_panel(rows, NR, len, wr, len, xs + s * NR * len, sums + s * NR, np);
             }
             for (ltx_idx r = 0; r < rows; r++)
                 for (ltx_idx m = 0; m < mt; m++)

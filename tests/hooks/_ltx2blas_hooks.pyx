@@ -36,13 +36,20 @@ def store_fused(const float[::1] acc, const uint16_t[::1] w, table=None):
     return out
 
 
+def _tile_shape(acc, w):
+    """(rows, cols, ldw) of a store hook's tile: acc [rows, cols], w rows of at least cols."""
+    rows, cols, ldw = acc.shape[0], acc.shape[1], w.shape[1]
+    if w.shape[0] != rows or ldw < cols:
+        raise ValueError("shape mismatch")
+    return rows, cols, ldw
+
+
 def store_fused_tile(const float[:, ::1] acc, const uint16_t[:, ::1] w, table=None):
     """bf16(w + bf16(acc)) over a tile by one kernel table: acc [rows, cols] packed, w's rows
     (row stride w.shape[1] >= cols) and the output's (row stride w.shape[1] + 5) longer than
     the tile; the output's elements past the tile hold 0xABCD and must keep it."""
-    cdef Py_ssize_t rows = acc.shape[0], cols = acc.shape[1], ldw = w.shape[1]
-    if w.shape[0] != rows or ldw < cols:
-        raise ValueError("shape mismatch")
+    cdef Py_ssize_t rows, cols, ldw
+    rows, cols, ldw = _tile_shape(acc, w)
     cdef const ltx_kernels *kern = _table(table)
     out = np.full((rows, ldw + 5), 0xABCD, np.uint16)
     cdef uint16_t[:, ::1] o = out
@@ -56,9 +63,8 @@ def store_fused_fp8(const float[:, ::1] acc, const uint8_t[:, ::1] w, bint e5m2,
     rows (row stride w.shape[1] >= cols) and the output's (row stride w.shape[1] + 3) longer
     than the tile, whose elements past the tile hold 0xAB and must keep it. Returns (out, the
     kernel's r * cols + i of the first overflow, or -1)."""
-    cdef Py_ssize_t rows = acc.shape[0], cols = acc.shape[1], ldw = w.shape[1]
-    if w.shape[0] != rows or ldw < cols:
-        raise ValueError("shape mismatch")
+    cdef Py_ssize_t rows, cols, ldw
+    rows, cols, ldw = _tile_shape(acc, w)
     cdef const ltx_kernels *kern = _table(table)
     out = np.full((rows, ldw + 3), 0xAB, np.uint8)
     cdef uint8_t[:, ::1] o = out
@@ -108,6 +114,17 @@ def _bf16_bits(y_in):
     return np.ascontiguousarray(y_f32.view(np.uint32) >> 16, dtype=np.uint16)
 
 
+cdef object _fuse_panel(const ltx_kernels *kern, const uint16_t[:, ::1] y):
+    """y [k, n] packed by the table's pack_fuse_panel (at least one float)."""
+    cdef Py_ssize_t k = y.shape[0], n = y.shape[1]
+    panel_array = np.empty(max(k * n, 1), np.float32)
+    cdef float[::1] panel = panel_array
+    if k and n:
+        with nogil:
+            kern.pack_fuse_panel(&y[0, 0], n, &panel[0], k, n)
+    return panel_array
+
+
 def seq_fuse_bf16(const float[:, ::1] x, y_in, const uint16_t[:, ::1] w, table=None):
     """bf16(w + bf16(x @ y)), the product accumulated in order, by the fused kernel of one
     table, y (f32 holding bf16 values) packed by the same table's pack_fuse_panel."""
@@ -117,13 +134,10 @@ def seq_fuse_bf16(const float[:, ::1] x, y_in, const uint16_t[:, ::1] w, table=N
         raise ValueError("shape mismatch")
     cdef const ltx_kernels *kern = _table(table)
     out = np.empty((m, n), np.uint16)
-    panel_array = np.empty(max(k * n, 1), np.float32)
-    cdef float[::1] panel = panel_array
+    cdef float[::1] panel = _fuse_panel(kern, y)
     cdef uint16_t[:, ::1] o = out
     if m and n:
         with nogil:
-            if k:
-                kern.pack_fuse_panel(&y[0, 0], n, &panel[0], k, n)
             kern.seq_fuse_bf16(m, n, k, &x[0, 0] if k else NULL, k, &panel[0], n, &w[0, 0],
                                n, &o[0, 0], n)
     return out
@@ -139,13 +153,10 @@ def seq_product_panel(const float[:, ::1] x, y_in, table=None):
         raise ValueError("shape mismatch")
     cdef const ltx_kernels *kern = _table(table)
     out = np.full((m, n + 3), np.nan, np.float32)
-    panel_array = np.empty(max(k * n, 1), np.float32)
-    cdef float[::1] panel = panel_array
+    cdef float[::1] panel = _fuse_panel(kern, y)
     cdef float[:, ::1] c = out
     if m and n:
         with nogil:
-            if k:
-                kern.pack_fuse_panel(&y[0, 0], n, &panel[0], k, n)
             kern.seq_product_panel(m, n, k, &x[0, 0] if k else NULL, k, &panel[0], &c[0, 0],
                                    n + 3)
     return out
