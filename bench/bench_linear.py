@@ -19,6 +19,7 @@ bound of ltx2blas.linear_layer.
     python bench/bench_linear.py --accuracy      (the accumulation table of docs/exactness.md)
 """
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -37,6 +38,20 @@ ROWS = [1, 8, 64, 256, 1024]
 def exact_sample(x, w, m_idx, o_idx):
     w64 = (w[o_idx].astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     return np.array([math.fsum(x[m].astype(np.float64) * w64[i]) for i, m in enumerate(m_idx)])
+
+
+@contextlib.contextmanager
+def taking(route):
+    """The Linear's plan (and text_features') sent to the panel route, or away from it to the
+    streaming kernel, whatever the kernel table's own panel_min_rows."""
+    from ltx2blas import linear_layer
+
+    own = linear_layer._panel_min_rows
+    linear_layer._panel_min_rows = (lambda: 1) if route == "panel" else (lambda: 0)
+    try:
+        yield
+    finally:
+        linear_layer._panel_min_rows = own
 
 
 def check_rows(x, w, y, rng, samples=8):
@@ -156,15 +171,10 @@ def accuracy(rows=4, out=2048, samples=48):
     """Max error of each way of computing the caption projection, on the real width, against
     the exact sum: in f32 ulps of the exact value, and relative to sum |x w|."""
     import ltx2blas
-    from ltx2blas import linear_layer
 
     def panel_route(xs):
-        own = linear_layer._panel_min_rows
-        linear_layer._panel_min_rows = lambda: 1  # on every kernel table
-        try:
+        with taking("panel"):  # on every kernel table
             return ltx2blas.linear(xs, weight)
-        finally:
-            linear_layer._panel_min_rows = own
 
     rng = np.random.default_rng(1)
     weight = harness.random_bf16(rng, (out, IN_FEATURES), 0.02)

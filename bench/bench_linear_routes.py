@@ -16,7 +16,6 @@ a fraction of the sgemm rate (fastest samples) and the panel route's speed over 
                                         [--width 188160] [--tokens 64] [--out FILE.json]
 """
 import argparse
-import contextlib
 import os
 import sys
 
@@ -24,25 +23,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
-from bench_linear import IN_FEATURES, check_rows  # noqa: E402
+from bench_linear import IN_FEATURES, check_rows, taking  # noqa: E402
 
 ROWS = [48, 64]
 OUTS = [2048, 4096]
 ROUTES = ("panel", "stream")
-
-
-@contextlib.contextmanager
-def taking(route):
-    """The Linear's plan (and text_features') sent to the panel route, or away from it to the
-    streaming kernel, whatever the kernel table's own panel_min_rows."""
-    from ltx2blas import linear_layer
-
-    own = linear_layer._panel_min_rows
-    linear_layer._panel_min_rows = (lambda: 1) if route == "panel" else (lambda: 0)
-    try:
-        yield
-    finally:
-        linear_layer._panel_min_rows = own
 
 
 def compared(times, checked):

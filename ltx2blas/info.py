@@ -9,7 +9,7 @@ import numpy as np
 from . import _gemm, _probe
 from ._threads import available_cpus, blas_single_threaded, default_threads
 from .fuse import default_tile
-from .linear_layer import STREAM_ROWS, plan, segments, task_count
+from .linear_layer import STREAM_ROWS, _panel_min_rows, plan, segments, task_count
 
 # The shapes the routes are shown for: the fuse's tile of an attention weight (4096 x 4096),
 # the Linear's row counts from one prompt to a batch, and the text tower's output widths.
@@ -167,10 +167,10 @@ def format_info(info):
         r, f, c = route["blocks"]
         lines.append(f"  M {rows:>5}: {route['route']:<6} {r} rows x {f} features x {cut} a task, "
                      f"chunks of {min(c, route['segment_length'])}: {tasks} tasks")
-    panel_rows = _gemm.panel_min_rows()
+    panel_rows = _panel_min_rows()
     panel = (f"; from {panel_rows} rows the panel kernel, the fuse's register blocks on weight "
-             "rows widened 512 at a time, where the streaming kernel's widening would share "
-             "the FMA pipes" if panel_rows else "")
+             f"rows widened {_gemm.PANEL_CHUNK} at a time, where the streaming kernel's widening "
+             "would share the FMA pipes" if panel_rows else "")
     lines.append(f"  (up to {STREAM_ROWS} rows ltx2blas's kernels read the bf16 weight rows "
                  "once, where a BLAS would spend longer packing each weight panel than "
                  f"multiplying it{panel}; above, sgemm on widened weight panels)")

@@ -143,13 +143,12 @@ def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32",
     mb, ob, kb = blocks
     bf16_w = np.dtype(weight_dtype).itemsize == 2
     bf16_x = np.dtype(x_dtype).itemsize == 2
-    stream = route in KERNEL_ROUTES and bf16_w
+    kernel_route = route in KERNEL_ROUTES  # only ever planned for a bf16 weight
     # On the kernels' routes a bf16 x is widened once, whole, and shared: the kernels then take
     # it as f32.
-    product = _gemm.PRODUCTS[route] if stream else _gemm.PRODUCTS["sgemm"]
-    per_thread = _linear.thread_buffer_bytes(mb, ob, kb, route == "f64", product, bf16_w,
-                                             bf16_x and not stream)
-    shared = 4 * rows * cols if (stream and bf16_x) else 0
+    per_thread = _linear.thread_buffer_bytes(mb, ob, kb, route == "f64", _gemm.PRODUCTS[route],
+                                             bf16_w, bf16_x and not kernel_route)
+    shared = 4 * rows * cols if (kernel_route and bf16_x) else 0
     count, _ = segments(rows, feats, cols, route, blocks)
     if count > 1:
         shared += count * rows * feats * (8 if route == "f64" else 4)
