@@ -15,7 +15,7 @@ Our result is checked byte for byte against ltx2blas.reference on sampled rows; 
 result is compared with the reference too, and how many of its elements differ is recorded.
 
     python bench/run.py --only fuse          (the suite)
-    python bench/bench_fuse.py [--quick] [--threads 1,2] [--ranks 32,64,128]   (this workload alone)
+    python bench/bench_fuse.py [--quick] [--threads 1,2] [--ranks 32,64,128] [--shapes 2048x2048]
 """
 import argparse
 import os
@@ -126,6 +126,9 @@ def main(argv=None):
     parser.add_argument("--threads", default=None, help="comma list, default 1..all CPUs")
     parser.add_argument("--ranks", default=None,
                         help=f"comma list, default {','.join(map(str, RANKS))}")
+    parser.add_argument("--shapes", default=None,
+                        help="comma list of ROWSxCOLS, default "
+                             + ",".join(f"{r}x{c}" for r, c in SHAPES))
     args = parser.parse_args(argv)
     harness.check_installed_not_checkout()
     threads = harness.thread_counts(args.threads)
@@ -134,7 +137,9 @@ def main(argv=None):
         rows = run(threads, [(2048, 2048)], [32, 450], ceilings, repeats=3)
     else:
         ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else RANKS
-        rows = run(threads, SHAPES, ranks, ceilings)
+        shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+                  if args.shapes else SHAPES)
+        rows = run(threads, shapes, ranks, ceilings)
     return 0 if all(r["checked"] for r in rows) else 1
 
 

@@ -68,7 +68,7 @@ cdef struct FuseJob:
     int fmt                   # 0: bf16, 1: F8_E4M3, 2: F8_E5M2
     bint stochastic           # fp8 only: stochastic rounding with random bits from key
     uint64_t key
-    bint pairs                # one bf16 adapter, no sgemm: the dot-product kernel on bf16 pairs
+    bint pairs                # one bf16 adapter: the dot-product kernel on bf16 pairs, no sgemm
     bint plus_zero            # one bf16 adapter under the several-adapter rule: -0.0 -> +0.0
     const ltx_kernels *kern
 

@@ -285,12 +285,12 @@ def buffer_bytes(ranks, threads=1, tile=None, several=None):
     in place): per thread, the f32 bf16(B*s) rows [tile_rows x width], A panels
     [width x tile_cols] and the product tile (twice for several adapters), width the sum of
     min(rank, PASS_DEPTH) -- a larger rank runs in passes -- and for one adapter of rank up to
-    SEQUENTIAL_DEPTH its rows in bf16 pairs for the dot-product kernel.  The driver's own
+    PASS_DEPTH its rows in bf16 pairs for the dot-product kernel.  The driver's own
     count (_fuse.thread_buffer_bytes).  With no tile given, DEFAULT_TILE: the most that any
     default tile (:func:`default_tile`) takes."""
     tile = _tile(tile)
     several = len(ranks) > 1 if several is None else several
-    pairs = not several and sum(ranks) <= _probe.SEQUENTIAL_DEPTH
+    pairs = not several and sum(ranks) <= _fuse.PASS_DEPTH
     return _fuse.thread_buffer_bytes(tile.rows, tile.cols, list(ranks), several, pairs) * threads
 
 
@@ -308,8 +308,8 @@ def _pairs_exact(rank, bs_min, a_min, overflow_bound):
     """Whether the dot-product kernel (VDPBF16PS, two terms per instruction) gives the textbook
     bytes for this adapter.  It adds each product in order, rounded, as the textbook loop does,
     but flushes subnormal inputs, products and sums to zero, and it is used only where none can
-    occur and no sum can reach inf:
-      * rank at most SEQUENTIAL_DEPTH (above it the product goes through sgemm);
+    occur and no sum can reach inf -- conditions on magnitudes, not on the rank, so it serves
+    every rank that one pass holds (PASS_DEPTH; a larger rank runs in passes):
       * no subnormal input: the smallest non-zero |bf16(B*s)| and |A| are at least 2**-126;
       * no subnormal partial sum: a bf16 value of exponent e is a multiple of 2**(e - 7), so
         every product, and every sum of products (rounding keeps multiples of the smallest
@@ -318,7 +318,7 @@ def _pairs_exact(rank, bs_min, a_min, overflow_bound):
         least 2**-126, the smallest normal;
       * no overflow: rank * max|bf16(B*s)| * max|A| (with slack) below 2**127.
     Zero magnitudes (all-zero operands) add only zeros, which no flushing changes."""
-    if rank > _probe.SEQUENTIAL_DEPTH or overflow_bound >= 2.0**127:
+    if rank > _fuse.PASS_DEPTH or overflow_bound >= 2.0**127:
         return False
     if bs_min == 0 or a_min == 0:
         return True
@@ -518,7 +518,7 @@ def _probe_depths(prepared, route, shape, tile):
     """The verified sgemm depth of each LoRA for each tile shape class -- (full, full),
     (full, edge), (edge, full), (edge, edge) in (rows, cols) -- zero where sgemm is not used."""
     depths = np.zeros((len(prepared), 4), dtype=np.intc)
-    if not (route.blas and route.fma):
+    if route.pairs or not (route.blas and route.fma):  # the dot-product kernel calls no sgemm
         return depths
     rows, cols = shape
     last_rows = rows - (rows - 1) // tile.rows * tile.rows  # the edge tiles' sizes
@@ -599,7 +599,7 @@ def _run(w, result, fmt, prepared, route, depths, tile, threads, check_finite, d
         allow_fma=route.fma, rule=_fuse.RULES[route.rule], plus_zero=route.plus_zero,
         stochastic=stochastic_key is not None, key=stochastic_key or 0)
     if dry_run:
-        bad = _fuse.fuse_tiles(check=True, dry_run=True, pairs=False, **args)
+        bad = _fuse.fuse_tiles(check=True, dry_run=True, pairs=route.pairs, **args)
         _raise_nonfinite_result(bad, w.shape, fmt)
     bad = _fuse.fuse_tiles(check=check_finite, dry_run=False, pairs=route.pairs, **args)
     if check_finite:

@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-from . import _gemm, _probe
+from . import _fuse, _gemm, _probe
 from ._threads import available_cpus, blas_single_threaded, default_threads
 from .fuse import default_tile
 from .linear_layer import STREAM_ROWS, _panel_min_rows, plan, segments, task_count
@@ -112,13 +112,19 @@ def collect(probe_depths=(32, 384, 450, 512)):
         "sgemm_above_rank": _probe.SEQUENTIAL_DEPTH,
         "sgemm_min_share": _probe.BLAS_MIN_SHARE,
         "fuse_routes": {str(k): {"sgemm_exact": depths[k], "sgemm_terms": handed[k],
-                                 "route": _fuse_route(k, handed[k])} for k in probe_depths},
+                                 "route": _fuse_route(k, handed[k], pairs=True),
+                                 "otherwise": _fuse_route(k, handed[k], pairs=False)}
+                        for k in probe_depths},
         "linear_routes": linear_routes,
         "dot_product_fuse": _gemm.has_pairs_kernel(),
     }
 
 
-def _fuse_route(rank, sgemm_terms):
+def _fuse_route(rank, sgemm_terms, pairs):
+    """The route of one bf16 adapter of this rank: with ``pairs``, where its magnitudes allow
+    the dot-product kernel (fuse._pairs_exact), else where they do not."""
+    if pairs and _gemm.has_pairs_kernel() and rank <= _fuse.PASS_DEPTH:
+        return "dot-product"
     if sgemm_terms == 0:
         return "one-pass"
     return "sgemm" if sgemm_terms == rank else "sgemm+sequential"
@@ -152,11 +158,13 @@ def format_info(info):
             how = "one sgemm call, exact for every term"
         else:
             how = f"sgemm for the first {h} terms, the sequential kernel for the other {int(k) - h}"
+        if route["route"] == "dot-product":
+            how = f"the dot-product kernel; otherwise {how}"
         lines.append(f"  rank {k:>5}: {how}")
     if info.get("dot_product_fuse"):
-        lines.append(f"  up to rank {info['sgemm_above_rank']}, two terms per instruction "
-                     "(VDPBF16PS) where the adapter's magnitudes rule out subnormal and infinite "
-                     "sums")
+        lines.append("  (the dot-product kernel adds two terms per instruction (VDPBF16PS), in "
+                     "the textbook order, where the adapter's magnitudes rule out subnormal and "
+                     "infinite sums)")
     lines.append(f"the Linear, bf16 weight, in {LINEAR_WIDTH} (at out " +
                  " / ".join(next(iter(info["linear_routes"].values()))["tasks"]) + "):")
     for rows, route in info["linear_routes"].items():

@@ -35,14 +35,19 @@ def test_info_shows_the_route_of_each_rank_and_row_count():
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     routes = info["fuse_routes"]
+    # the dot-product kernel takes every rank where the table has it; the other routes stand
+    # for adapters whose magnitudes rule it out, and on every other table
+    pairs = info["dot_product_fuse"]
     assert routes["32"] == {"sgemm_exact": info["sgemm_exact_depth"]["by_rank"]["32"],
-                            "sgemm_terms": 0, "route": "one-pass"}
+                            "sgemm_terms": 0, "otherwise": "one-pass",
+                            "route": "dot-product" if pairs else "one-pass"}
     for rank, route in routes.items():
         terms = route["sgemm_terms"]
         # sgemm takes a product only where it is exact for at least half of its terms
         assert terms == 0 or route["sgemm_exact"] >= terms >= info["sgemm_min_share"] * int(rank)
-        assert route["route"] == ("one-pass" if terms == 0 else
-                                  "sgemm" if terms == int(rank) else "sgemm+sequential")
+        assert route["otherwise"] == ("one-pass" if terms == 0 else
+                                      "sgemm" if terms == int(rank) else "sgemm+sequential")
+        assert route["route"] == ("dot-product" if pairs else route["otherwise"])
     linear = info["linear_routes"]
     # the panel kernel from the table's panel_min_rows (48 on AVX2, where it was measured)
     from ltx2blas import _gemm

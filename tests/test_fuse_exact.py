@@ -111,7 +111,7 @@ def test_product_kernel_alone(kernel_table, rng, shape, k):
 
 
 @pytest.mark.parametrize("shape", [(13, 29), (8, 64), (1, 33), (70, 1), (17, 100)])
-@pytest.mark.parametrize("k", [1, 2, 31, 32, 130])
+@pytest.mark.parametrize("k", [1, 2, 31, 32, 130, 384, 451])
 def test_pairs_kernel_alone(pairs_table, rng, shape, k):
     """The dot-product fuse (two terms per instruction) against the textbook loop, for odd and
     even depths and tiles with row and column remainders, on inputs its guard admits."""
@@ -128,27 +128,33 @@ def test_pairs_kernel_alone(pairs_table, rng, shape, k):
     assert np.array_equal(hooks.dot_fuse_bf16(x, y, w, pairs_table), expected)
 
 
-def test_pairs_route_is_taken_for_ordinary_adapters(rng, monkeypatch):
-    """A rank-32 adapter of ordinary magnitudes goes to the dot-product fuse where the CPU has
-    one; the same bytes as the reference either way."""
+@pytest.mark.parametrize("rank", [32, 384, 450, 1500])
+def test_pairs_route_is_taken_for_ordinary_adapters(rng, monkeypatch, rank):
+    """An adapter of ordinary magnitudes goes to the dot-product fuse at every rank where the
+    CPU has one, and no sgemm depth is probed for it; the same bytes as the reference either
+    way, on edge tiles and two threads."""
     from ltx2blas import _fuse
 
     seen = []
     fuse_tiles = _fuse.fuse_tiles
-    monkeypatch.setattr(_fuse, "fuse_tiles", lambda **kw: (seen.append(kw["pairs"]), fuse_tiles(**kw))[1])
-    weight = random_bf16(rng, (64, 96), 0.02)
-    lora_a, lora_b = adapter(rng, 64, 96, 32)
-    got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8)
-    assert seen == [_gemm.has_pairs_kernel()]
+    monkeypatch.setattr(_fuse, "fuse_tiles", lambda **kw: (seen.append(kw), fuse_tiles(**kw))[1])
+    weight = random_bf16(rng, (70, 100), 0.02)
+    lora_a, lora_b = adapter(rng, 70, 100, rank)
+    got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=2, tile=(32, 64))
+    assert [kw["pairs"] for kw in seen] == [_gemm.has_pairs_kernel()]
+    if _gemm.has_pairs_kernel():
+        assert not seen[0]["depths"].any()
     assert np.array_equal(got, reference.fuse_lora(weight, lora_a, lora_b, 0.8))
 
 
 def test_pairs_guard():
+    from ltx2blas import _fuse
     from ltx2blas.fuse import _pairs_exact
 
     assert _pairs_exact(32, 1e-3, 1e-4, 1.0)
     assert _pairs_exact(128, 0.0, 1e-30, 1.0)                # B all zero: only zeros are added
-    assert not _pairs_exact(129, 1e-3, 1e-4, 1.0)            # sgemm's ranks
+    assert _pairs_exact(_fuse.PASS_DEPTH, 1e-3, 1e-4, 1.0)   # the rank does not matter
+    assert not _pairs_exact(_fuse.PASS_DEPTH + 1, 1e-3, 1e-4, 1.0)  # past one pass: passes
     assert not _pairs_exact(32, 2.0**-127, 1.0, 1.0)         # a subnormal input
     assert not _pairs_exact(32, 2.0**-60, 2.0**-55, 1.0)     # sums could be subnormal
     assert _pairs_exact(32, 2.0**-55, 2.0**-55, 1.0)
@@ -305,8 +311,8 @@ def test_one_adapter_by_the_several_adapter_rules(rng, rank):
 
 @pytest.mark.parametrize("rank", [32, 384])
 def test_one_adapter_by_the_rule_takes_the_one_adapter_routes(rng, monkeypatch, rank):
-    """Ordinary magnitudes: the one-adapter routes (the dot-product kernel up to rank 128 where
-    the CPU has it, sgemm above), with the -0.0 pass; signed zeros in W come out as the
+    """Ordinary magnitudes: the one-adapter routes (the dot-product kernel where the CPU has
+    it, else the one-pass kernel or sgemm), with the -0.0 pass; signed zeros in W come out as the
     reference's."""
     from ltx2blas import _fuse
 
@@ -323,7 +329,7 @@ def test_one_adapter_by_the_rule_takes_the_one_adapter_routes(rng, monkeypatch, 
     assert np.array_equal(got, reference.fuse_loras(weight, [(lora_a, lora_b, 0.8)], "sum"))
     rule, pairs, plus_zero = seen[0]["rule"], seen[0]["pairs"], seen[0]["plus_zero"]
     assert (rule, plus_zero) == (_fuse.RULES["one"], True)
-    assert pairs == (rank <= 128 and _gemm.has_pairs_kernel())
+    assert pairs == _gemm.has_pairs_kernel()
 
 
 def test_products_outside_the_normal_range_take_the_strict_path(rng):

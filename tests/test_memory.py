@@ -1,7 +1,7 @@
 """An in-place fuse allocates panel buffers only: no full-size temporary of the weight.
 
 Bound per thread (ltx2blas.fuse.buffer_bytes): 4 bytes x (tile_rows x rank + rank x tile_cols
-+ tile_rows x tile_cols), plus, up to rank 128, tile_rows x ceil(rank / 2) x 4 bytes of pairs for
++ tile_rows x tile_cols), plus, up to rank 4096 (PASS_DEPTH), tile_rows x ceil(rank / 2) x 4 bytes of pairs for
 the dot-product kernel, plus small fixed costs. Measured as the growth of the process's peak
 resident memory (VmHWM, reset just before the call) over its resident memory before the call, in
 a fresh subprocess."""
