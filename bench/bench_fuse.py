@@ -129,6 +129,7 @@ def main(argv=None):
     parser.add_argument("--shapes", default=None,
                         help="comma list of ROWSxCOLS, default "
                              + ",".join(f"{r}x{c}" for r, c in SHAPES))
+    parser.add_argument("--save", default=None, help="write the rows and the machine as JSON here")
     args = parser.parse_args(argv)
     harness.check_installed_not_checkout()
     threads = harness.thread_counts(args.threads)
@@ -140,6 +141,8 @@ def main(argv=None):
         shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
                   if args.shapes else SHAPES)
         rows = run(threads, shapes, ranks, ceilings)
+    if args.save:
+        harness.write_json(args.save, {"machine": harness.machine(), "fuse": rows})
     return 0 if all(r["checked"] for r in rows) else 1
 
 

@@ -10,12 +10,16 @@ square 2048^3 sgemm, harness.square_sgemm) and the memory read bandwidth (the we
 by ltx2blas's scan kernel). Every candidate is judged by its fastest sample (harness.STAT),
 medians recorded beside; the roofline from the ceilings measured at the start of the run
 (harness.ceilings, best of five) is recorded too (``of_roofline_at_start``).
-roofline = max(2 M out in / sgemm rate, weight bytes / read bandwidth).
+roofline = max(2 M out in / sgemm rate, weight bytes / read bandwidth).  With ``--x bf16`` x is
+bf16 (what text_features feeds the Linear), torch's bf16 peer takes the same x, and where the
+Linear takes the dot-product route (VDPBF16PS, two products per instruction) the compute
+ceiling is twice the sgemm rate.
 Every row is checked: sampled outputs against the exact sum (math.fsum), within the derived
 bound of ltx2blas.linear_layer.
 
     python bench/run.py --only linear            (the suite)
-    python bench/bench_linear.py [--quick]       (this workload alone)
+    python bench/bench_linear.py [--quick] [--x bf16] [--outs 2048] [--rows 1,64]
+                                                  (this workload alone)
     python bench/bench_linear.py --accuracy      (the accumulation table of docs/exactness.md)
 """
 import argparse
@@ -55,22 +59,28 @@ def taking(route):
 
 
 def check_rows(x, w, y, rng, samples=8):
-    """Sampled outputs against the exact sum, within the derived bound of the route taken."""
+    """Sampled outputs against the exact sum, within the derived bound of the route taken (x
+    f32, or bf16 bits: random normal data has no subnormal terms, so the dot-product route's
+    flushing adds at most 2 in 2^-126, which the bound carries)."""
     from ltx2blas.linear_layer import gamma
 
+    xd = x.dtype
+    if xd.itemsize == 2:
+        x = harness.widen(x)
     m_idx = rng.integers(0, x.shape[0], samples)
     o_idx = rng.integers(0, w.shape[0], samples)
     ref = exact_sample(x, w, m_idx, o_idx)
     w64 = harness.widen(w[o_idx]).astype(np.float64)
     mag = np.array([np.sum(np.abs(x[m].astype(np.float64) * w64[i])) for i, m in enumerate(m_idx)])
-    bound = gamma(x.shape[0], x.shape[1], w.dtype) * mag
+    g = gamma(x.shape[0], x.shape[1], w.dtype, x_dtype=xd)
+    bound = g * mag + (1 + g) * 2 * x.shape[1] * 2.0**-126
     got = y[m_idx, o_idx].astype(np.float64)
     ulp = np.spacing(np.abs(got).astype(np.float32)).astype(np.float64)
     return bool(np.all(np.abs(got - ref) <= bound + ulp / 2))
 
 
 def run(threads_list, outs, rows_list, ceilings, repeats=3, short_repeats=7,
-        in_features=IN_FEATURES, log=print):
+        in_features=IN_FEATURES, log=print, x_kind="f32"):
     """At 8 rows or fewer, ``short_repeats`` samples of each candidate (``repeats`` above), each
     sample at least 0.2 s of calls back to back (0.05 s above). Those calls take tens of
     milliseconds, where one busy moment of a shared host moves a sample by a large fraction
@@ -79,6 +89,7 @@ def run(threads_list, outs, rows_list, ceilings, repeats=3, short_repeats=7,
     median 33.0 ms back to back, 36-37 ms after 0.25 s idle (worker threads and cores waking).
     The ceilings they are divided by are sampled the same way."""
     import ltx2blas
+    from ltx2blas import linear_layer, reference
 
     torch = peers.torch_module()
     rng = np.random.default_rng(0)
@@ -90,6 +101,8 @@ def run(threads_list, outs, rows_list, ceilings, repeats=3, short_repeats=7,
         w16 = w32.bfloat16() if torch is not None else None
         x_all = rng.standard_normal((max(rows_list), in_features), dtype=np.float32)
         scalar = peers.scalar_linear_rate(x_all, w32_np, min(out, 4), harness.best_time)
+        if x_kind == "bf16":
+            x_all = reference.bf16_round(x_all)  # bf16 bits
         for threads in threads_list:
             at_start = ceilings[threads]["sgemm_gflops"]
             square, square_flops = harness.square_sgemm(threads)
@@ -101,9 +114,12 @@ def run(threads_list, outs, rows_list, ceilings, repeats=3, short_repeats=7,
                 # 65 GB/s on two threads); a ceiling from the start of the run would not do.
                 cands = {"ltx2blas": lambda: ltx2blas.linear(x, weight, threads=threads, out=y),
                          "read_weight": harness.reader(weight, threads), "sgemm_square": square}
+                route = linear_layer.plan(rows, weight.dtype, x_dtype=x.dtype)[0]
+                # VDPBF16PS does two products per instruction where an FMA does one
+                compute_factor = 2.0 if route in linear_layer.DOT_ROUTES else 1.0
                 if torch is not None:
-                    tx = torch.from_numpy(x)
-                    tx16 = tx.bfloat16()
+                    tx = torch.from_numpy(harness.widen(x) if x_kind == "bf16" else x)
+                    tx16 = tx.bfloat16()  # exact for a bf16 x
 
                     def torch_f32():
                         torch.set_num_threads(threads)
@@ -124,9 +140,10 @@ def run(threads_list, outs, rows_list, ceilings, repeats=3, short_repeats=7,
                 probe = t.pop("read_weight")
                 square_t = t.pop("sgemm_square")
 
-                def roofline(stat):
+                def roofline(stat, compute_factor=compute_factor):
                     """(compute, memory) seconds by the ceilings' samples of statistic stat."""
-                    return flops * square_t[stat] / square_flops, probe[stat]
+                    return (flops * square_t[stat] / square_flops / compute_factor,
+                            probe[stat])
 
                 compute_s, memory_s = roofline(harness.STAT)  # the same statistic as ours
                 roofline_s = max(compute_s, memory_s)
@@ -134,6 +151,7 @@ def run(threads_list, outs, rows_list, ceilings, repeats=3, short_repeats=7,
                 ours = t["ltx2blas"][harness.STAT]
                 row = {
                     "workload": "linear", "rows": rows, "out": out, "in": in_features,
+                    "x": x_kind, "route": route, "compute_ceiling_of_sgemm": compute_factor,
                     "threads": threads, "ms": ours * 1e3, "gflops": flops / ours / 1e9,
                     "sgemm_gflops": peak, "sgemm_gflops_at_start": at_start, "read_gbs": bw,
                     "read_gbs_median": weight.nbytes / probe["median"] / 1e9,
@@ -143,7 +161,7 @@ def run(threads_list, outs, rows_list, ceilings, repeats=3, short_repeats=7,
                     "roofline_ms": roofline_s * 1e3,
                     "of_roofline": roofline_s / ours, "of_sgemm": flops / ours / 1e9 / peak,
                     "of_roofline_at_start": max(
-                        flops / (at_start * 1e9),
+                        flops / (at_start * compute_factor * 1e9),
                         weight.nbytes / (ceilings[threads]["read_gbs"] * 1e9)) / ours,
                     "bound": "compute" if compute_s > memory_s else "memory",
                     "spread": t["ltx2blas"]["spread"], "peak_rss_mib": harness.peak_rss_mib(),
@@ -160,7 +178,8 @@ def run(threads_list, outs, rows_list, ceilings, repeats=3, short_repeats=7,
                         "note": f"1 thread, f64, timed on {min(out, 4)} output features"}
                 results.append(row)
                 peer_text = "  ".join(f"{k} x{v['speedup']:.2f}" for k, v in row["peers"].items())
-                log(f"linear threads={threads} out={out} M={rows:>4}: {row['ms']:8.1f} ms "
+                log(f"linear x {x_kind} threads={threads} out={out} M={rows:>4} ({route}): "
+                    f"{row['ms']:8.1f} ms "
                     f"{row['gflops']:6.1f} GFLOP/s  {row['of_roofline']:.2f} of roofline "
                     f"({row['bound']})  checked={row['checked']}  vs: {peer_text}")
         weight = w32 = w16 = w32_np = x_all = None  # freed before the next (larger) weight
@@ -222,6 +241,11 @@ def main(argv=None):
     parser.add_argument("--threads", default=None, help="comma list, default 1..all CPUs")
     parser.add_argument("--accuracy", action="store_true", help="print the accuracy table only")
     parser.add_argument("--out", default=None, help="with --accuracy: write the table as JSON here")
+    parser.add_argument("--x", default="f32", choices=("f32", "bf16"),
+                        help="the dtype of x (bf16: what text_features feeds the Linear)")
+    parser.add_argument("--outs", default=None, help="comma list of out features")
+    parser.add_argument("--rows", default=None, help="comma list of row counts M")
+    parser.add_argument("--save", default=None, help="write the rows and the machine as JSON here")
     args = parser.parse_args(argv)
     harness.check_installed_not_checkout()
     if args.accuracy:
@@ -232,9 +256,14 @@ def main(argv=None):
     threads = harness.thread_counts(args.threads)
     ceilings = {t: harness.ceilings(t) for t in threads}
     if args.quick:
-        rows = run(threads, [256], [1, 8, 64], ceilings, repeats=2, short_repeats=2)
+        rows = run(threads, [256], [1, 8, 64], ceilings, repeats=2, short_repeats=2,
+                   x_kind=args.x)
     else:
-        rows = run(threads, OUTS, ROWS, ceilings)
+        outs = [int(v) for v in args.outs.split(",")] if args.outs else OUTS
+        rows_list = [int(v) for v in args.rows.split(",")] if args.rows else ROWS
+        rows = run(threads, outs, rows_list, ceilings, x_kind=args.x)
+    if args.save:
+        harness.write_json(args.save, {"machine": harness.machine(), "linear": rows})
     return 0 if all(r["checked"] for r in rows) else 1
 
 

@@ -14,7 +14,8 @@ from libc.math cimport NAN, isnan
 from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport free, malloc
 
-from ._gemm cimport chunk_panel_bytes, chunk_wxt, kernels, ltx_kernels
+from ._gemm cimport (PRODUCT_DOT, PRODUCT_DOT_PANEL, chunk_panel_bytes, chunk_wxt, kernels,
+                     ltx_kernels)
 from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_alloc,
                         omp_get_thread_num, start_block)
 
@@ -22,6 +23,7 @@ from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_a
 cdef extern from "kernels.h" nogil:
     float ltx_bf16_round(float f)       # f32(bf16(f)), the library's one rounding
     float ltx_bf16_value(uint16_t h)
+    uint16_t ltx_bf16_of(float f)
 
 
 cdef inline float load(const void *src, bint bf16, Py_ssize_t i) noexcept nogil:
@@ -77,7 +79,8 @@ cdef struct Projection:
     const float *w32          # [out, F] f32
     const float *bias         # [out] f32 or NULL
     float *acc                # [segments, n, out]: each task's transposed accumulator, packed
-    float *x                  # this projection's panels of the current step
+    float *x                  # this projection's panels of the current step: f32, or with
+                              # the dot-product product bf16 bits (the features are bf16)
     float scale               # V2: sqrt(out / D) as f32; V1: unused
     Py_ssize_t out, panels, blocks, first_task
     Py_ssize_t segments, seg_len
@@ -146,7 +149,10 @@ cdef void normalize_row(const FeatureJob *job, Py_ssize_t r, Py_ssize_t step) no
                         v = ltx_bf16_round(ltx_bf16_round(v * inv[l]) * pr.scale)
                     else:
                         v = ltx_bf16_round(((v - mean[l]) / rng[l]) * <float>8.0)
-                    pr.x[base + j] = v
+                    if job.product == PRODUCT_DOT or job.product == PRODUCT_DOT_PANEL:
+                        (<uint16_t *>pr.x)[base + j] = ltx_bf16_of(v)  # v is bf16: exact
+                    else:
+                        pr.x[base + j] = v
                     l += 1
                     if l == job.layers:
                         l = 0
@@ -176,14 +182,17 @@ cdef void run_task(const FeatureJob *job, Py_ssize_t task, Py_ssize_t step,
     cdef float *acc = pr.acc + acc_at(job, pr, seg, m0, o0, mt)
     cdef Py_ssize_t c0, s0, s1, c = 0
     cdef int kt
-    cdef const float *xp
+    cdef const void *xp
     if step == 0:  # every segment has a chunk in the first step
         start_block(acc, pr.bias, o0, mt, ot, seg == 0)
     step_range(job, pr, seg, step, &s0, &s1)
     c0 = s0
     while c0 < s1:
         kt = <int>min(<Py_ssize_t>job.chunk, s1 - c0)
-        xp = pr.x + slot(job, pr, seg, c) + m0 * kt
+        if job.product == PRODUCT_DOT or job.product == PRODUCT_DOT_PANEL:
+            xp = <uint16_t *>pr.x + slot(job, pr, seg, c) + m0 * kt
+        else:
+            xp = pr.x + slot(job, pr, seg, c) + m0 * kt
         chunk_wxt(job.kern, job.product, mt, ot, kt, xp, kt,
                   pr.w16 + o0 * job.width + c0 if pr.w16 != NULL else NULL,
                   pr.w32 + o0 * job.width + c0 if pr.w32 != NULL else NULL,
@@ -215,7 +224,8 @@ cdef class FeaturePlan:
                  int layers):
         """``cuts``: each projection's (segments, segment length, chunks a step); ``accs``:
         [segments * n * out] f32; ``xs``: the panels, segments * chunks a step * n *
-        min(chunk, segment length) f32."""
+        min(chunk, segment length) f32 -- or with the dot-product product as many bf16, in an
+        f32 array of half the length (rounded up)."""
         cdef const uint16_t[:, ::1] h16
         cdef const float[:, ::1] h32
         cdef const uint16_t[:, ::1] w16
@@ -225,7 +235,7 @@ cdef class FeaturePlan:
         cdef float[::1] x
         cdef const float[:, ::1] st
         cdef int p, count = len(weights)
-        cdef Py_ssize_t first = 0
+        cdef Py_ssize_t first = 0, needed
         self.keep = [hidden, rows, sample, mean, range_, inv, weights, biases, accs, xs]
         self.job.bf16 = hidden.dtype.itemsize == 2
         if self.job.bf16:
@@ -275,9 +285,12 @@ cdef class FeaturePlan:
             self.proj[p].out = w.shape[0]
             acc = accs[p]
             x = xs[p]
+            needed = (self.proj[p].segments * self.proj[p].step_chunks * self.job.n
+                      * min(<Py_ssize_t>chunk, self.proj[p].seg_len))
+            if product == PRODUCT_DOT or product == PRODUCT_DOT_PANEL:  # bf16, two an f32
+                needed = (needed + 1) // 2
             if (acc.shape[0] < self.proj[p].segments * self.job.n * self.proj[p].out or
-                    x.shape[0] < self.proj[p].segments * self.proj[p].step_chunks * self.job.n
-                    * min(<Py_ssize_t>chunk, self.proj[p].seg_len)):
+                    x.shape[0] < needed):
                 raise ValueError("accumulator or panel array too small for the cut")
             self.proj[p].acc = &acc[0]
             self.proj[p].x = &x[0]

@@ -7,6 +7,9 @@ cdef extern from "kernels.h" nogil:
     int LTX_STREAM_LANES
     int LTX_STREAM_BLOCK
     int LTX_PANEL_CHUNK
+    int LTX_DOT_BLOCK
+    int LTX_DOT_PANEL_CHUNK
+    size_t LTX_DOT_PANEL_SCRATCH(size_t mt, size_t kt)
     size_t LTX_PANEL_SCRATCH(size_t mt)
     ctypedef struct ltx_kernels:
         const char *name
@@ -30,6 +33,12 @@ cdef extern from "kernels.h" nogil:
         void (*panel_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
                           const uint16_t *w, ltx_idx ldw, float *acc,
                           float *scratch) noexcept nogil
+        void (*dot_stream_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x,
+                               ltx_idx ldx, const uint16_t *w, ltx_idx ldw, float *acc,
+                               float *lanes) noexcept nogil
+        void (*dot_panel_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x,
+                              ltx_idx ldx, const uint16_t *w, ltx_idx ldw, float *acc,
+                              float *scratch) noexcept nogil
         int panel_min_rows
         ltx_idx (*store_fused_fp8)(const float *acc, const uint8_t *w, ltx_idx ldw,
                                    uint8_t *out, ltx_idx ldo, ltx_idx rows, ltx_idx cols,
@@ -78,14 +87,17 @@ cdef void continue_product(const ltx_kernels *kern, int m, int n, int k, const f
                            Py_ssize_t ldc) noexcept nogil
 
 # How a Linear's chunk is multiplied (chunk_wxt): sgemm on a widened weight panel, or straight
-# from the bf16 weight rows by the streaming or the panel kernel.
+# from the bf16 weight rows by the streaming or the panel kernel, or, on bf16 x, by the
+# dot-product kernels (streaming, or on x packed a chunk at a time).
 cdef enum:
     PRODUCT_SGEMM = 0
     PRODUCT_STREAM = 1
     PRODUCT_PANEL = 2
+    PRODUCT_DOT = 3
+    PRODUCT_DOT_PANEL = 4
 
 cdef void chunk_wxt(const ltx_kernels *kern, int product, int mt, int ot, int kt,
-                    const float *x, int ldx, const uint16_t *w16, const float *w32, int ldw,
+                    const void *x, int ldx, const uint16_t *w16, const float *w32, int ldw,
                     float *panel, float *acc) noexcept nogil
 
 cdef size_t chunk_panel_bytes(int product, int mt, int ot, int kt) noexcept nogil

@@ -135,34 +135,42 @@ cdef void continue_product(const ltx_kernels *kern, int m, int n, int k, const f
 
 
 cdef void chunk_wxt(const ltx_kernels *kern, int product, int mt, int ot, int kt,
-                    const float *x, int ldx, const uint16_t *w16, const float *w32, int ldw,
+                    const void *x, int ldx, const uint16_t *w16, const float *w32, int ldw,
                     float *panel, float *acc) noexcept nogil:
     """acc[ot, mt] += w[ot, kt] @ x[mt, kt]^T: one chunk of a Linear's task, the weight bf16
-    (w16) or f32 (w32), rows of stride ldw.  PRODUCT_SGEMM: a bf16 weight is widened into
-    ``panel`` (ot x kt floats) and multiplied by sgemm.  PRODUCT_STREAM / PRODUCT_PANEL: a bf16
-    weight is read straight from its rows by the streaming or the panel kernel (``panel`` then
-    holds the kernel's scratch).  The Linear and the feature extractor both add their chunks
-    here, so their results are the same bytes."""
+    (w16) or f32 (w32), rows of stride ldw; x f32, or bf16 bits for the PRODUCT_DOT*.
+    PRODUCT_SGEMM: a bf16 weight is widened into ``panel`` (ot x kt floats) and multiplied by
+    sgemm.  PRODUCT_STREAM / PRODUCT_PANEL / PRODUCT_DOT / PRODUCT_DOT_PANEL: a bf16 weight is
+    read straight from its rows by the streaming, the panel or a dot-product kernel (``panel``
+    then holds the kernel's scratch; the dot-product kernels must exist in the table).  The Linear and the
+    feature extractor both add their chunks here, so their results are the same bytes."""
     if mt <= 0 or ot <= 0 or kt <= 0:
         return
     if product == PRODUCT_STREAM:
-        kern.stream_wxt(mt, ot, kt, x, ldx, w16, ldw, acc, panel)
+        kern.stream_wxt(mt, ot, kt, <const float *>x, ldx, w16, ldw, acc, panel)
     elif product == PRODUCT_PANEL:
-        kern.panel_wxt(mt, ot, kt, x, ldx, w16, ldw, acc, panel)
+        kern.panel_wxt(mt, ot, kt, <const float *>x, ldx, w16, ldw, acc, panel)
+    elif product == PRODUCT_DOT:
+        kern.dot_stream_wxt(mt, ot, kt, <const uint16_t *>x, ldx, w16, ldw, acc, panel)
+    elif product == PRODUCT_DOT_PANEL:
+        kern.dot_panel_wxt(mt, ot, kt, <const uint16_t *>x, ldx, w16, ldw, acc, panel)
     elif w16 != NULL:
         kern.widen_bf16_rows(w16, ldw, panel, kt, ot, kt)
-        sgemm_wxt(mt, ot, kt, x, ldx, panel, kt, 1.0, acc, mt)
+        sgemm_wxt(mt, ot, kt, <const float *>x, ldx, panel, kt, 1.0, acc, mt)
     else:
-        sgemm_wxt(mt, ot, kt, x, ldx, w32, ldw, 1.0, acc, mt)
+        sgemm_wxt(mt, ot, kt, <const float *>x, ldx, w32, ldw, 1.0, acc, mt)
 
 
 cdef size_t chunk_panel_bytes(int product, int mt, int ot, int kt) noexcept nogil:
     """Bytes of the ``panel`` scratch :func:`chunk_wxt` needs for a bf16 weight: the widened
-    weight panel [ot, kt], the streaming kernel's lane sums, or the panel kernel's scratch."""
-    if product == PRODUCT_STREAM:
+    weight panel [ot, kt], the streaming or dot-product kernel's lane sums, or the panel
+    kernel's scratch."""
+    if product == PRODUCT_STREAM or product == PRODUCT_DOT:
         return <size_t>ot * mt * LTX_STREAM_LANES * sizeof(float)
     if product == PRODUCT_PANEL:
         return up64(LTX_PANEL_SCRATCH(mt) * sizeof(float))
+    if product == PRODUCT_DOT_PANEL:
+        return up64(LTX_DOT_PANEL_SCRATCH(mt, kt) * sizeof(float))
     return up64(<size_t>ot * kt * sizeof(float))
 
 
@@ -197,10 +205,14 @@ cdef void exact_product_fused_pairs(const ltx_kernels *kern, int m, int n, int k
 STREAM_BLOCK = LTX_STREAM_BLOCK
 #: The panel kernel's chunk, in elements of k: each chunk's sums start from +0.0.
 PANEL_CHUNK = LTX_PANEL_CHUNK
+#: The dot-product Linear's lane-block length in elements of k (kernels.h).
+DOT_BLOCK = LTX_DOT_BLOCK
+#: The dot-product panel Linear's chunk, in elements of k: each chunk's sums start from +0.0.
+DOT_PANEL_CHUNK = LTX_DOT_PANEL_CHUNK
 #: chunk_wxt's products by the Linear's route name (the f64 route's dgemm panels take the
 #: sgemm route's place).
 PRODUCTS = {"sgemm": PRODUCT_SGEMM, "f64": PRODUCT_SGEMM, "stream": PRODUCT_STREAM,
-            "panel": PRODUCT_PANEL}
+            "panel": PRODUCT_PANEL, "dot": PRODUCT_DOT, "dot_panel": PRODUCT_DOT_PANEL}
 
 
 def panel_min_rows():
@@ -251,6 +263,11 @@ def have_openmp():
 def has_pairs_kernel():
     """Whether the kernel table in use has the bf16 dot-product fuse."""
     return _fast.dot_fuse_bf16 != NULL
+
+
+def has_dot_linear():
+    """Whether the kernel table in use has the dot-product Linear (bf16 x and weight)."""
+    return _fast.dot_stream_wxt != NULL
 
 
 def scan_bf16(const uint16_t[::1] bits):

@@ -15,8 +15,8 @@ from cython.parallel cimport parallel, prange
 from libc.stdint cimport uint16_t
 from libc.stdlib cimport free, malloc
 
-from ._gemm cimport (PRODUCT_SGEMM, chunk_panel_bytes, chunk_wxt, dgemm_wxt, kernels,
-                     ltx_kernels)
+from ._gemm cimport (PRODUCT_DOT, PRODUCT_DOT_PANEL, PRODUCT_SGEMM, chunk_panel_bytes,
+                     chunk_wxt, dgemm_wxt, kernels, ltx_kernels)
 from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_alloc,
                         omp_get_thread_num, start_block, up64)
 
@@ -39,7 +39,8 @@ cdef struct LinearJob:
     Py_ssize_t blocks              # output blocks: tasks per segment
     Py_ssize_t segments, seg_len
     bint f64
-    int product                    # chunk_wxt's product (PRODUCT_*); the kernels take f32 x
+    int product                    # chunk_wxt's product (PRODUCT_*); the streaming and panel
+                                   # kernels take f32 x, the dot-product kernels bf16 x
     const ltx_kernels *kern
 
 
@@ -64,7 +65,7 @@ cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) n
     # With several segments the task accumulates in place, in its block of its segment's sums.
     cdef float *acc32 = <float *>job.partial + at if job.partial != NULL else <float *>buf.acc
     cdef double *acc64 = <double *>job.partial + at if job.partial != NULL else <double *>buf.acc
-    cdef const float *xp32
+    cdef const void *xp
     cdef int ldx
     cdef double *wp64 = <double *>buf.w_panel
     cdef double *xp64 = <double *>buf.x_panel
@@ -90,13 +91,15 @@ cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) n
                     kern.f32_to_f64(job.x32 + (m0 + r) * job.cols + c0, xp64 + r * kt, kt)
             dgemm_wxt(mt, ot, kt, xp64, kt, wp64, kt, 1.0, acc64, mt)
         else:
-            if job.x16 != NULL:  # never on the kernels' routes, which take x widened
+            if job.product == PRODUCT_DOT or job.product == PRODUCT_DOT_PANEL:  # bf16 x
+                xp, ldx = job.x16 + m0 * job.cols + c0, <int>job.cols
+            elif job.x16 != NULL:  # the sgemm route: widened a panel at a time
                 kern.widen_bf16_rows(job.x16 + m0 * job.cols + c0, job.cols,
                                      <float *>buf.x_panel, kt, mt, kt)
-                xp32, ldx = <float *>buf.x_panel, kt
+                xp, ldx = buf.x_panel, kt
             else:
-                xp32, ldx = job.x32 + m0 * job.cols + c0, <int>job.cols
-            chunk_wxt(kern, job.product, mt, ot, kt, xp32, ldx,
+                xp, ldx = job.x32 + m0 * job.cols + c0, <int>job.cols
+            chunk_wxt(kern, job.product, mt, ot, kt, xp, ldx,
                       job.w16 + o0 * job.cols + c0 if job.w16 != NULL else NULL,
                       job.w32 + o0 * job.cols + c0 if job.w32 != NULL else NULL,
                       <int>job.cols, <float *>buf.w_panel, acc32)
@@ -137,7 +140,7 @@ cdef (size_t, size_t, size_t) buffer_layout(int task_rows, int task_feats, int c
                                             bint bf16_x) noexcept:
     """One thread's buffers: the widened weight panel [task_feats, chunk] (unless the weight is
     f32 and the accumulation f32; on the kernels' routes, their scratch instead), the
-    widened input panel [task_rows, chunk] (unless likewise), and the accumulator
+    widened input panel [task_rows, chunk] (f64, or bf16 x on the sgemm route), and the accumulator
     [task_feats, task_rows]."""
     cdef size_t elem = sizeof(double) if f64 else sizeof(float)
     cdef size_t w_len = 0, x_len = 0
@@ -145,7 +148,7 @@ cdef (size_t, size_t, size_t) buffer_layout(int task_rows, int task_feats, int c
         w_len = up64(<size_t>task_feats * chunk * elem)
     elif product != PRODUCT_SGEMM or bf16_weight:
         w_len = chunk_panel_bytes(product, task_rows, task_feats, chunk)
-    if f64 or bf16_x:
+    if f64 or (bf16_x and product == PRODUCT_SGEMM):  # the kernels read x in place
         x_len = up64(<size_t>task_rows * chunk * elem)
     return w_len, x_len, up64(<size_t>task_rows * task_feats * elem)
 
@@ -228,9 +231,13 @@ cdef class LinearPlan:
         self.job.panels = (self.job.feats + task_feats - 1) // task_feats
         self.job.f64 = f64
         self.job.product = product if (not f64 and self.job.w16 != NULL) else PRODUCT_SGEMM
-        if self.job.product != PRODUCT_SGEMM and self.job.x16 != NULL:
-            raise ValueError("the kernels' routes take an f32 x: widen a bf16 x once, before")
         self.job.kern = kernels(True)
+        if self.job.product == PRODUCT_DOT or self.job.product == PRODUCT_DOT_PANEL:
+            if self.job.x16 == NULL or self.job.kern.dot_stream_wxt == NULL:
+                raise ValueError("the dot-product route takes a bf16 x, on a table with the "
+                                 "dot-product kernel")
+        elif self.job.product != PRODUCT_SGEMM and self.job.x16 != NULL:
+            raise ValueError("the kernels' routes take an f32 x: widen a bf16 x once, before")
         self.job.blocks = block_count(self.job.rows, self.job.feats, task_rows, task_feats)
         self.tasks = self.job.blocks * self.job.segments
         self.threads = threads

@@ -7,9 +7,11 @@ are produced a step at a time straight into each projection's GEMM input panels,
 the hidden states twice (statistics, then features) and holds one step's features per
 projection: about 4096 f32 features per valid token, or one 512-feature chunk of each segment of
 the in-dimension where it is cut into more than 8 (up to 34 at the real shapes; 70 KiB a token),
-and with 64 tokens or fewer (the streaming route) all of them -- where the flattened f32 features
-of 1024 tokens would take 770 MB -- besides each segment's sums (segments x tokens x out f32, as
-the Linear holds them).  The arithmetic is :mod:`ltx2blas.reference`'s
+and with 64 tokens or fewer (the streaming route) all of them; on CPUs with AVX512_BF16 (the
+dot-product routes) 2048 bf16 features of each of 16 segments (64 KiB a token), and with 31
+tokens or fewer all of them, as bf16 -- where the flattened f32 features of 1024 tokens would
+take 770 MB -- besides each segment's sums (segments x tokens x out f32, as the Linear holds
+them).  The arithmetic is :mod:`ltx2blas.reference`'s
 ``text_features``; each projection's result is byte-identical to :func:`ltx2blas.linear` on the
 materialised features (same blocks, same order of additions).
 """
@@ -21,7 +23,7 @@ from . import _features, _gemm
 from ._validate import bf16_or_f32, choice, contiguous, f32_values, ndarray
 from ._threads import blas_single_threaded, resolve_threads, waves
 from .errors import ArgumentError, ArgumentTypeError, DTypeError, ShapeError
-from .linear_layer import plan, segments
+from .linear_layer import DOT_ROUTES, plan, segments
 
 __all__ = ["text_features", "normalized_features"]
 
@@ -156,7 +158,8 @@ def _project(flat, rows, tokens, batch, layers, version, weights, biases, output
     n, width = rows.shape[0], flat.shape[1]
     depth = width // layers
     sample = (rows // tokens).astype(np.int64)
-    route, blocks = plan(n, weights[0].dtype, "f32")
+    # The features are bf16: the route linear() takes for bf16 x, so that the bytes agree.
+    route, blocks = plan(n, weights[0].dtype, "f32", x_dtype=np.uint16)
     task_rows, task_feats, chunk = blocks
     # Each projection's in-dimension cut as linear() cuts it; a step takes, from every segment,
     # a whole number of chunks: about 4096 features in all, at least one chunk a segment.
@@ -167,8 +170,9 @@ def _project(flat, rows, tokens, batch, layers, version, weights, biases, output
         step = max(1, min(per_segment, 4096 // chunk // count))
         cuts.append((count, length, step))
         steps = max(steps, -(-per_segment // step))
-    panels = [np.empty(count * step * n * min(chunk, length), np.float32)
-              for count, length, step in cuts]
+    halve = route in DOT_ROUTES  # their panels hold bf16, two to an f32 element
+    panels = [np.empty(-(-count * step * n * min(chunk, length) // (2 if halve else 1)),
+                       np.float32) for count, length, step in cuts]
     accs = [np.empty(count * n * w.shape[0], np.float32)
             for (count, _, _), w in zip(cuts, weights)]
     scales = [float(np.float32(math.sqrt(w.shape[0] / depth))) for w in weights]

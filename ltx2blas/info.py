@@ -9,7 +9,15 @@ import numpy as np
 from . import _fuse, _gemm, _probe
 from ._threads import available_cpus, blas_single_threaded, default_threads
 from .fuse import default_tile
-from .linear_layer import STREAM_ROWS, _panel_min_rows, plan, segments, task_count
+from .linear_layer import (
+    DOT_PANEL_ROWS,
+    DOT_ROUTES,
+    STREAM_ROWS,
+    _panel_min_rows,
+    plan,
+    segments,
+    task_count,
+)
 
 # The shapes the routes are shown for: the fuse's tile of an attention weight (4096 x 4096),
 # the Linear's row counts from one prompt to a batch, and the text tower's output widths.
@@ -73,8 +81,9 @@ def collect(probe_depths=(32, 384, 450, 512)):
               for k in probe_depths}
     handed = {k: _probe.blas_depth(mb, nb, k, k, pin=blas_single_threaded)
               for k in probe_depths}
-    linear_routes = {}
+    linear_routes, bf16_x_routes = {}, {}
     for rows in LINEAR_ROWS:
+        bf16_x_routes[str(rows)] = plan(rows, np.uint16, x_dtype=np.uint16)[0]
         route, blocks = plan(rows, np.uint16)
         linear_routes[str(rows)] = {
             "route": route, "blocks": list(blocks),
@@ -116,6 +125,7 @@ def collect(probe_depths=(32, 384, 450, 512)):
                                  "otherwise": _fuse_route(k, handed[k], pairs=False)}
                         for k in probe_depths},
         "linear_routes": linear_routes,
+        "linear_routes_bf16_x": bf16_x_routes,
         "dot_product_fuse": _gemm.has_pairs_kernel(),
     }
 
@@ -182,4 +192,10 @@ def format_info(info):
     lines.append(f"  (up to {STREAM_ROWS} rows ltx2blas's kernels read the bf16 weight rows "
                  "once, where a BLAS would spend longer packing each weight panel than "
                  f"multiplying it{panel}; above, sgemm on widened weight panels)")
+    bf16_x = info.get("linear_routes_bf16_x", {})
+    if any(r in DOT_ROUTES for r in bf16_x.values()):
+        lines.append("  on bf16 x (what text_features multiplies), two products per instruction "
+                     "(VDPBF16PS): " + ", ".join(f"M {m}: {r}" for m, r in bf16_x.items()) +
+                     f" (dot streams both operands' rows; from {DOT_PANEL_ROWS} rows dot_panel "
+                     "packs x a chunk at a time)")
     return "\n".join(lines)

@@ -46,8 +46,25 @@ STREAM_WIDE_BLOCKS = (STREAM_ROWS, 128, 1 << 18)
 BLOCKS["panel"] = STREAM_WIDE_BLOCKS
 
 #: The routes whose kernels read the bf16 weight rows themselves: they share the streaming
-#: route's blocks and segments, and take x in f32 (a bf16 x is widened once, shared).
-KERNEL_ROUTES = ("stream", "panel")
+#: route's blocks and segments; the streaming and panel kernels take x in f32 (a bf16 x is
+#: widened once, shared), the dot-product kernels (DOT_ROUTES) a bf16 x as it is.
+KERNEL_ROUTES = ("stream", "panel", "dot", "dot_panel")
+
+#: The dot-product routes: bf16 x and a bf16 weight with f32 accumulation, at every row count,
+#: on kernel tables with VDPBF16PS (two bf16 products a lane per instruction, added in f32):
+#: the products are exact, only the additions round, as on the other routes, and no operand
+#: is widened. They treat subnormal inputs, products and sums as zero, which error_bound
+#: counts. "dot" streams both operands' rows (lane sums, as the streaming kernel); from
+#: DOT_PANEL_ROWS rows "dot_panel" packs x a chunk at a time and broadcasts the weight, as the
+#: fuse does, where a vector of each operand a product would outrun L2. "dot" takes a whole
+#: segment a call, as the streaming route, for long runs of each weight row; "dot_panel"
+#: takes 2048 in-features, so that text_features, which holds a call's features of each
+#: segment for every token, holds about as much as on the sgemm route (64 KiB a token). Up to
+#: STREAM_FEW_ROWS rows, the streaming route's blocks.
+DOT_ROUTES = ("dot", "dot_panel")
+DOT_PANEL_ROWS = 32
+BLOCKS["dot"] = STREAM_WIDE_BLOCKS
+BLOCKS["dot_panel"] = (STREAM_ROWS, 128, 2048)
 
 
 def _panel_min_rows():
@@ -79,13 +96,15 @@ MAX_SEGMENTS = 32
 STREAM_SEGMENT = 3 * _gemm.STREAM_BLOCK
 
 
-def plan(rows, weight_dtype, accumulate="f32", blocks=None):
-    """The route ("sgemm", "stream", "panel" or "f64") and (rows, features, chunk) blocks a call
-    with ``rows`` rows of x and this weight dtype takes."""
+def plan(rows, weight_dtype, accumulate="f32", blocks=None, x_dtype=np.float32):
+    """The route ("sgemm", "stream", "panel", "dot", "dot_panel" or "f64") and (rows, features, chunk) blocks
+    a call with ``rows`` rows of x of ``x_dtype`` and this weight dtype takes."""
     bf16_weight = np.dtype(weight_dtype).itemsize == 2
     panel_rows = _panel_min_rows()
     if accumulate == "f64":
         route = "f64"
+    elif bf16_weight and np.dtype(x_dtype).itemsize == 2 and _gemm.has_dot_linear():
+        route = "dot_panel" if rows >= DOT_PANEL_ROWS else "dot"
     elif bf16_weight and 0 < panel_rows <= rows <= STREAM_ROWS:
         route = "panel"
     elif bf16_weight and rows <= STREAM_ROWS:
@@ -94,6 +113,8 @@ def plan(rows, weight_dtype, accumulate="f32", blocks=None):
         route = "sgemm"
     if blocks is not None:
         return route, tuple(blocks)
+    if route in DOT_ROUTES:
+        return route, STREAM_FEW_BLOCKS if rows <= STREAM_FEW_ROWS else BLOCKS[route]
     if route in KERNEL_ROUTES and rows > BLOCKS["stream"][0]:
         return route, STREAM_WIDE_BLOCKS
     if route == "stream" and rows <= STREAM_FEW_ROWS:
@@ -122,9 +143,10 @@ def segments(rows, feats, cols, route, blocks):
     return max(1, -(-cols // length)), length
 
 
-def task_count(rows, feats, cols, weight_dtype, accumulate="f32", blocks=None):
+def task_count(rows, feats, cols, weight_dtype, accumulate="f32", blocks=None,
+               x_dtype=np.float32):
     """How many independent tasks a call is cut into: output blocks times segments."""
-    route, blocks = plan(rows, weight_dtype, accumulate, blocks)
+    route, blocks = plan(rows, weight_dtype, accumulate, blocks, x_dtype)
     count, _ = segments(rows, feats, cols, route, blocks)
     return _linear.block_count(rows, feats, blocks[0], blocks[1]) * count
 
@@ -133,33 +155,34 @@ def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32",
                  blocks=None, *, feats):
     """Bytes of buffers a linear() call allocates besides its output, never a full-size copy of
     the weight.  Per thread: the widened weight panel [features x chunk] (sgemm route with a
-    bf16 weight, or f64), the widened x panel [rows x chunk] (bf16 x or f64) and the
-    accumulator [features x rows]; on the streaming route, instead of the weight panel, lane
-    sums [features x rows x 16], on the panel route x's strips and one block of widened weight
-    rows for a chunk, and on both a bf16 x is widened once, shared.  With more than one
+    bf16 weight, or f64), the widened x panel [rows x chunk] (bf16 x on the sgemm route, or
+    f64) and the accumulator [features x rows]; on the streaming and dot-product routes,
+    instead of the weight panel, lane sums [features x rows x 16], on the panel route x's
+    strips and one block of widened weight rows for a chunk; on the streaming and panel routes
+    a bf16 x is widened once, shared.  With more than one
     segment (:func:`segments`), each segment's sums [rows x feats] (f32, f64 on the f64 route)
     until they are added up."""
-    route, blocks = plan(rows, weight_dtype, accumulate, blocks)
+    route, blocks = plan(rows, weight_dtype, accumulate, blocks, x_dtype)
     mb, ob, kb = blocks
     bf16_w = np.dtype(weight_dtype).itemsize == 2
     bf16_x = np.dtype(x_dtype).itemsize == 2
-    kernel_route = route in KERNEL_ROUTES  # only ever planned for a bf16 weight
-    # On the kernels' routes a bf16 x is widened once, whole, and shared: the kernels then take
-    # it as f32.
+    # On the streaming and panel routes a bf16 x is widened once, whole, and shared: the
+    # kernels then take it as f32; the dot-product kernel reads it as it is.
     per_thread = _linear.thread_buffer_bytes(mb, ob, kb, route == "f64", _gemm.PRODUCTS[route],
-                                             bf16_w, bf16_x and not kernel_route)
-    shared = 4 * rows * cols if (kernel_route and bf16_x) else 0
+                                             bf16_w, bf16_x)
+    shared = 4 * rows * cols if (route in ("stream", "panel") and bf16_x) else 0
     count, _ = segments(rows, feats, cols, route, blocks)
     if count > 1:
         shared += count * rows * feats * (8 if route == "f64" else 4)
     return threads * per_thread + shared
 
 
-def gamma(rows, cols, weight_dtype, accumulate="f32", blocks=None, feats=None):
+def gamma(rows, cols, weight_dtype, accumulate="f32", blocks=None, feats=None,
+          x_dtype=np.float32):
     """gamma_d of :func:`error_bound` for a call with this many rows, in-features and (if
     given) out features; without ``feats``, the larger gamma that holds for every cut into
     segments."""
-    route, blocks = plan(rows, weight_dtype, accumulate, blocks)
+    route, blocks = plan(rows, weight_dtype, accumulate, blocks, x_dtype)
     kb = blocks[2]
     if feats is None:  # one segment: the longest chain of additions any cut can give
         count, length = 1, cols
@@ -171,6 +194,12 @@ def gamma(rows, cols, weight_dtype, accumulate="f32", blocks=None, feats=None):
     if route == "stream":
         block = _gemm.STREAM_BLOCK
         d = 1 + block // 4 + math.ceil(kt / block) + 4 + 15 + chunks
+    elif route == "dot":
+        block = _gemm.DOT_BLOCK
+        d = 1 + block // 16 + math.ceil(kt / block) + 4 + 31 + chunks
+    elif route == "dot_panel":
+        block = _gemm.DOT_PANEL_CHUNK
+        d = 1 + (min(kt, block) - 1) + 1 + math.ceil(kt / block) + chunks
     elif route == "panel":
         block = _gemm.PANEL_CHUNK
         d = 1 + (min(kt, block) - 1) + math.ceil(kt / block) + chunks
@@ -208,16 +237,39 @@ def error_bound(x, weight, bias=None, accumulate="f32", blocks=None):
         the narrowest) + ceil(kb / 4096) block sums + 4 tree levels + 15 tail additions + n;
       panel route: 1 product + 511 additions in a chunk's sum (512 elements, in order) +
         ceil(kb / 512) chunk sums + n;
+      dot-product route: 1 product + 128 additions in a lane's block (2048 elements, 16 lanes
+        of pairs) + ceil(kb / 2048) block sums + 4 tree levels + 31 tail additions + n;
+      dot-product panel route: 1 product + 511 additions in a chunk's sum (512 elements, in
+        order) + 1 odd last element + ceil(kb / 512) chunk sums + n;
       then S - 1 additions of the segments' sums, and 1 for the bias.
+    The dot-product instruction also treats subnormal inputs as zero, and flushes a subnormal
+    product or partial sum to zero, losing less than 2^-126 each: on those routes the bound adds
+    (1 + gamma_d) * (sum of |x_i w_i| over the terms with a subnormal factor + 2 * in * 2^-126).
     The final rounding to f32 adds half an ulp of y on top."""
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
     k = weight.shape[1]
-    g = gamma(rows, k, weight.dtype, accumulate, blocks, feats=weight.shape[0])
+    route, _ = plan(rows, weight.dtype, accumulate, blocks, x.dtype)
+    g = gamma(rows, k, weight.dtype, accumulate, blocks, feats=weight.shape[0], x_dtype=x.dtype)
+    x64, w64 = np.abs(_as_f64(x).reshape(-1, k)), np.abs(_as_f64(weight))
     with blas_single_threaded():
-        magnitude = _gemm.dgemm_xwt(np.abs(_as_f64(x).reshape(-1, k)), np.abs(_as_f64(weight)))
+        magnitude = _gemm.dgemm_xwt(x64, w64)
     if bias is not None:
         magnitude = magnitude + np.abs(_as_f64(bias))
-    return g * magnitude.reshape(x.shape[:-1] + (weight.shape[0],))
+    bound = g * magnitude
+    if route in DOT_ROUTES:
+        flushed = np.full(magnitude.shape, 2.0 * k * 2.0**-126)
+        x_sub, w_sub = _subnormal(x64), _subnormal(w64)
+        with blas_single_threaded():
+            if x_sub.any():
+                flushed += _gemm.dgemm_xwt(np.where(x_sub, x64, 0.0), w64)
+            if w_sub.any():
+                flushed += _gemm.dgemm_xwt(x64, np.where(w_sub, w64, 0.0))
+        bound = bound + (1 + g) * flushed
+    return bound.reshape(x.shape[:-1] + (weight.shape[0],))
+
+
+def _subnormal(magnitudes):
+    return (magnitudes > 0) & (magnitudes < 2.0**-126)
 
 
 def _as_f64(array):
@@ -261,7 +313,7 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
     rows, feats, cols = _shapes(x, weight)
     bias32 = _bias_f32(bias, feats)
     y = _output(out, x.shape[:-1] + (feats,), x, weight, bias)
-    route, blocks = _checked_plan(rows, weight.dtype, accumulate, blocks)
+    route, blocks = _checked_plan(rows, weight.dtype, accumulate, blocks, x.dtype)
     threads = resolve_threads(threads)
 
     if rows == 0 or feats == 0 or cols == 0:  # nothing to multiply
@@ -271,7 +323,7 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
             progress(1.0)
         return y
     x2 = x_bits.reshape(rows, cols)
-    if route in KERNEL_ROUTES and x_kind == "bf16":
+    if route in ("stream", "panel") and x_kind == "bf16":
         # Few rows: widen them once here rather than per thread and chunk.
         x2 = bf16_to_f32(x2)
     bias64 = bias32.astype(np.float64) if (bias32 is not None and route == "f64") else None
@@ -322,8 +374,8 @@ def _output(out, shape, x, weight, bias):
     return output(out, shape, {"x": x, "weight": weight, "bias": bias})
 
 
-def _checked_plan(rows, weight_dtype, accumulate, blocks):
-    route, blocks = plan(rows, weight_dtype, accumulate, blocks)
+def _checked_plan(rows, weight_dtype, accumulate, blocks, x_dtype):
+    route, blocks = plan(rows, weight_dtype, accumulate, blocks, x_dtype)
     if len(blocks) != 3:
         raise ArgumentError(f"blocks must be three ints (rows, features, chunk), got {blocks!r}")
     blocks = tuple(int(v) for v in blocks)

@@ -12,7 +12,7 @@ import pytest
 
 import ltx2blas
 from ltx2blas import errors, reference
-from ltx2blas.linear_layer import gamma
+from ltx2blas.linear_layer import error_bound
 
 
 def hidden(rng, shape, bf16=True, scale=3.0):
@@ -38,15 +38,15 @@ def masks(batch, tokens):
 
 
 def within_bound(got, projections_, feats_by_proj, mask):
-    """|got - exact| <= gamma * sum|f w| (+ |bias|) + half an ulp, on valid rows; 0 elsewhere."""
+    """|got - exact| <= the derived bound of the route linear() takes on the bf16 features
+    (gamma * sum|f w| (+ |bias|), and on the dot-product route what flushing subnormals can
+    lose) + half an ulp, on valid rows; 0 elsewhere."""
     for y, (w, b), f in zip(got, projections_, feats_by_proj):
         x = reference.bf16_widen(f[mask]).astype(np.float64)
         w64 = reference.bf16_widen(w).astype(np.float64)
         exact = x @ w64.T + (0 if b is None else b.astype(np.float64))
-        mag = np.abs(x) @ np.abs(w64).T + (0 if b is None else np.abs(b.astype(np.float64)))
-        g = gamma(x.shape[0], x.shape[1], w.dtype)
         ulp = np.spacing(np.abs(y[mask])).astype(np.float64)
-        assert np.all(np.abs(y[mask] - exact) <= g * mag + ulp / 2)
+        assert np.all(np.abs(y[mask] - exact) <= error_bound(f[mask], w, b) + ulp / 2)
         padded = np.broadcast_to(np.float32(0) if b is None else b, y[~mask].shape)
         assert np.array_equal(y[~mask], padded)  # F.linear on zero features: the bias
 
@@ -102,17 +102,31 @@ def test_thread_count_does_not_change_bytes(rng, tokens):
         assert all(a.tobytes() == b.tobytes() for a, b in zip(first, again))
 
 
-def test_projections_cut_into_segments_are_the_linears_bytes(rng):
+@pytest.mark.parametrize("dot", [False, True])
+def test_projections_cut_into_segments_are_the_linears_bytes(rng, monkeypatch, dot):
     """V2 on the sgemm route with in-dimensions cut differently per projection (25 segments of
-    two chunks, taken in two steps, for 1300 outputs; 50 of one chunk for 40): each projection
-    byte-identical to linear() on the materialised features, for 1 and 2 threads."""
+    two chunks, taken in two steps, for 1300 outputs; 50 of one chunk for 40), and on the
+    dot-product route where the CPU has it (3 segments): each projection byte-identical to
+    linear() on the materialised features, for 1 and 2 threads."""
+    from ltx2blas import _gemm
     from ltx2blas.linear_layer import plan, segments
+    if dot and not _gemm.has_dot_linear():
+        pytest.skip(f"the {_gemm.kernel_name()} kernel table has no dot-product Linear "
+                    "(it needs AVX512_BF16)")
+    if not dot:  # the sgemm route on every table
+        monkeypatch.setattr(_gemm, "has_dot_linear", lambda: False)
     h = hidden(rng, (1, 520, 64, 400))
     mask = np.ones((1, 520), bool)
     projs = projections(rng, "v2", 25600, (1300, 40))
-    route, blocks = plan(520, np.uint16)
+    route, blocks = plan(520, np.uint16, x_dtype=np.uint16)
+    if dot:
+        assert route == "dot_panel"
+        assert [segments(520, o, 25600, route, blocks)[0] for o in (1300, 40)] == [3, 3]
+        route = "sgemm"  # the checks below, as for the sgemm route
+        blocks = None
     assert route == "sgemm"
-    assert [segments(520, o, 25600, route, blocks)[0] for o in (1300, 40)] == [25, 50]
+    if blocks is not None:
+        assert [segments(520, o, 25600, route, blocks)[0] for o in (1300, 40)] == [25, 50]
     got = ltx2blas.text_features(h, mask, projs, version="v2", threads=2)
     again = ltx2blas.text_features(h, mask, projs, version="v2", threads=1)
     for (w, b), y, y1 in zip(projs, got, again):
@@ -137,10 +151,12 @@ def test_the_projections_run_the_linears_tasks_at_every_real_shape(rng, monkeypa
     h = hidden(rng, (1, 90, 64, 200))
     projs = projections(rng, "v2", 12800, (300, 40))
     ltx2blas.text_features(h, np.ones((1, 90), bool), projs, version="v2")
-    assert ran == [sum(task_count(90, o, 12800, np.uint16) for o in (300, 40))]
+    bf16 = np.uint16  # the features are bf16
+    assert ran == [sum(task_count(90, o, 12800, np.uint16, x_dtype=bf16) for o in (300, 40))]
     for tokens in (1, 3, 8, 64, 65, 200, 1024, 2048):
-        assert task_count(tokens, 3840, 188160, np.uint16) >= 256
-        assert sum(task_count(tokens, o, 188160, np.uint16) for o in (4096, 2048)) >= 256
+        assert task_count(tokens, 3840, 188160, np.uint16, x_dtype=bf16) >= 256
+        assert sum(task_count(tokens, o, 188160, np.uint16, x_dtype=bf16)
+                   for o in (4096, 2048)) >= 256
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
@@ -168,7 +184,9 @@ def test_non_finite_hidden_states_propagate_like_the_reference(rng):
         assert np.array_equal(f[~nan], fr[~nan])
 
 
-def test_progress(rng):
+def test_progress(rng, monkeypatch):
+    from ltx2blas import _gemm
+    monkeypatch.setattr(_gemm, "has_dot_linear", lambda: False)  # the sgemm route everywhere
     h = hidden(rng, (1, 80, 64, 200))   # 12,800 features, 25 segments (sgemm route)
     seen = []
     ltx2blas.text_features(h, np.ones((1, 80), bool), projections(rng, "v1", 12800),
@@ -218,12 +236,16 @@ with open('/proc/self/clear_refs', 'w') as f:
     f.write('5')
 before = status('VmRSS')
 ltx2blas.text_features(h, mask, projs, version="v2", threads=2)
-# what the feature extractor holds by design: per projection, one chunk (512 features) of each
-# segment of the in-dimension for every valid row, and each segment's sums
+# what the feature extractor holds by design: per projection, one chunk of each segment of the
+# in-dimension for every valid row (512 f32 features on the sgemm route, 2048 bf16 on the
+# dot-product route), and each segment's sums
+from ltx2blas.linear_layer import DOT_ROUTES, plan, segments
+route, blocks = plan(200, np.uint16, x_dtype=np.uint16)
+size = 2 if route in DOT_ROUTES else 4
 held = 0
 for w in ws:
-    count, _ = ltx2blas.linear_layer.segments(200, w.shape[0], 188160, "sgemm", (512, 256, 512))
-    held += count * 200 * 512 * 4 + count * 200 * w.shape[0] * 4
+    count, length = segments(200, w.shape[0], 188160, route, blocks)
+    held += count * 200 * min(blocks[2], length) * size + count * 200 * w.shape[0] * 4
 print(json.dumps({"growth": status('VmHWM') - before, "features_f32": 200 * 188160 * 4,
                   "held": held}))
 """
@@ -236,6 +258,7 @@ def test_features_are_never_materialised():
     assert out.returncode == 0, out.stderr[-2000:]
     m = json.loads(out.stdout)
     # The flattened f32 features of the 200 valid rows alone would be 150 MB; the panels and
-    # sums held are a fifth of that at these narrow outputs (34 segments), and less at LTX-2's.
+    # sums held are a fifth of that at these narrow outputs (34 segments of the sgemm route, or
+    # 16 of the dot-product route's bf16), and less at LTX-2's.
     assert m["held"] < m["features_f32"] / 4, m
     assert m["growth"] <= m["held"] + 8 * 2**20, m

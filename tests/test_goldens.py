@@ -100,7 +100,7 @@ def test_feature_goldens_exist():
 
 @pytest.mark.parametrize("path", FEATURE_CASES, ids=os.path.basename)
 def test_text_features_reproduce_golden(path):
-    from ltx2blas.linear_layer import gamma
+    from ltx2blas.linear_layer import error_bound
 
     with np.load(path) as f:
         case = {k: f[k] for k in f.files}
@@ -113,10 +113,8 @@ def test_text_features_reproduce_golden(path):
         feats = ltx2blas.normalized_features(case["hidden"], mask, version=version,
                                              out_features=w.shape[0])
         assert np.array_equal(feats, case[f"features{i}"])
-        x = reference.bf16_widen(feats[mask]).astype(np.float64)
-        w64 = reference.bf16_widen(w).astype(np.float64)
-        mag = np.abs(x) @ np.abs(w64).T + (0 if b is None else np.abs(b.astype(np.float64)))
-        bound = gamma(x.shape[0], x.shape[1], w.dtype) * mag + np.spacing(np.abs(y[mask])) / 2
+        # the derived bound of the route linear() takes on these bf16 features
+        bound = error_bound(feats[mask], w, b) + np.spacing(np.abs(y[mask])) / 2
         assert np.all(np.abs(y[mask] - case[f"expected{i}"][mask]) <= bound)
         assert np.array_equal(y[~mask], case[f"expected{i}"][~mask].astype(np.float32))
 

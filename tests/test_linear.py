@@ -247,9 +247,52 @@ def test_every_real_shape_is_cut_into_256_tasks():
     blocks times the in-dimension's segments, whatever the thread count."""
     for feats in (2048, 3840, 4096):
         for rows in (1, 2, 4, 8, 16, 17, 32, 64, 65, 128, 256, 512, 513, 1024, 2048):
-            count, length = segments(rows, feats, REAL_WIDTH, *plan(rows, np.uint16))
-            assert count == -(-REAL_WIDTH // length) and count <= 2 * 34
-            assert task_count(rows, feats, REAL_WIDTH, np.uint16) >= 256, (rows, feats)
+            for x_dtype in (np.float32, np.uint16):  # bf16 x: the dot-product route, if any
+                route, blocks = plan(rows, np.uint16, x_dtype=x_dtype)
+                count, length = segments(rows, feats, REAL_WIDTH, route, blocks)
+                assert count == -(-REAL_WIDTH // length) and count <= 2 * 34
+                assert task_count(rows, feats, REAL_WIDTH, np.uint16,
+                                  x_dtype=x_dtype) >= 256, (rows, feats, route)
+
+
+needs_dot = pytest.mark.skipif(
+    not _gemm.has_dot_linear(),
+    reason=f"the {_gemm.kernel_name()} kernel table has no dot-product Linear (AVX512_BF16)")
+
+
+@needs_dot
+@pytest.mark.parametrize("rows", [1, 5, 8, 17, 64, 70, 130])
+def test_dot_route_on_bf16_x_within_its_bound_and_thread_independent(rng, rows):
+    """bf16 x and weight take a dot-product route at every row count (the panel one from 32
+    rows), with in-dimensions that leave partial vectors, blocks, chunks and segments; within the derived bound, the same bytes for 1
+    and 2 threads and from run to run."""
+    x, w, b = case(rng, rows, 2 * 12288 + 4096 + 37, 45, True, True, "f32")
+    assert plan(rows, w.dtype, x_dtype=x.dtype)[0] == ("dot_panel" if rows >= 32 else "dot")
+    y = ltx2blas.linear(x, w, b, threads=2)
+    assert np.all(np.abs(y - exact(x, w, b)) <= error_bound(x, w, b) + f32_ulp(y) / 2)
+    assert y.tobytes() == ltx2blas.linear(x, w, b, threads=1).tobytes()
+    assert y.tobytes() == ltx2blas.linear(x, w, b, threads=2).tobytes()
+
+
+@needs_dot
+@pytest.mark.parametrize("rows", [6, 40])
+def test_dot_route_flushes_subnormals_within_the_bound(rng, rows):
+    """VDPBF16PS treats subnormal inputs as zero and flushes subnormal products and sums: on
+    terms made of them the result departs from the exact sum by what error_bound adds for the
+    dot-product routes, and no more."""
+    cols = 4096 + 41
+    x, w, _ = case(rng, rows, cols, 9, True, True, None)
+    x[:, ::7] = 0x0040                  # 2**-127 * 1.0 (bf16 subnormal) ...
+    w[:, ::7] = 0x7E80                  # ... times 2**126: a product of 0.5 that is flushed
+    x[:, 3::11] = 0x0F80                # 2**-96 x 2**-40: a subnormal product
+    w[:, 3::11] = 0x2B80
+    y = ltx2blas.linear(x, w)
+    err = np.abs(y - exact(x, w))
+    bound = error_bound(x, w)
+    assert np.all(err <= bound + f32_ulp(y) / 2)
+    gamma_only = gamma(rows, cols, w.dtype, feats=9, x_dtype=x.dtype) * (
+        np.abs(as_f64(x)) @ np.abs(as_f64(w)).T)
+    assert np.any(err > gamma_only)     # the flushing is real, and the bound carries it
 
 
 @pytest.mark.parametrize("rows", [70, 600])

@@ -912,6 +912,234 @@ static void stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_id
         }
 }
 
+#if defined(LTX_BF16_CONVERT)
+/* ---- The Linear on bf16 x: two products per instruction, straight from both operands' rows ----
+ *
+ * x and the weight both hold k contiguously, and a vector of 32 bf16 from each is exactly what
+ * VDPBF16PS pairs: lane j adds x[2j+1] w[2j+1], then x[2j] w[2j], each rounded. So neither
+ * operand is widened or packed; a (weight row, row of x) pair's 16 lane sums restart every
+ * LTX_DOT_BLOCK elements, as the streaming kernel's restart every LTX_STREAM_BLOCK, and the
+ * rest of the order is stream_wxt's. Register tile: DR weight rows x DM rows of x, 16
+ * accumulators (8 loads a 16 instructions; 4 x 6 and 6 x 4 tiles measured slower); up to
+ * DOT_FEW8 rows of x, 8 weight rows, for the memory streams, as in stream_wxt. (Tuning runs: bench/results/amd-epyc-zen4-avx512bf16/
+ * tuning.md.) */
+#define DOT_BLOCK LTX_DOT_BLOCK
+#define DOT_VEC (2 * VW)
+#define DR 4
+#define DM 4
+#define DOT_FEW8 4
+/* Weight elements ahead asked for into L1, as STREAM_AHEAD; and with more rows of x than
+ * DOT_FEW8, also DOT_FAR ahead into L2: the first row group to use a block of weight rows
+ * consumes them twice as fast as the streaming kernel does (no widening), in bursts that
+ * the hardware prefetcher alone does not keep up with. With few rows the 8 rows' streams
+ * suffice and the extra requests only cost. */
+#define DOT_AHEAD 256
+#define DOT_FAR 2048
+_Static_assert(DM == 4, "dot_stream_wxt has a case for every row count up to DM");
+
+static inline __attribute__((always_inline)) void
+dot_stream_block(const int MM, const int R, const int FAR, ltx_idx len, const uint16_t *x,
+                 ltx_idx ldx, const uint16_t *w, ltx_idx ldw, const uint16_t *next, float *lanes,
+                 ltx_idx mt)
+{
+    __m512 s[8][DM];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MM; m++)
+            s[r][m] = _mm512_setzero_ps();
+    for (ltx_idx k = 0; k < len; k += DOT_VEC) {
+        __m512bh wv[8];
+        const ltx_idx ahead = k + DOT_AHEAD;
+        for (int r = 0; r < R; r++) {
+            __builtin_prefetch(ahead < len ? w + r * ldw + ahead : next + r * ldw + (ahead - len),
+                               0, 3);
+            if (FAR) {
+                const ltx_idx far = k + DOT_FAR;
+                __builtin_prefetch(far < len ? w + r * ldw + far : next + r * ldw + (far - len),
+                                   0, 2);
+            }
+            wv[r] = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
+        }
+        for (int m = 0; m < MM; m++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
+            IN_REGISTER(xv);
+            for (int r = 0; r < R; r++)
+                s[r][m] = _mm512_dpbf16_ps(s[r][m], xv, wv[r]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MM; m++) {
+            float *lane = lanes + (r * mt + m) * VW;
+            _mm512_storeu_ps(lane, _mm512_add_ps(_mm512_loadu_ps(lane), s[r][m]));
+        }
+}
+
+#define DOT_CASE(MM)                                                                          \
+    case MM:                                                                                  \
+        if (MM <= DOT_FEW8 && R == 8)                                                         \
+            dot_stream_block(MM, 8, 0, len, xb, ldx, wb, ldw, next, lb, mt);                  \
+        else if (R == DR)                                                                     \
+            dot_stream_block(MM, DR, 1, len, xb, ldx, wb, ldw, next, lb, mt);                 \
+        else                                                                                  \
+            dot_stream_block(MM, 1, 1, len, xb, ldx, wb, ldw, next, lb, mt);                  \
+        break;
+
+static void dot_stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x, ltx_idx ldx,
+                           const uint16_t *w, ltx_idx ldw, float *acc, float *lanes)
+{
+    const ltx_idx kv = kt - kt % DOT_VEC;
+    /* As stream_wxt: x held in spans of about 128 KiB (the whole row with 4 rows or fewer),
+     * each weight row read in runs of up to 16 blocks. */
+    const ltx_idx span = mt <= 4 ? kv + DOT_BLOCK : DOT_BLOCK * (mt < 64 ? 64 / mt : 1);
+    const ltx_idx tile_rows = mt <= DOT_FEW8 ? 8 : DR;
+    for (ltx_idx i = 0; i < n * mt * VW; i++)
+        lanes[i] = 0.0f;
+    for (ltx_idx s0 = 0; s0 < kv; s0 += span) {
+        const ltx_idx s1 = (kv - s0 < span) ? kv : s0 + span;
+        for (ltx_idx o = 0, R; o < n; o += R) {
+            R = (n - o >= tile_rows) ? tile_rows : 1;
+            for (ltx_idx k0 = s0; k0 < s1; k0 += DOT_BLOCK) {
+                const ltx_idx len = (s1 - k0 < DOT_BLOCK) ? s1 - k0 : DOT_BLOCK;
+                const uint16_t *wb = w + o * ldw + k0;
+                const uint16_t *next = (k0 + len < s1) ? wb + len
+                                       : (o + R < n) ? w + (o + R) * ldw + s0
+                                                     : w + (s1 < kv ? s1 : s0);
+                for (ltx_idx m0 = 0; m0 < mt; m0 += DM) {
+                    const ltx_idx mm = (mt - m0 < DM) ? mt - m0 : DM;
+                    const uint16_t *xb = x + m0 * ldx + k0;
+                    float *lb = lanes + (o * mt + m0) * VW;
+                    switch (mm) {
+                        DOT_CASE(1)
+                        DOT_CASE(2)
+                        DOT_CASE(3)
+                        DOT_CASE(4)
+                    }
+                }
+            }
+        }
+    }
+    for (ltx_idx o = 0; o < n; o++)
+        for (ltx_idx m = 0; m < mt; m++) {
+            float sum = lane_tree(LOADV(lanes + (o * mt + m) * VW));
+            for (ltx_idx k = kv; k < kt; k++)
+                sum = sum + ltx_bf16_value(x[m * ldx + k]) * ltx_bf16_value(w[o * ldw + k]);
+            acc[o * mt + m] = acc[o * mt + m] + sum;
+        }
+}
+#undef DOT_CASE
+
+/* ---- The dot-product Linear with many rows of x: x packed, the weight broadcast ----
+ *
+ * dot_stream_wxt loads a full vector of each operand for every 16 products a lane pair, which
+ * L2 cannot feed at the instruction's rate once x no longer fits L1. Here the call's x is
+ * packed once, chunk by chunk of LTX_DOT_PANEL_CHUNK elements, into strips of NR rows, pairs
+ * transposed (strip s, pair q: the pairs of rows s NR .. s NR + NR - 1), and the fuse's
+ * register block runs over it: per pair, NRV vectors of the strip and one broadcast pair of
+ * each of MR weight rows, read where they lie -- a row block at a time through the whole
+ * call, so that each weight row is read in one run. Each chunk's sum of an output starts from
+ * +0.0 and adds its pairs in order (the higher element's product, then the lower's, as the
+ * instruction does), then an odd last element, and is added to acc. */
+
+/* xs[(s kp + q) NR + j] = the bf16 pair at x[(s NR + j), 2q] (elements 2q, 2q + 1; zero rows
+ * past mt) for kp pairs. */
+static void pack_x_pairs(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kp, uint32_t *xs)
+{
+    const ltx_idx strips = (mt + NR - 1) / NR;
+    for (ltx_idx s = 0; s < strips; s++)
+        for (ltx_idx j = 0; j < NR; j++) {
+            uint32_t *d = xs + s * kp * NR + j;
+            const ltx_idx row = s * NR + j;
+            if (row >= mt) {
+                for (ltx_idx q = 0; q < kp; q++)
+                    d[q * NR] = 0;
+                continue;
+            }
+            const uint16_t *src = x + row * ldx;
+            for (ltx_idx q = 0; q < kp; q++) {
+                uint32_t v;
+                memcpy(&v, src + 2 * q, 4);
+                d[q * NR] = v;
+            }
+        }
+}
+
+/* sums[r np + j] = the pairs' sum for weight row r and column j of one strip (R rows). */
+static inline __attribute__((always_inline)) void
+dot_panel_block(const int R, ltx_idx kp, const uint16_t *w, ltx_idx ldw, const uint32_t *ys,
+                float *sums, ltx_idx np)
+{
+    __m512 acc[MR][NRV];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NRV; v++)
+            acc[r][v] = _mm512_setzero_ps();
+    for (ltx_idx q = 0; q < kp; q++) {
+        __m512bh yv[NRV];
+        for (int v = 0; v < NRV; v++)
+            yv[v] = (__m512bh)_mm512_loadu_si512(ys + q * NR + v * VW);
+        for (int r = 0; r < R; r++) {
+            uint32_t pair;
+            memcpy(&pair, w + r * ldw + 2 * q, 4);
+            const __m512bh ws = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int v = 0; v < NRV; v++)
+                acc[r][v] = _mm512_dpbf16_ps(acc[r][v], ws, yv[v]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NRV; v++)
+            _mm512_storeu_ps(sums + r * np + v * VW, acc[r][v]);
+}
+
+static void dot_panel_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x, ltx_idx ldx,
+                          const uint16_t *w, ltx_idx ldw, float *acc, float *scratch)
+{
+    const ltx_idx strips = (mt + NR - 1) / NR, np = strips * NR;
+    const ltx_idx chunks = (kt + LTX_DOT_PANEL_CHUNK - 1) / LTX_DOT_PANEL_CHUNK;
+    uint32_t *xs = (uint32_t *)scratch;  /* chunk c's strips at c * np * LTX_DOT_PANEL_CHUNK / 2 */
+    float *sums = scratch + chunks * np * (LTX_DOT_PANEL_CHUNK / 2);
+    for (ltx_idx k0 = 0; k0 < kt; k0 += LTX_DOT_PANEL_CHUNK) {
+        const ltx_idx len = (kt - k0 < LTX_DOT_PANEL_CHUNK) ? kt - k0 : LTX_DOT_PANEL_CHUNK;
+        pack_x_pairs(x + k0, ldx, mt, len / 2,
+                     xs + k0 / LTX_DOT_PANEL_CHUNK * np * (LTX_DOT_PANEL_CHUNK / 2));
+    }
+    for (ltx_idx i = 0; i < n; i += MR) {
+        const ltx_idx rows = (n - i < MR) ? n - i : MR;
+        for (ltx_idx k0 = 0; k0 < kt; k0 += LTX_DOT_PANEL_CHUNK) {
+            const ltx_idx len = (kt - k0 < LTX_DOT_PANEL_CHUNK) ? kt - k0 : LTX_DOT_PANEL_CHUNK;
+            const ltx_idx kp = len / 2;
+            const uint32_t *xc = xs + k0 / LTX_DOT_PANEL_CHUNK * np * (LTX_DOT_PANEL_CHUNK / 2);
+            const uint16_t *wb = w + i * ldw + k0;
+            for (ltx_idx s = 0; s < strips; s++) {
+                const uint32_t *ys = xc + s * kp * NR;
+                float *sb = sums + s * NR;
+                switch (rows) {
+#define PANEL_CASE(R)                                                                         \
+                case R:                                                                       \
+                    dot_panel_block(R, kp, wb, ldw, ys, sb, np);                              \
+                    break;
+                    PANEL_CASE(MR)
+                    PANEL_CASE(1)
+                    PANEL_CASE(2)
+                    PANEL_CASE(3)
+                    PANEL_CASE(4)
+                    PANEL_CASE(5)
+                    PANEL_CASE(6)
+                    PANEL_CASE(7)
+#undef PANEL_CASE
+                }
+            }
+            for (ltx_idx r = 0; r < rows; r++)
+                for (ltx_idx m = 0; m < mt; m++) {
+                    float sum = sums[r * np + m];
+                    if (len & 1)
+                        sum = sum + ltx_bf16_value(x[m * ldx + k0 + len - 1]) *
+                                    ltx_bf16_value(wb[r * ldw + len - 1]);
+                    acc[(i + r) * mt + m] = acc[(i + r) * mt + m] + sum;
+                }
+        }
+    }
+}
+_Static_assert(MR == 8, "dot_panel_wxt has a case for every row count up to MR");
+#endif
+
 /* ---- The Linear from 48 to 64 rows of x: the fuse's register blocks ----
  *
  * With that many rows the streaming kernel's widening (two vector operations per 8 weights,
@@ -1307,6 +1535,8 @@ const ltx_kernels TABLE = {
     .seq_product_panel = seq_product_panel,
 #if defined(LTX_BF16_CONVERT)
     .dot_fuse_bf16 = dot_fuse_bf16,  /* NULL in the other tables */
+    .dot_stream_wxt = dot_stream_wxt,
+    .dot_panel_wxt = dot_panel_wxt,
 #endif
     .pack_pairs_rows = pack_pairs_rows,
     .pack_pairs_cols = pack_pairs_cols,

@@ -90,6 +90,18 @@ static inline uint64_t ltx_splitmix64(uint64_t x)
  * the Linear's segments are cut at multiples of it. */
 #define LTX_STREAM_BLOCK 4096
 
+/* The dot-product Linear's lane sums restart every this many elements of k (see
+ * dot_stream_wxt). */
+#define LTX_DOT_BLOCK 2048
+
+/* The dot-product panel Linear's sums restart every this many elements of k (see
+ * dot_panel_wxt), and its scratch for mt rows of x and kt elements of k: x in strips of pairs
+ * (mt rounded up to 32 columns), chunk by chunk, and one row block's sums. */
+#define LTX_DOT_PANEL_CHUNK 512
+#define LTX_DOT_PANEL_SCRATCH(mt, kt)                                                       \
+    ((((mt) + 31) / 32 * 32) *                                                             \
+     (((kt) + LTX_DOT_PANEL_CHUNK - 1) / LTX_DOT_PANEL_CHUNK * (LTX_DOT_PANEL_CHUNK / 2) + 8))
+
 /* The panel Linear's sums restart every this many elements of k (see panel_wxt). */
 #define LTX_PANEL_CHUNK 512
 
@@ -142,6 +154,22 @@ typedef struct {
      * widening shares the FMA pipes. scratch: LTX_PANEL_SCRATCH(mt) floats */
     void (*panel_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
                       const uint16_t *w, ltx_idx ldw, float *acc, float *scratch);
+    /* acc[o * mt + m] += sum_k f32(x[m, k]) * f32(w[o, k]) from bf16 rows of both, two terms
+     * per instruction (VDPBF16PS: lane j of a 32-element vector adds the products of elements
+     * 2j + 1, then 2j, each rounded, subnormal inputs, products and sums flushed to zero), lane
+     * sums restarting every LTX_DOT_BLOCK elements, then stream_wxt's tree and in-order tail;
+     * lanes: scratch of n * mt * LTX_STREAM_LANES floats. NULL in tables without the
+     * instruction. */
+    void (*dot_stream_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x, ltx_idx ldx,
+                           const uint16_t *w, ltx_idx ldw, float *acc, float *lanes);
+    /* The same sum in another fixed order: k cut into chunks of LTX_DOT_PANEL_CHUNK from 0,
+     * each chunk's sum from +0.0 adding its pairs in order (VDPBF16PS: the higher element's
+     * product, then the lower's, subnormals flushed), then an odd last element, the chunks'
+     * sums added to acc in order; x packed once a call, the weight rows broadcast, for
+     * many rows of x. scratch: LTX_DOT_PANEL_SCRATCH(mt, kt) floats. NULL where
+     * dot_stream_wxt is. */
+    void (*dot_panel_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x, ltx_idx ldx,
+                          const uint16_t *w, ltx_idx ldw, float *acc, float *scratch);
     /* The fewest rows of x for which this table's Linear takes panel_wxt (0: never; the
      * tables where it was not measured faster keep the streaming kernel) */
     int panel_min_rows;
