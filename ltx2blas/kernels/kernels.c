@@ -858,15 +858,49 @@ stream_block(const int MM, const int R, ltx_idx len, const float *x, ltx_idx ldx
             stream_block(MM, 1, len, xb, ldx, wb, ldw, next, lb, mt);                         \
         break;
 
-static void stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
-                       const uint16_t *w, ltx_idx ldw, float *acc, float *lanes)
+/* One register tile of the streaming kernel: mm rows of x (at most SM) against R weight rows. */
+static inline __attribute__((always_inline)) void
+stream_tile(ltx_idx mm, ltx_idx R, ltx_idx len, const float *xb, ltx_idx ldx, const uint16_t *wb,
+            ltx_idx ldw, const uint16_t *next, float *lb, ltx_idx mt)
 {
-    const ltx_idx kv = kt - kt % VW;
-    /* x is held in spans of about 256 KiB (mt rows); within one, each weight row is read in one
-     * run of up to 16 blocks, long enough for the hardware prefetcher. With 4 rows of x or
-     * fewer the product is bound by memory, and the span is the whole row. */
-    const ltx_idx span = mt <= 4 ? kv + STREAM_BLOCK : STREAM_BLOCK * (mt < 16 ? 16 / mt : 1);
-    const ltx_idx tile_rows = stream_rows(mt);
+    switch (mm) {
+        STREAM_CASE(1)
+        STREAM_CASE(2)
+        STREAM_CASE(3)
+        STREAM_CASE(4)
+#if SM > 4
+        STREAM_CASE(5)
+        STREAM_CASE(6)
+#endif
+#if SM > 6
+        STREAM_CASE(7)
+        STREAM_CASE(8)
+#endif
+    }
+}
+
+#if defined(LTX_BF16_CONVERT)
+static inline __attribute__((always_inline)) void
+dot_tile(ltx_idx mm, ltx_idx R, ltx_idx len, const uint16_t *xb, ltx_idx ldx, const uint16_t *wb,
+         ltx_idx ldw, const uint16_t *next, float *lb, ltx_idx mt);
+#endif
+
+/* The walk of the two lane-sum kernels, stream_wxt (f32 x, dot = 0) and dot_stream_wxt (bf16
+ * x, dot = 1): lane blocks of `block` elements in vectors of `vec`, tiles of up to `xrows`
+ * rows of x by `tile_rows` weight rows. x is held in spans of about `span_rows` rows' worth of
+ * blocks (256 KiB for the streaming kernel, 128 KiB for the dot-product one); within one,
+ * each weight row is read in one run of up to 16 blocks, long enough for the hardware
+ * prefetcher. With 4 rows of x or fewer the product is bound by memory, and the span is the
+ * whole row. */
+static inline __attribute__((always_inline)) void
+lanes_walk(const int dot, ltx_idx vec, ltx_idx block, ltx_idx xrows, ltx_idx span_rows,
+           ltx_idx tile_rows, ltx_idx mt, ltx_idx n, ltx_idx kt, const void *x, ltx_idx ldx,
+           const uint16_t *w, ltx_idx ldw, float *acc, float *lanes)
+{
+    const float *xf = x;
+    const uint16_t *xh = x;
+    const ltx_idx kv = kt - kt % vec;
+    const ltx_idx span = mt <= 4 ? kv + block : block * (mt < span_rows ? span_rows / mt : 1);
     for (ltx_idx i = 0; i < n * mt * VW; i++)
         lanes[i] = 0.0f;
     for (ltx_idx s0 = 0; s0 < kv; s0 += span) {
@@ -874,31 +908,23 @@ static void stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_id
         /* tile_rows weight rows at a time, the last few one by one. */
         for (ltx_idx o = 0, R; o < n; o += R) {
             R = (n - o >= tile_rows) ? tile_rows : 1;
-            for (ltx_idx k0 = s0; k0 < s1; k0 += STREAM_BLOCK) {
-                const ltx_idx len = (s1 - k0 < STREAM_BLOCK) ? s1 - k0 : STREAM_BLOCK;
+            for (ltx_idx k0 = s0; k0 < s1; k0 += block) {
+                const ltx_idx len = (s1 - k0 < block) ? s1 - k0 : block;
                 const uint16_t *wb = w + o * ldw + k0;
                 const uint16_t *next = (k0 + len < s1) ? wb + len
                                        : (o + R < n) ? w + (o + R) * ldw + s0
                                                      : w + (s1 < kv ? s1 : s0);
-                /* Rows of x SM at a time; this block of the weight rows stays in cache. */
-                for (ltx_idx m0 = 0; m0 < mt; m0 += SM) {
-                    const ltx_idx mm = (mt - m0 < SM) ? mt - m0 : SM;
-                    const float *xb = x + m0 * ldx + k0;
+                /* Rows of x xrows at a time; this block of the weight rows stays in cache. */
+                for (ltx_idx m0 = 0; m0 < mt; m0 += xrows) {
+                    const ltx_idx mm = (mt - m0 < xrows) ? mt - m0 : xrows;
                     float *lb = lanes + (o * mt + m0) * VW;
-                    switch (mm) {
-                        STREAM_CASE(1)
-                        STREAM_CASE(2)
-                        STREAM_CASE(3)
-                        STREAM_CASE(4)
-#if SM > 4
-                        STREAM_CASE(5)
-                        STREAM_CASE(6)
-#endif
-#if SM > 6
-                        STREAM_CASE(7)
-                        STREAM_CASE(8)
-#endif
+#if defined(LTX_BF16_CONVERT)
+                    if (dot) {
+                        dot_tile(mm, R, len, xh + m0 * ldx + k0, ldx, wb, ldw, next, lb, mt);
+                        continue;
                     }
+#endif
+                    stream_tile(mm, R, len, xf + m0 * ldx + k0, ldx, wb, ldw, next, lb, mt);
                 }
             }
         }
@@ -907,9 +933,17 @@ static void stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_id
         for (ltx_idx m = 0; m < mt; m++) {
             float sum = lane_tree(LOADV(lanes + (o * mt + m) * VW));
             for (ltx_idx k = kv; k < kt; k++)
-                sum = sum + x[m * ldx + k] * ltx_bits_f32((uint32_t)w[o * ldw + k] << 16);
+                sum = sum + (dot ? ltx_bf16_value(xh[m * ldx + k]) : xf[m * ldx + k]) *
+                            ltx_bf16_value(w[o * ldw + k]);
             acc[o * mt + m] = acc[o * mt + m] + sum;
         }
+}
+
+static void stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
+                       const uint16_t *w, ltx_idx ldw, float *acc, float *lanes)
+{
+    lanes_walk(0, VW, STREAM_BLOCK, SM, 16, stream_rows(mt), mt, n, kt, x, ldx, w, ldw, acc,
+               lanes);
 }
 
 #if defined(LTX_BF16_CONVERT)
@@ -983,47 +1017,23 @@ dot_stream_block(const int MM, const int R, const int FAR, ltx_idx len, const ui
             dot_stream_block(MM, 1, 1, len, xb, ldx, wb, ldw, next, lb, mt);                  \
         break;
 
+static inline __attribute__((always_inline)) void
+dot_tile(ltx_idx mm, ltx_idx R, ltx_idx len, const uint16_t *xb, ltx_idx ldx, const uint16_t *wb,
+         ltx_idx ldw, const uint16_t *next, float *lb, ltx_idx mt)
+{
+    switch (mm) {
+        DOT_CASE(1)
+        DOT_CASE(2)
+        DOT_CASE(3)
+        DOT_CASE(4)
+    }
+}
+
 static void dot_stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x, ltx_idx ldx,
                            const uint16_t *w, ltx_idx ldw, float *acc, float *lanes)
 {
-    const ltx_idx kv = kt - kt % DOT_VEC;
-    /* As stream_wxt: x held in spans of about 128 KiB (the whole row with 4 rows or fewer),
-     * each weight row read in runs of up to 16 blocks. */
-    const ltx_idx span = mt <= 4 ? kv + DOT_BLOCK : DOT_BLOCK * (mt < 64 ? 64 / mt : 1);
-    const ltx_idx tile_rows = mt <= DOT_FEW8 ? 8 : DR;
-    for (ltx_idx i = 0; i < n * mt * VW; i++)
-        lanes[i] = 0.0f;
-    for (ltx_idx s0 = 0; s0 < kv; s0 += span) {
-        const ltx_idx s1 = (kv - s0 < span) ? kv : s0 + span;
-        for (ltx_idx o = 0, R; o < n; o += R) {
-            R = (n - o >= tile_rows) ? tile_rows : 1;
-            for (ltx_idx k0 = s0; k0 < s1; k0 += DOT_BLOCK) {
-                const ltx_idx len = (s1 - k0 < DOT_BLOCK) ? s1 - k0 : DOT_BLOCK;
-                const uint16_t *wb = w + o * ldw + k0;
-                const uint16_t *next = (k0 + len < s1) ? wb + len
-                                       : (o + R < n) ? w + (o + R) * ldw + s0
-                                                     : w + (s1 < kv ? s1 : s0);
-                for (ltx_idx m0 = 0; m0 < mt; m0 += DM) {
-                    const ltx_idx mm = (mt - m0 < DM) ? mt - m0 : DM;
-                    const uint16_t *xb = x + m0 * ldx + k0;
-                    float *lb = lanes + (o * mt + m0) * VW;
-                    switch (mm) {
-                        DOT_CASE(1)
-                        DOT_CASE(2)
-                        DOT_CASE(3)
-                        DOT_CASE(4)
-                    }
-                }
-            }
-        }
-    }
-    for (ltx_idx o = 0; o < n; o++)
-        for (ltx_idx m = 0; m < mt; m++) {
-            float sum = lane_tree(LOADV(lanes + (o * mt + m) * VW));
-            for (ltx_idx k = kv; k < kt; k++)
-                sum = sum + ltx_bf16_value(x[m * ldx + k]) * ltx_bf16_value(w[o * ldw + k]);
-            acc[o * mt + m] = acc[o * mt + m] + sum;
-        }
+    lanes_walk(1, DOT_VEC, DOT_BLOCK, DM, 64, mt <= DOT_FEW8 ? 8 : DR, mt, n, kt, x, ldx, w, ldw,
+               acc, lanes);
 }
 #undef DOT_CASE
 
