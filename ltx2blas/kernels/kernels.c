@@ -1051,25 +1051,60 @@ static void dot_stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x,
 
 /* xs[(s kp + q) NR + j] = the bf16 pair at x[(s NR + j), 2q] (elements 2q, 2q + 1; zero rows
  * past mt) for kp pairs. */
+/* r[j] = column j of the 16 x 16 matrix of 32-bit elements whose rows r held. */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16])
+{
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xDD);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+    }
+}
+
+/* Packed 16 pairs by 16 rows at a time, by transposes (a copy of one pair at a time took a
+ * quarter of the Linear's time); the last pairs one at a time. */
 static void pack_x_pairs(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kp, uint32_t *xs)
 {
-    const ltx_idx strips = (mt + NR - 1) / NR;
-    for (ltx_idx s = 0; s < strips; s++)
-        for (ltx_idx j = 0; j < NR; j++) {
-            uint32_t *d = xs + s * kp * NR + j;
-            const ltx_idx row = s * NR + j;
-            if (row >= mt) {
-                for (ltx_idx q = 0; q < kp; q++)
-                    d[q * NR] = 0;
-                continue;
+    const ltx_idx strips = (mt + NR - 1) / NR, kv = kp - kp % 16;
+    for (ltx_idx s = 0; s < strips; s++) {
+        uint32_t *strip = xs + s * kp * NR;
+        for (ltx_idx h = 0; h < NR; h += 16)
+            for (ltx_idx q0 = 0; q0 < kv; q0 += 16) {
+                __m512i r[16];
+                for (int i = 0; i < 16; i++) {
+                    const ltx_idx row = s * NR + h + i;
+                    r[i] = row < mt ? _mm512_loadu_si512(x + row * ldx + 2 * q0)
+                                    : _mm512_setzero_si512();
+                }
+                transpose16(r);
+                for (int j = 0; j < 16; j++)
+                    _mm512_storeu_si512(strip + (q0 + j) * NR + h, r[j]);
             }
-            const uint16_t *src = x + row * ldx;
-            for (ltx_idx q = 0; q < kp; q++) {
-                uint32_t v;
-                memcpy(&v, src + 2 * q, 4);
-                d[q * NR] = v;
+        for (ltx_idx j = 0; j < NR; j++) {
+            const ltx_idx row = s * NR + j;
+            for (ltx_idx q = kv; q < kp; q++) {
+                uint32_t v = 0;
+                if (row < mt)
+                    memcpy(&v, x + row * ldx + 2 * q, 4);
+                strip[q * NR + j] = v;
             }
         }
+    }
 }
 
 /* sums[r np + j] = the pairs' sum for weight row r and column j of one strip (R rows). */
@@ -1148,6 +1183,7 @@ static void dot_panel_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x, 
     }
 }
 _Static_assert(MR == 8, "dot_panel_wxt has a case for every row count up to MR");
+_Static_assert(NR % 16 == 0, "pack_x_pairs transposes 16 rows at a time");
 #endif
 
 /* ---- The Linear from 48 to 64 rows of x: the fuse's register blocks ----
