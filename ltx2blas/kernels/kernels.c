@@ -858,16 +858,16 @@ stream_block(const int MM, const int R, ltx_idx len, const float *x, ltx_idx ldx
             stream_block(MM, 1, len, xb, ldx, wb, ldw, next, lb, mt);                         \
         break;
 
+/* The cases of a lane-sum tile's switch on its rows of x, up to 4. */
+#define TILE_CASES(CASE) CASE(1) CASE(2) CASE(3) CASE(4)
+
 /* One register tile of the streaming kernel: mm rows of x (at most SM) against R weight rows. */
 static inline __attribute__((always_inline)) void
 stream_tile(ltx_idx mm, ltx_idx R, ltx_idx len, const float *xb, ltx_idx ldx, const uint16_t *wb,
             ltx_idx ldw, const uint16_t *next, float *lb, ltx_idx mt)
 {
     switch (mm) {
-        STREAM_CASE(1)
-        STREAM_CASE(2)
-        STREAM_CASE(3)
-        STREAM_CASE(4)
+        TILE_CASES(STREAM_CASE)
 #if SM > 4
         STREAM_CASE(5)
         STREAM_CASE(6)
@@ -1022,10 +1022,7 @@ dot_tile(ltx_idx mm, ltx_idx R, ltx_idx len, const uint16_t *xb, ltx_idx ldx, co
          ltx_idx ldw, const uint16_t *next, float *lb, ltx_idx mt)
 {
     switch (mm) {
-        DOT_CASE(1)
-        DOT_CASE(2)
-        DOT_CASE(3)
-        DOT_CASE(4)
+        TILE_CASES(DOT_CASE)
     }
 }
 
