@@ -14,8 +14,7 @@ from libc.math cimport NAN, isnan
 from libc.stdint cimport int64_t, uint16_t
 from libc.stdlib cimport free, malloc
 
-from ._gemm cimport (PRODUCT_DOT, PRODUCT_DOT_PANEL, chunk_panel_bytes, chunk_wxt, kernels,
-                     ltx_kernels)
+from ._gemm cimport chunk_panel_bytes, chunk_wxt, kernels, ltx_kernels, takes_bf16_x
 from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_alloc,
                         omp_get_thread_num, start_block)
 
@@ -80,7 +79,7 @@ cdef struct Projection:
     const float *bias         # [out] f32 or NULL
     float *acc                # [segments, n, out]: each task's transposed accumulator, packed
     float *x                  # this projection's panels of the current step: f32, or with
-                              # the dot-product product bf16 bits (the features are bf16)
+                              # bf16_panels bf16 bits (the features are bf16)
     float scale               # V2: sqrt(out / D) as f32; V1: unused
     Py_ssize_t out, panels, blocks, first_task
     Py_ssize_t segments, seg_len
@@ -104,6 +103,7 @@ cdef struct FeatureJob:
     int task_rows, task_feats, chunk
     Py_ssize_t row_blocks
     int product               # chunk_wxt's product (PRODUCT_*)
+    bint bf16_panels          # the product takes bf16 x: the panels hold bf16 bits
     const ltx_kernels *kern
 
 
@@ -133,6 +133,7 @@ cdef void normalize_row(const FeatureJob *job, Py_ssize_t r, Py_ssize_t step) no
     cdef const float *mean = job.mean + job.sample[r] * job.layers if not job.v2 else NULL
     cdef const float *rng = job.range_ + job.sample[r] * job.layers if not job.v2 else NULL
     cdef const float *inv = job.inv + r * job.layers if job.v2 else NULL
+    cdef bint bf16_panels = job.bf16_panels
     cdef Projection *pr
     for p in range(job.count):
         pr = &job.proj[p]
@@ -149,7 +150,7 @@ cdef void normalize_row(const FeatureJob *job, Py_ssize_t r, Py_ssize_t step) no
                         v = ltx_bf16_round(ltx_bf16_round(v * inv[l]) * pr.scale)
                     else:
                         v = ltx_bf16_round(((v - mean[l]) / rng[l]) * <float>8.0)
-                    if job.product == PRODUCT_DOT or job.product == PRODUCT_DOT_PANEL:
+                    if bf16_panels:
                         (<uint16_t *>pr.x)[base + j] = ltx_bf16_of(v)  # v is bf16: exact
                     else:
                         pr.x[base + j] = v
@@ -189,7 +190,7 @@ cdef void run_task(const FeatureJob *job, Py_ssize_t task, Py_ssize_t step,
     c0 = s0
     while c0 < s1:
         kt = <int>min(<Py_ssize_t>job.chunk, s1 - c0)
-        if job.product == PRODUCT_DOT or job.product == PRODUCT_DOT_PANEL:
+        if job.bf16_panels:
             xp = <uint16_t *>pr.x + slot(job, pr, seg, c) + m0 * kt
         else:
             xp = pr.x + slot(job, pr, seg, c) + m0 * kt
@@ -262,6 +263,7 @@ cdef class FeaturePlan:
         self.job.task_rows, self.job.task_feats, self.job.chunk = task_rows, task_feats, chunk
         self.job.row_blocks = (self.job.n + task_rows - 1) // task_rows
         self.job.product = product
+        self.job.bf16_panels = takes_bf16_x(product)
         self.job.kern = kernels(True)
         self.job.count = count
         self.proj = <Projection *>malloc(count * sizeof(Projection))
@@ -287,7 +289,7 @@ cdef class FeaturePlan:
             x = xs[p]
             needed = (self.proj[p].segments * self.proj[p].step_chunks * self.job.n
                       * min(<Py_ssize_t>chunk, self.proj[p].seg_len))
-            if product == PRODUCT_DOT or product == PRODUCT_DOT_PANEL:  # bf16, two an f32
+            if self.job.bf16_panels:  # bf16, two to an f32 element
                 needed = (needed + 1) // 2
             if (acc.shape[0] < self.proj[p].segments * self.job.n * self.proj[p].out or
                     x.shape[0] < needed):

@@ -96,6 +96,10 @@ cdef enum:
     PRODUCT_DOT = 3
     PRODUCT_DOT_PANEL = 4
 
+cdef inline bint takes_bf16_x(int product) noexcept nogil:
+    """Whether chunk_wxt's product reads x as bf16 bits (the dot-product kernels)."""
+    return product == PRODUCT_DOT or product == PRODUCT_DOT_PANEL
+
 cdef void chunk_wxt(const ltx_kernels *kern, int product, int mt, int ot, int kt,
                     const void *x, int ldx, const uint16_t *w16, const float *w32, int ldw,
                     float *panel, float *acc) noexcept nogil

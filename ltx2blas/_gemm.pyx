@@ -138,12 +138,13 @@ cdef void chunk_wxt(const ltx_kernels *kern, int product, int mt, int ot, int kt
                     const void *x, int ldx, const uint16_t *w16, const float *w32, int ldw,
                     float *panel, float *acc) noexcept nogil:
     """acc[ot, mt] += w[ot, kt] @ x[mt, kt]^T: one chunk of a Linear's task, the weight bf16
-    (w16) or f32 (w32), rows of stride ldw; x f32, or bf16 bits for the PRODUCT_DOT*.
+    (w16) or f32 (w32), rows of stride ldw; x f32, or bf16 bits where takes_bf16_x(product).
     PRODUCT_SGEMM: a bf16 weight is widened into ``panel`` (ot x kt floats) and multiplied by
     sgemm.  PRODUCT_STREAM / PRODUCT_PANEL / PRODUCT_DOT / PRODUCT_DOT_PANEL: a bf16 weight is
     read straight from its rows by the streaming, the panel or a dot-product kernel (``panel``
-    then holds the kernel's scratch; the dot-product kernels must exist in the table).  The Linear and the
-    feature extractor both add their chunks here, so their results are the same bytes."""
+    then holds the kernel's scratch; the dot-product kernels must exist in the table).  The
+    Linear and the feature extractor both add their chunks here, so their results are the
+    same bytes."""
     if mt <= 0 or ot <= 0 or kt <= 0:
         return
     if product == PRODUCT_STREAM:

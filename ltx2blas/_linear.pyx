@@ -15,8 +15,8 @@ from cython.parallel cimport parallel, prange
 from libc.stdint cimport uint16_t
 from libc.stdlib cimport free, malloc
 
-from ._gemm cimport (PRODUCT_DOT, PRODUCT_DOT_PANEL, PRODUCT_SGEMM, chunk_panel_bytes,
-                     chunk_wxt, dgemm_wxt, kernels, ltx_kernels)
+from ._gemm cimport (PRODUCT_SGEMM, chunk_panel_bytes, chunk_wxt, dgemm_wxt, kernels,
+                     ltx_kernels, takes_bf16_x)
 from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_alloc,
                         omp_get_thread_num, start_block, up64)
 
@@ -91,7 +91,7 @@ cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) n
                     kern.f32_to_f64(job.x32 + (m0 + r) * job.cols + c0, xp64 + r * kt, kt)
             dgemm_wxt(mt, ot, kt, xp64, kt, wp64, kt, 1.0, acc64, mt)
         else:
-            if job.product == PRODUCT_DOT or job.product == PRODUCT_DOT_PANEL:  # bf16 x
+            if takes_bf16_x(job.product):  # bf16 x, read in place
                 xp, ldx = job.x16 + m0 * job.cols + c0, <int>job.cols
             elif job.x16 != NULL:  # the sgemm route: widened a panel at a time
                 kern.widen_bf16_rows(job.x16 + m0 * job.cols + c0, job.cols,
@@ -232,7 +232,7 @@ cdef class LinearPlan:
         self.job.f64 = f64
         self.job.product = product if (not f64 and self.job.w16 != NULL) else PRODUCT_SGEMM
         self.job.kern = kernels(True)
-        if self.job.product == PRODUCT_DOT or self.job.product == PRODUCT_DOT_PANEL:
+        if takes_bf16_x(self.job.product):
             if self.job.x16 == NULL or self.job.kern.dot_stream_wxt == NULL:
                 raise ValueError("the dot-product route takes a bf16 x, on a table with the "
                                  "dot-product kernel")

@@ -6,9 +6,9 @@ import sys
 
 import numpy as np
 
-from . import _fuse, _gemm, _probe
+from . import _gemm, _probe
 from ._threads import available_cpus, blas_single_threaded, default_threads
-from .fuse import default_tile
+from .fuse import _pairs_exact, default_tile
 from .linear_layer import (
     DOT_PANEL_ROWS,
     DOT_ROUTES,
@@ -133,7 +133,8 @@ def collect(probe_depths=(32, 384, 450, 512)):
 def _fuse_route(rank, sgemm_terms, pairs):
     """The route of one bf16 adapter of this rank: with ``pairs``, where its magnitudes allow
     the dot-product kernel (fuse._pairs_exact), else where they do not."""
-    if pairs and _gemm.has_pairs_kernel() and rank <= _fuse.PASS_DEPTH:
+    # an adapter of ordinary magnitudes: no subnormal input, no sum near overflow
+    if pairs and _gemm.has_pairs_kernel() and _pairs_exact(rank, 1.0, 1.0, 0.0):
         return "dot-product"
     if sgemm_terms == 0:
         return "one-pass"

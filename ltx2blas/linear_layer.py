@@ -46,9 +46,11 @@ STREAM_WIDE_BLOCKS = (STREAM_ROWS, 128, 1 << 18)
 BLOCKS["panel"] = STREAM_WIDE_BLOCKS
 
 #: The routes whose kernels read the bf16 weight rows themselves: they share the streaming
-#: route's blocks and segments; the streaming and panel kernels take x in f32 (a bf16 x is
-#: widened once, shared), the dot-product kernels (DOT_ROUTES) a bf16 x as it is.
-KERNEL_ROUTES = ("stream", "panel", "dot", "dot_panel")
+#: route's blocks and segments; the streaming and panel kernels (F32_X_ROUTES) take x in f32
+#: (a bf16 x is widened once, shared), the dot-product kernels (DOT_ROUTES) a bf16 x as it is.
+F32_X_ROUTES = ("stream", "panel")
+DOT_ROUTES = ("dot", "dot_panel")
+KERNEL_ROUTES = F32_X_ROUTES + DOT_ROUTES
 
 #: The dot-product routes: bf16 x and a bf16 weight with f32 accumulation, at every row count,
 #: on kernel tables with VDPBF16PS (two bf16 products a lane per instruction, added in f32):
@@ -61,7 +63,6 @@ KERNEL_ROUTES = ("stream", "panel", "dot", "dot_panel")
 #: takes 2048 in-features, so that text_features, which holds a call's features of each
 #: segment for every token, holds about as much as on the sgemm route (64 KiB a token). Up to
 #: STREAM_FEW_ROWS rows, the streaming route's blocks.
-DOT_ROUTES = ("dot", "dot_panel")
 DOT_PANEL_ROWS = 32
 BLOCKS["dot"] = STREAM_WIDE_BLOCKS
 BLOCKS["dot_panel"] = (STREAM_ROWS, 128, 2048)
@@ -97,8 +98,8 @@ STREAM_SEGMENT = 3 * _gemm.STREAM_BLOCK
 
 
 def plan(rows, weight_dtype, accumulate="f32", blocks=None, x_dtype=np.float32):
-    """The route ("sgemm", "stream", "panel", "dot", "dot_panel" or "f64") and (rows, features, chunk) blocks
-    a call with ``rows`` rows of x of ``x_dtype`` and this weight dtype takes."""
+    """The route ("sgemm", "stream", "panel", "dot", "dot_panel" or "f64") and (rows, features,
+    chunk) blocks a call with ``rows`` rows of x of ``x_dtype`` and this weight dtype takes."""
     bf16_weight = np.dtype(weight_dtype).itemsize == 2
     panel_rows = _panel_min_rows()
     if accumulate == "f64":
@@ -159,9 +160,8 @@ def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32",
     f64) and the accumulator [features x rows]; on the streaming and dot-product routes,
     instead of the weight panel, lane sums [features x rows x 16], on the panel route x's
     strips and one block of widened weight rows for a chunk; on the streaming and panel routes
-    a bf16 x is widened once, shared.  With more than one
-    segment (:func:`segments`), each segment's sums [rows x feats] (f32, f64 on the f64 route)
-    until they are added up."""
+    a bf16 x is widened once, shared.  With more than one segment (:func:`segments`), each
+    segment's sums [rows x feats] (f32, f64 on the f64 route) until they are added up."""
     route, blocks = plan(rows, weight_dtype, accumulate, blocks, x_dtype)
     mb, ob, kb = blocks
     bf16_w = np.dtype(weight_dtype).itemsize == 2
@@ -170,7 +170,7 @@ def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32",
     # kernels then take it as f32; the dot-product kernel reads it as it is.
     per_thread = _linear.thread_buffer_bytes(mb, ob, kb, route == "f64", _gemm.PRODUCTS[route],
                                              bf16_w, bf16_x)
-    shared = 4 * rows * cols if (route in ("stream", "panel") and bf16_x) else 0
+    shared = 4 * rows * cols if (route in F32_X_ROUTES and bf16_x) else 0
     count, _ = segments(rows, feats, cols, route, blocks)
     if count > 1:
         shared += count * rows * feats * (8 if route == "f64" else 4)
@@ -323,7 +323,7 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
             progress(1.0)
         return y
     x2 = x_bits.reshape(rows, cols)
-    if route in ("stream", "panel") and x_kind == "bf16":
+    if route in F32_X_ROUTES and x_kind == "bf16":
         # Few rows: widen them once here rather than per thread and chunk.
         x2 = bf16_to_f32(x2)
     bias64 = bias32.astype(np.float64) if (bias32 is not None and route == "f64") else None

@@ -561,12 +561,13 @@ static inline void fuse_prefetch(const uint16_t *w, ltx_idx ldw, ltx_idx m, ltx_
 }
 
 #if defined(LTX_BF16_CONVERT)
-/* dot_fuse_bf16's register tile: R rows x NR columns, as fuse_block. */
+/* The register block of the dot-product fuse and Linear: acc[r][v] = the sums, from +0.0 over
+ * pairs q = 0 .. kp-1 in order, of row r's pair q (4 bytes at xb + r * row_bytes + 4 q, any
+ * alignment) broadcast against vector v of yp's row q (NR columns of pairs, row stride ldyp). */
 static inline __attribute__((always_inline)) void
-dot_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp, const uint32_t *yp,
-          ltx_idx ldyp, const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
+dot_sums(const int R, ltx_idx kp, const char *xb, ltx_idx row_bytes, const uint32_t *yp,
+         ltx_idx ldyp, vf acc[MR][NRV])
 {
-    vf acc[MR][NRV];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < NRV; v++)
             acc[r][v] = (vf){0};
@@ -575,11 +576,22 @@ dot_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp, const uint3
         for (int v = 0; v < NRV; v++)
             yv[v] = (__m512bh)_mm512_loadu_si512(yp + q * ldyp + v * VW);
         for (int r = 0; r < R; r++) {
-            const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)xp[r * ldxp + q]);
+            uint32_t pair;
+            memcpy(&pair, xb + r * row_bytes + 4 * q, 4);
+            const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)pair);
             for (int v = 0; v < NRV; v++)
                 acc[r][v] = (vf)_mm512_dpbf16_ps((__m512)acc[r][v], xs, yv[v]);
         }
     }
+}
+
+/* dot_fuse_bf16's register tile: R rows x NR columns, as fuse_block. */
+static inline __attribute__((always_inline)) void
+dot_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp, const uint32_t *yp,
+          ltx_idx ldyp, const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
+{
+    vf acc[MR][NRV];
+    dot_sums(R, kp, (const char *)xp, 4 * ldxp, yp, ldyp, acc);
     store_block_rounded(R, acc, w, ldw, out, ldo);
 }
 #endif
@@ -955,8 +967,8 @@ static void stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_id
  * LTX_DOT_BLOCK elements, as the streaming kernel's restart every LTX_STREAM_BLOCK, and the
  * rest of the order is stream_wxt's. Register tile: DR weight rows x DM rows of x, 16
  * accumulators (8 loads a 16 instructions; 4 x 6 and 6 x 4 tiles measured slower); up to
- * DOT_FEW8 rows of x, 8 weight rows, for the memory streams, as in stream_wxt. (Tuning runs: bench/results/amd-epyc-zen4-avx512bf16/
- * tuning.md.) */
+ * DOT_FEW8 rows of x, 8 weight rows, for the memory streams, as in stream_wxt. (Tuning runs:
+ * bench/results/amd-epyc-zen4-avx512bf16/tuning.md.) */
 #define DOT_BLOCK LTX_DOT_BLOCK
 #define DOT_VEC (2 * VW)
 #define DR 4
@@ -1046,8 +1058,6 @@ static void dot_stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x,
  * +0.0 and adds its pairs in order (the higher element's product, then the lower's, as the
  * instruction does), then an odd last element, and is added to acc. */
 
-/* xs[(s kp + q) NR + j] = the bf16 pair at x[(s NR + j), 2q] (elements 2q, 2q + 1; zero rows
- * past mt) for kp pairs. */
 /* r[j] = column j of the 16 x 16 matrix of 32-bit elements whose rows r held. */
 static inline __attribute__((always_inline)) void transpose16(__m512i r[16])
 {
@@ -1073,8 +1083,9 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16])
     }
 }
 
-/* Packed 16 pairs by 16 rows at a time, by transposes (a copy of one pair at a time took a
- * quarter of the Linear's time); the last pairs one at a time. */
+/* xs[(s kp + q) NR + j] = the bf16 pair at x[(s NR + j), 2q] (elements 2q, 2q + 1; zero rows
+ * past mt) for kp pairs: 16 pairs by 16 rows at a time, by transposes (a copy of one pair at a
+ * time took a quarter of the Linear's time), the last pairs one at a time. */
 static void pack_x_pairs(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kp, uint32_t *xs)
 {
     const ltx_idx strips = (mt + NR - 1) / NR, kv = kp - kp % 16;
@@ -1104,30 +1115,17 @@ static void pack_x_pairs(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kp,
     }
 }
 
-/* sums[r np + j] = the pairs' sum for weight row r and column j of one strip (R rows). */
+/* sums[r np + j] = the pairs' sum for weight row r and column j of one strip (R rows): the
+ * fuse's register block, the weight rows' pairs broadcast where they lie. */
 static inline __attribute__((always_inline)) void
 dot_panel_block(const int R, ltx_idx kp, const uint16_t *w, ltx_idx ldw, const uint32_t *ys,
                 float *sums, ltx_idx np)
 {
-    __m512 acc[MR][NRV];
+    vf acc[MR][NRV];
+    dot_sums(R, kp, (const char *)w, 2 * ldw, ys, NR, acc);
     for (int r = 0; r < R; r++)
         for (int v = 0; v < NRV; v++)
-            acc[r][v] = _mm512_setzero_ps();
-    for (ltx_idx q = 0; q < kp; q++) {
-        __m512bh yv[NRV];
-        for (int v = 0; v < NRV; v++)
-            yv[v] = (__m512bh)_mm512_loadu_si512(ys + q * NR + v * VW);
-        for (int r = 0; r < R; r++) {
-            uint32_t pair;
-            memcpy(&pair, w + r * ldw + 2 * q, 4);
-            const __m512bh ws = (__m512bh)_mm512_set1_epi32((int)pair);
-            for (int v = 0; v < NRV; v++)
-                acc[r][v] = _mm512_dpbf16_ps(acc[r][v], ws, yv[v]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < NRV; v++)
-            _mm512_storeu_ps(sums + r * np + v * VW, acc[r][v]);
+            STOREV(sums + r * np + v * VW, acc[r][v]);
 }
 
 static void dot_panel_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x, ltx_idx ldx,
