@@ -14,7 +14,8 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 from ._gemm cimport (continue_product, exact_product, exact_product_fused,
-                     exact_product_fused_pairs, exact_product_panel, kernels, ltx_kernels)
+                     exact_product_fused_pairs, exact_product_pairs, exact_product_panel,
+                     kernels, ltx_kernels)
 from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num, up64
 
 import numpy as np
@@ -54,6 +55,8 @@ cdef struct Adapters:
     Py_ssize_t *panel_offset  # where adapter a's A panel starts in a thread's panel buffer
     float *scale
     int *depth                # [count][4]: verified sgemm depth per tile shape (see fuse_tile)
+    bint *pairs               # multiplied by the dot-product kernel on bf16 pairs, no sgemm
+    Py_ssize_t *pairs_offset  # where adapter a's bs pairs start in a thread's bs_pairs buffer
 
 
 cdef struct FuseJob:
@@ -68,7 +71,7 @@ cdef struct FuseJob:
     int fmt                   # 0: bf16, 1: F8_E4M3, 2: F8_E5M2
     bint stochastic           # fp8 only: stochastic rounding with random bits from key
     uint64_t key
-    bint pairs                # one bf16 adapter: the dot-product kernel on bf16 pairs, no sgemm
+    bint pairs                # one bf16 adapter fused by the dot-product kernel, in one pass
     bint plus_zero            # one bf16 adapter under the several-adapter rule: -0.0 -> +0.0
     const ltx_kernels *kern
 
@@ -78,7 +81,8 @@ cdef struct TileBuffers:
     float *bs                 # every adapter's [mt, rank] = f32(bf16(B * s)) for the strip
     float *panels             # every adapter's [rank, nt] = f32(A[:, tile columns]), or with
                               # pairs, [ceil(rank / 2), nt] pairs of A's bf16 rows
-    uint32_t *bs_pairs        # with pairs: [mt, ceil(rank / 2)] pairs of the bs columns
+    uint32_t *bs_pairs        # every adapter's with pairs: [mt, ceil(rank / 2)] pairs of the
+                              # bs columns
     float *acc                # [mt, nt] product
     float *total              # [mt, nt] several-adapter sum
     uint8_t *scratch          # [mt, nt] dry-run output
@@ -147,9 +151,10 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
         for a in range(ad.count):
             if ad.kind[a] == KIND_LORA and ad.rank[a] <= PASS_DEPTH_C:
                 load_bs(job, ad, a, o0, mt, 0, ad.rank[a], buf)
-        if job.pairs:
-            kern.pack_pairs_cols(buf.bs, ad.rank[0], buf.bs_pairs, (ad.rank[0] + 1) // 2, mt,
-                                 ad.rank[0])
+                if ad.pairs[a]:
+                    kern.pack_pairs_cols(buf.bs + ad.bs_offset[a], ad.rank[a],
+                                         buf.bs_pairs + ad.pairs_offset[a],
+                                         (ad.rank[a] + 1) // 2, mt, ad.rank[a])
         buf.strip = ti
 
     if job.dry_run:
@@ -166,7 +171,8 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
         rank = ad.rank[0]
         if job.pairs:
             kern.pack_pairs_rows(ad.a[0] + i0, job.cols, <uint32_t *>buf.panels, rank, nt)
-            exact_product_fused_pairs(kern, mt, nt, (rank + 1) // 2, buf.bs_pairs,
+            exact_product_fused_pairs(kern, mt, nt, (rank + 1) // 2,
+                                      buf.bs_pairs + ad.pairs_offset[0],
                                       (rank + 1) // 2, <const uint32_t *>buf.panels,
                                       <const uint16_t *>(job.w + origin * esize), job.cols,
                                       <uint16_t *>dst, ldo)
@@ -193,7 +199,12 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
         elif ad.rank[a] <= PASS_DEPTH_C:
             rank = ad.rank[a]
             panel = buf.panels + ad.panel_offset[a]
-            if ad.depth[4 * a + shape] == 0:
+            if ad.pairs[a]:  # two terms per instruction, as the one-adapter fuse above
+                kern.pack_pairs_rows(ad.a[a] + i0, job.cols, <uint32_t *>panel, rank, nt)
+                exact_product_pairs(kern, mt, nt, (rank + 1) // 2,
+                                    buf.bs_pairs + ad.pairs_offset[a], (rank + 1) // 2,
+                                    <const uint32_t *>panel, buf.acc)
+            elif ad.depth[4 * a + shape] == 0:
                 kern.pack_fuse_panel(ad.a[a] + i0, job.cols, panel, rank, nt)
                 exact_product_panel(kern, mt, nt, rank, buf.bs + ad.bs_offset[a], rank, panel,
                                     buf.acc)
@@ -241,32 +252,35 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
 
 cdef (size_t, size_t, size_t, size_t, size_t, size_t) buffer_layout(
         int tile_rows, int tile_cols, Py_ssize_t width, bint several, bint dry_run,
-        bint pairs) noexcept:
+        Py_ssize_t pair_width) noexcept:
     """One thread's buffers: bs rows [tile_rows, width], A panels [width, tile_cols], the
-    product tile, the several-adapter total, the dry run's scratch tile, the bs pairs; and
-    their sum.  ``width`` is the sum over LoRAs of min(rank, PASS_DEPTH)."""
+    product tile, the several-adapter total, the dry run's scratch tile, the bs pairs
+    [tile_rows, pair_width]; and their sum.  ``width`` is the sum over LoRAs of
+    min(rank, PASS_DEPTH), ``pair_width`` of ceil(rank / 2) over those taking pairs."""
     cdef size_t bs_len = up64(<size_t>tile_rows * width * sizeof(float))
     cdef size_t panels_len = up64(<size_t>width * tile_cols * sizeof(float))
     cdef size_t tile_len = up64(<size_t>tile_rows * tile_cols * sizeof(float))
     cdef size_t scratch_len = up64(<size_t>tile_rows * tile_cols * sizeof(uint16_t))
-    cdef size_t pairs_len = up64(<size_t>tile_rows * ((width + 1) // 2) * sizeof(uint32_t))
+    cdef size_t pairs_len = up64(<size_t>tile_rows * pair_width * sizeof(uint32_t))
     return (bs_len, panels_len, tile_len, scratch_len, pairs_len,
-            bs_len + panels_len + tile_len * (1 + several) + scratch_len * dry_run
-            + pairs_len * pairs)
+            bs_len + panels_len + tile_len * (1 + several) + scratch_len * dry_run + pairs_len)
 
 
-def thread_buffer_bytes(int tile_rows, int tile_cols, ranks, bint several, bint pairs=False,
+def thread_buffer_bytes(int tile_rows, int tile_cols, ranks, bint several, pairs=None,
                         bint dry_run=False):
     """Bytes of one thread's buffers for LoRAs of ``ranks`` (what fuse_tiles allocates per
-    thread)."""
+    thread); ``pairs[a]``: whether LoRA a takes the dot-product kernel (default none)."""
     cdef Py_ssize_t width = sum(min(int(r), PASS_DEPTH_C) for r in ranks)
-    return buffer_layout(tile_rows, tile_cols, width, several, dry_run, pairs)[5]
+    pairs = [False] * len(ranks) if pairs is None else pairs
+    cdef Py_ssize_t pair_width = sum((int(r) + 1) // 2 for r, p in zip(ranks, pairs)
+                                     if p and r <= PASS_DEPTH_C)
+    return buffer_layout(tile_rows, tile_cols, width, several, dry_run, pair_width)[5]
 
 
 def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list lora_a,
                list lora_b, float[::1] scales, int[:, ::1] depths, int tile_rows,
                int tile_cols, int threads, bint allow_fma, int rule, bint check, bint dry_run,
-               bint stochastic=False, uint64_t key=0, bint pairs=False, bint plus_zero=False,
+               bint stochastic=False, uint64_t key=0, pairs=None, bint plus_zero=False,
                kinds=None):
     """Fuse adapters into ``weight``, writing ``out`` (which may be ``weight``); both passed as
     their bytes, [rows, cols * element size], ``fmt`` 0 for bf16, 1 for F8_E4M3, 2 for F8_E5M2,
@@ -280,8 +294,9 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
     ``bf16(s * diff)``, and a later addmm term adds ``f32(s * diff)``.
     ``depths[a]`` holds the verified sgemm depth of adapter a for the tile shapes
     (full, full), (full, edge), (edge, full), (edge, edge) in (rows, cols).
-    ``pairs``: one bf16 adapter multiplied by the kernel table's dot-product fuse, which the
-    caller has found exact for these inputs (``fuse._pairs_exact``).
+    ``pairs[a]`` (default none): LoRA a multiplied by the kernel table's dot-product kernel,
+    which the caller has found exact for these inputs (``fuse._pairs_exact``); one bf16
+    adapter under RULE_ONE is then fused in one pass.
     ``plus_zero``: one bf16 adapter fused by the sum rule (``rule`` RULE_ONE): its
     result is the one-adapter result with -0.0 made +0.0, tile by tile.
     Validation happens in :mod:`ltx2blas.fuse`; this trusts shapes, dtypes and contiguity.
@@ -293,7 +308,7 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
     cdef Py_ssize_t tiles_n = (cols + tile_cols - 1) // tile_cols
     cdef Py_ssize_t tiles = tiles_m * tiles_n, t
     cdef int count = len(lora_a), a
-    cdef Py_ssize_t rank_sum = 0
+    cdef Py_ssize_t rank_sum = 0, pair_sum = 0
     cdef const uint16_t[:, ::1] view
     cdef FuseJob job
     cdef Adapters ad
@@ -318,12 +333,15 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
     ad.bs_offset = <Py_ssize_t *>malloc(count * sizeof(Py_ssize_t))
     ad.scale = <float *>malloc(count * sizeof(float))
     ad.depth = <int *>malloc(count * 4 * sizeof(int))
+    ad.pairs = <bint *>malloc(count * sizeof(bint))
+    ad.pairs_offset = <Py_ssize_t *>malloc(count * sizeof(Py_ssize_t))
     bad_array = np.full(tiles, -1, dtype=np.int64)
     cdef int64_t[::1] bad = bad_array
     try:
         if not (ad.kind and ad.a and ad.b and ad.rank and ad.panel_offset and ad.bs_offset
-                and ad.scale and ad.depth):
+                and ad.scale and ad.depth and ad.pairs and ad.pairs_offset):
             raise MemoryError()
+        job.kern = kernels(allow_fma)
         for a in range(count):
             ad.kind[a] = KIND_LORA if kinds is None else kinds[a]
             view = lora_a[a]
@@ -332,12 +350,20 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
             ad.panel_offset[a] = rank_sum * tile_cols
             ad.bs_offset[a] = rank_sum * tile_rows
             ad.scale[a] = scales[a]
+            ad.pairs[a] = False
+            ad.pairs_offset[a] = pair_sum * tile_rows
             if ad.kind[a] == KIND_DIFF:
                 ad.rank[a] = 0
                 ad.b[a] = NULL
             else:
                 ad.rank[a] = <int>view.shape[0]
                 rank_sum += min(view.shape[0], PASS_DEPTH_C)
+                # One pass holds the whole rank, which the dot-product kernel takes at once.
+                ad.pairs[a] = (pairs is not None and bool(pairs[a])
+                               and ad.rank[a] <= PASS_DEPTH_C
+                               and job.kern.dot_product_bf16 != NULL)
+                if ad.pairs[a]:
+                    pair_sum += (ad.rank[a] + 1) // 2
                 view = lora_b[a]
                 keep.append(view)
                 ad.b[a] = &view[0, 0]
@@ -350,8 +376,7 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
         job.tiles_n = tiles_n
         job.rule, job.dry_run, job.check = rule, dry_run, check
         job.fmt, job.stochastic, job.key = fmt, stochastic, key
-        job.kern = kernels(allow_fma)
-        job.pairs = (pairs and count == 1 and fmt == 0 and rule == RULE_ONE
+        job.pairs = (ad.pairs[0] and count == 1 and fmt == 0 and rule == RULE_ONE
                      and job.kern.dot_fuse_bf16 != NULL)
         job.plus_zero = plus_zero and count == 1 and fmt == 0 and rule == RULE_ONE
 
@@ -359,7 +384,7 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
         # written. Panel offsets are multiples of tile_cols floats; every part is 64-byte
         # aligned.
         bs_len, panels_len, tile_len, scratch_len, pairs_len, buffer_len = buffer_layout(
-            tile_rows, tile_cols, rank_sum, several, dry_run, job.pairs)
+            tile_rows, tile_cols, rank_sum, several, dry_run, pair_sum)
         buffers = <char *>ltx_aligned_alloc(buffer_len * threads)
         buffers_of = <TileBuffers *>malloc(threads * sizeof(TileBuffers))
         if buffers == NULL or buffers_of == NULL:
@@ -371,7 +396,7 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
             buffers_of[s].acc = <float *>(base + bs_len + panels_len)
             buffers_of[s].total = <float *>(base + bs_len + panels_len + tile_len)
             buffers_of[s].scratch = <uint8_t *>(base + bs_len + panels_len + tile_len * (1 + several))
-            buffers_of[s].bs_pairs = <uint32_t *>(base + buffer_len - pairs_len * job.pairs)
+            buffers_of[s].bs_pairs = <uint32_t *>(base + buffer_len - pairs_len)
             buffers_of[s].strip = -1
 
         # Guided: each thread starts on a long run of neighbouring tiles, as with a static
@@ -391,5 +416,7 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
         free(ad.bs_offset)
         free(ad.scale)
         free(ad.depth)
+        free(ad.pairs)
+        free(ad.pairs_offset)
     hits = bad_array[bad_array >= 0]
     return int(hits.min()) if hits.size else -1

@@ -54,6 +54,9 @@ cdef extern from "kernels.h" nogil:
         void (*dot_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp,
                               ltx_idx ldxp, const uint32_t *yp, ltx_idx ldyp, const uint16_t *w,
                               ltx_idx ldw, uint16_t *out, ltx_idx ldo) noexcept nogil
+        void (*dot_product_bf16)(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp,
+                                 ltx_idx ldxp, const uint32_t *yp, ltx_idx ldyp, float *c,
+                                 ltx_idx ldc) noexcept nogil
         void (*pack_pairs_rows)(const uint16_t *src, ltx_idx lds, uint32_t *dst, ltx_idx rows,
                                 ltx_idx cols) noexcept nogil
         void (*pack_pairs_cols)(const float *src, ltx_idx lds, uint32_t *dst, ltx_idx ldd,
@@ -114,3 +117,6 @@ cdef void exact_product_fused_pairs(const ltx_kernels *kern, int m, int n, int k
                                     const uint32_t *xp, int ldxp, const uint32_t *yp,
                                     const uint16_t *w, Py_ssize_t ldw, uint16_t *out,
                                     Py_ssize_t ldo) noexcept nogil
+
+cdef void exact_product_pairs(const ltx_kernels *kern, int m, int n, int kp, const uint32_t *xp,
+                              int ldxp, const uint32_t *yp, float *c) noexcept nogil

@@ -198,6 +198,14 @@ cdef void exact_product_fused_pairs(const ltx_kernels *kern, int m, int n, int k
         kern.dot_fuse_bf16(m, n, kp, xp, ldxp, yp, n, w, ldw, out, ldo)
 
 
+cdef void exact_product_pairs(const ltx_kernels *kern, int m, int n, int kp, const uint32_t *xp,
+                              int ldxp, const uint32_t *yp, float *c) noexcept nogil:
+    """c[m, n] (packed) = the product alone of :func:`exact_product_fused_pairs`, under the
+    same conditions: each sum from +0.0 in the textbook order, two terms per instruction."""
+    if m > 0 and n > 0:
+        kern.dot_product_bf16(m, n, kp, xp, ldxp, yp, n, c, n)
+
+
 # --------------------------------------------------------------------------------------------
 # The kernel tables, and products for the Python layers
 # --------------------------------------------------------------------------------------------

@@ -281,16 +281,16 @@ def fuse_dora(weight, lora_a, lora_b, magnitude, *, scale=1.0, strength=1.0, sty
 
 
 def buffer_bytes(ranks, threads=1, tile=None, several=None):
-    """Bytes of panel buffers a fuse allocates (its extra memory, beyond the output when not
-    in place): per thread, the f32 bf16(B*s) rows [tile_rows x width], A panels
+    """Bytes of panel buffers a fuse allocates at most (its extra memory, beyond the output
+    when not in place): per thread, the f32 bf16(B*s) rows [tile_rows x width], A panels
     [width x tile_cols] and the product tile (twice for several adapters), width the sum of
-    min(rank, PASS_DEPTH) -- a larger rank runs in passes -- and for one adapter of rank up to
-    PASS_DEPTH its rows in bf16 pairs for the dot-product kernel.  The driver's own
-    count (_fuse.thread_buffer_bytes).  With no tile given, DEFAULT_TILE: the most that any
-    default tile (:func:`default_tile`) takes."""
+    min(rank, PASS_DEPTH) -- a larger rank runs in passes -- and for each adapter of rank up
+    to PASS_DEPTH its rows in bf16 pairs, should the dot-product kernel take it.  The driver's
+    own count (_fuse.thread_buffer_bytes).  With no tile given, DEFAULT_TILE: the most that
+    any default tile (:func:`default_tile`) takes."""
     tile = _tile(tile)
     several = len(ranks) > 1 if several is None else several
-    pairs = not several and sum(ranks) <= _fuse.PASS_DEPTH
+    pairs = [True] * len(ranks)
     return _fuse.thread_buffer_bytes(tile.rows, tile.cols, list(ranks), several, pairs) * threads
 
 
@@ -445,7 +445,8 @@ class _Route:
                BLAS may be used
     blas       the adapters are finite (some BLAS builds skip zero terms, which changes how a
                NaN or inf propagates)
-    pairs      the dot-product kernel gives the textbook bytes (_pairs_exact)
+    pairs      per adapter: the dot-product kernel gives its product's textbook bytes
+               (_pairs_exact); with one bf16 adapter it also fuses in the same pass
     plus_zero  one bf16 adapter under the sum rule: the one-adapter result with -0.0 made +0.0
     bound      a bound on |delta|, for the overflow check"""
 
@@ -458,7 +459,7 @@ class _Route:
         self.plus_zero = rule == "sum" and fmt == "bf16" and len(prepared) == 1
         self.rule = "one" if len(prepared) == 1 else rule
         self.fma, self.blas, self.bound = True, True, 0.0
-        self.pairs = fmt == "bf16" and self.rule == "one" and prepared[0].kind == "lora"
+        self.pairs = [ad.kind == "lora" for ad in prepared]
 
 
 def _choose_route(prepared, fmt, rule, check_finite):
@@ -500,9 +501,11 @@ def _choose_route(prepared, fmt, rule, check_finite):
             route.fma = False
         if amag.first_nonfinite >= 0 or bmag.first_nonfinite >= 0 or bs_max >= _BF16_FINITE_LIMIT:
             route.blas = False
-        route.bound += ad.rank * bs_max * amag.max * (1.01 if prescaled else 1.01 * abs(float(ad.s)))
-        route.pairs = route.pairs and _pairs_exact(ad.rank, bs_min, amag.min, route.bound)
-    route.pairs = route.pairs and route.blas and route.fma and _gemm.has_pairs_kernel()
+        product_bound = ad.rank * bs_max * amag.max * 1.01  # of the product, before any scale
+        route.bound += product_bound * (1.0 if prescaled else abs(float(ad.s)))
+        route.pairs[i] = route.pairs[i] and _pairs_exact(ad.rank, bs_min, amag.min, product_bound)
+    usable = route.blas and route.fma and _gemm.has_pairs_kernel()
+    route.pairs = [p and usable for p in route.pairs]
     return route
 
 
@@ -518,13 +521,13 @@ def _probe_depths(prepared, route, shape, tile):
     """The verified sgemm depth of each LoRA for each tile shape class -- (full, full),
     (full, edge), (edge, full), (edge, edge) in (rows, cols) -- zero where sgemm is not used."""
     depths = np.zeros((len(prepared), 4), dtype=np.intc)
-    if route.pairs or not (route.blas and route.fma):  # the dot-product kernel calls no sgemm
+    if not (route.blas and route.fma):
         return depths
     rows, cols = shape
     last_rows = rows - (rows - 1) // tile.rows * tile.rows  # the edge tiles' sizes
     last_cols = cols - (cols - 1) // tile.cols * tile.cols
     for i, ad in enumerate(prepared):
-        if ad.kind != "lora":
+        if ad.kind != "lora" or route.pairs[i]:  # the dot-product kernel calls no sgemm
             continue
         depth = min(ad.rank, _fuse.PASS_DEPTH)  # the first pass's, as the tile runs it
         for row_edge, m in ((0, tile.rows), (1, last_rows)):
@@ -599,9 +602,9 @@ def _run(w, result, fmt, prepared, route, depths, tile, threads, check_finite, d
         allow_fma=route.fma, rule=_fuse.RULES[route.rule], plus_zero=route.plus_zero,
         stochastic=stochastic_key is not None, key=stochastic_key or 0)
     if dry_run:
-        bad = _fuse.fuse_tiles(check=True, dry_run=True, pairs=route.pairs, **args)
+        bad = _fuse.fuse_tiles(check=True, dry_run=True, pairs=list(route.pairs), **args)
         _raise_nonfinite_result(bad, w.shape, fmt)
-    bad = _fuse.fuse_tiles(check=check_finite, dry_run=False, pairs=route.pairs, **args)
+    bad = _fuse.fuse_tiles(check=check_finite, dry_run=False, pairs=list(route.pairs), **args)
     if check_finite:
         _raise_nonfinite_result(bad, w.shape, fmt)
 

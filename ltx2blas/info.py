@@ -175,7 +175,8 @@ def format_info(info):
     if info.get("dot_product_fuse"):
         lines.append("  (the dot-product kernel adds two terms per instruction (VDPBF16PS), in "
                      "the textbook order, where the adapter's magnitudes rule out subnormal and "
-                     "infinite sums)")
+                     "infinite sums; it also takes each adapter of several, and fp8 and "
+                     "quantised weights)")
     lines.append(f"the Linear, bf16 weight, in {LINEAR_WIDTH} (at out " +
                  " / ".join(next(iter(info["linear_routes"].values()))["tasks"]) + "):")
     for rows, route in info["linear_routes"].items():

@@ -128,23 +128,95 @@ def test_pairs_kernel_alone(pairs_table, rng, shape, k):
     assert np.array_equal(hooks.dot_fuse_bf16(x, y, w, pairs_table), expected)
 
 
-@pytest.mark.parametrize("rank", [32, 384, 450, 1500])
-def test_pairs_route_is_taken_for_ordinary_adapters(rng, monkeypatch, rank):
-    """An adapter of ordinary magnitudes goes to the dot-product fuse at every rank where the
-    CPU has one, and no sgemm depth is probed for it; the same bytes as the reference either
-    way, on edge tiles and two threads."""
+@pytest.mark.parametrize("shape", [(13, 29), (8, 64), (1, 33), (70, 1), (17, 100)])
+@pytest.mark.parametrize("k", [1, 2, 31, 130, 451])
+def test_pairs_product_alone(pairs_table, rng, shape, k):
+    """The dot-product kernel's product alone (several adapters, fp8 weights, a bare delta)
+    against the textbook loop, bit for bit, and nothing written past each row of c."""
+    m, n = shape
+    x, y = random_bf16(rng, (m, k)), random_bf16(rng, (k, n))
+    xf, yf = reference.bf16_widen(x), reference.bf16_widen(y)
+    acc = np.zeros((m, n), np.float32)
+    for p in range(k):
+        acc = acc + xf[:, p:p + 1] * yf[p:p + 1, :]
+    got = hooks.dot_product_bf16(x, y, pairs_table)
+    assert np.array_equal(got[:, :n].view(np.uint32), acc.view(np.uint32))
+    assert np.all(np.isnan(got[:, n:]))
+
+
+def _recording_fuse_tiles(monkeypatch):
     from ltx2blas import _fuse
 
     seen = []
     fuse_tiles = _fuse.fuse_tiles
     monkeypatch.setattr(_fuse, "fuse_tiles", lambda **kw: (seen.append(kw), fuse_tiles(**kw))[1])
+    return seen
+
+
+@pytest.mark.parametrize("rank", [32, 384, 450, 1500])
+def test_pairs_route_is_taken_for_ordinary_adapters(rng, monkeypatch, rank):
+    """An adapter of ordinary magnitudes goes to the dot-product fuse at every rank where the
+    CPU has one, and no sgemm depth is probed for it; the same bytes as the reference either
+    way, on edge tiles and two threads."""
+    seen = _recording_fuse_tiles(monkeypatch)
     weight = random_bf16(rng, (70, 100), 0.02)
     lora_a, lora_b = adapter(rng, 70, 100, rank)
     got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=2, tile=(32, 64))
-    assert [kw["pairs"] for kw in seen] == [_gemm.has_pairs_kernel()]
+    assert [kw["pairs"] for kw in seen] == [[_gemm.has_pairs_kernel()]]
     if _gemm.has_pairs_kernel():
         assert not seen[0]["depths"].any()
     assert np.array_equal(got, reference.fuse_lora(weight, lora_a, lora_b, 0.8))
+
+
+@pytest.mark.parametrize("rule", ["addmm", "sum"])
+@pytest.mark.parametrize("ranks", [[32, 384], [450, 7, 1500]])
+def test_pairs_serve_every_adapter_of_several(rng, monkeypatch, rule, ranks):
+    """Several adapters: each LoRA of ordinary magnitudes has its product from the dot-product
+    kernel where the CPU has one (no sgemm probe for it), the bytes the reference's, on edge
+    tiles and two threads; a LoRA whose sums could be subnormal keeps the f32 kernels beside
+    them."""
+    seen = _recording_fuse_tiles(monkeypatch)
+    weight = random_bf16(rng, (70, 100), 0.02)
+    items = [(*adapter(rng, 70, 100, r), s) for r, s in zip(ranks, (0.8, -1.5, 0.3))]
+    # |products| in [2**-118, 2**-116): normal, so exact in f32, but their sums are multiples
+    # of 2**-132 and may be subnormal, which the instruction would flush
+    tiny = [reference.bf16_round(np.float32(2.0**-59) * rng.uniform(1, 2, size).astype(
+        np.float32) * rng.choice(np.float32([-1, 1]), size)) for size in ((5, 100), (70, 5))]
+    items.insert(1, (*tiny, 1.0))
+    got = ltx2blas.fuse_loras(weight, items, rule=rule, threads=2, tile=(32, 64))
+    assert np.array_equal(got, reference.fuse_loras(weight, items, rule))
+    paired = _gemm.has_pairs_kernel()
+    assert seen[0]["pairs"] == [paired, False] + [paired] * (len(ranks) - 1)
+    if paired:
+        assert not seen[0]["depths"][[i for i, p in enumerate(seen[0]["pairs"]) if p]].any()
+
+
+@pytest.mark.parametrize("fmt", ["F8_E4M3", "F8_E5M2"])
+@pytest.mark.parametrize("rank", [32, 450])
+def test_pairs_serve_fp8_weights(rng, monkeypatch, fmt, rank):
+    """An fp8 weight: the adapter's product from the dot-product kernel where the CPU has one,
+    then the fp8 rounding, the reference's bytes."""
+    seen = _recording_fuse_tiles(monkeypatch)
+    codes = rng.integers(0, 256, size=(70, 100), dtype=np.uint8)
+    codes[(codes & 0x7F) >= (0x7F if fmt == "F8_E4M3" else 0x7C)] = 0x10  # finite codes
+    lora_a, lora_b = adapter(rng, 70, 100, rank)
+    items = [(lora_a, lora_b, 0.8)]
+    got = ltx2blas.fuse_loras(codes, items, weight_format=fmt, threads=2, tile=(32, 64))
+    assert np.array_equal(got, reference.fuse_loras_fp8(codes, items, fmt))
+    assert seen[0]["pairs"] == [_gemm.has_pairs_kernel()]
+
+
+def test_pairs_serve_the_bare_delta(rng, monkeypatch):
+    """The bare delta (DoRA and the quantised layouts start from it) from the dot-product
+    kernel where the CPU has one, the reference's bytes."""
+    from ltx2blas.fuse import aggregate_delta
+
+    seen = _recording_fuse_tiles(monkeypatch)
+    items = [(*adapter(rng, 70, 100, 384), 0.8), (*adapter(rng, 70, 100, 32), -1.5)]
+    for rule in ("addmm", "sum"):
+        got = aggregate_delta(70, 100, items, rule=rule, threads=2, tile=(32, 64))
+        assert np.array_equal(got, reference.aggregate_delta(items, rule))
+    assert [kw["pairs"] for kw in seen] == [[_gemm.has_pairs_kernel()] * 2] * 2
 
 
 def test_pairs_guard():
@@ -316,10 +388,7 @@ def test_one_adapter_by_the_rule_takes_the_one_adapter_routes(rng, monkeypatch, 
     reference's."""
     from ltx2blas import _fuse
 
-    seen = []
-    fuse_tiles = _fuse.fuse_tiles
-    monkeypatch.setattr(_fuse, "fuse_tiles",
-                        lambda **kw: (seen.append(kw), fuse_tiles(**kw))[1])
+    seen = _recording_fuse_tiles(monkeypatch)
     weight = random_bf16(rng, (100, 140), 0.02)
     weight[::3, ::5] = 0x8000
     weight[1::3, ::7] = 0x0000
@@ -329,7 +398,7 @@ def test_one_adapter_by_the_rule_takes_the_one_adapter_routes(rng, monkeypatch, 
     assert np.array_equal(got, reference.fuse_loras(weight, [(lora_a, lora_b, 0.8)], "sum"))
     rule, pairs, plus_zero = seen[0]["rule"], seen[0]["pairs"], seen[0]["plus_zero"]
     assert (rule, plus_zero) == (_fuse.RULES["one"], True)
-    assert pairs == _gemm.has_pairs_kernel()
+    assert pairs == [_gemm.has_pairs_kernel()]
 
 
 def test_products_outside_the_normal_range_take_the_strict_path(rng):

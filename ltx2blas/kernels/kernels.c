@@ -594,11 +594,24 @@ dot_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp, const uint3
     dot_sums(R, kp, (const char *)xp, 4 * ldxp, yp, ldyp, acc);
     store_block_rounded(R, acc, w, ldw, out, ldo);
 }
+
+/* dot_product_bf16's register tile: the sums alone, to c (row stride ldc). */
+static inline __attribute__((always_inline)) void
+dot_product_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp,
+                  const uint32_t *yp, ltx_idx ldyp, float *c, ltx_idx ldc)
+{
+    vf acc[MR][NRV];
+    dot_sums(R, kp, (const char *)xp, 4 * ldxp, yp, ldyp, acc);
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < NRV; v++)
+            STOREV(c + r * ldc + v * VW, acc[r][v]);
+}
 #endif
 
 /* What the walk below does with each block's sums: the fuse from the fuse panel, the fuse
- * from bf16 pairs (dot_block), or the product alone, stored to c. */
-enum walk_kind { WALK_FUSE, WALK_PAIRS, WALK_PRODUCT };
+ * from bf16 pairs (dot_block), or the product alone, stored to c, from the fuse panel or from
+ * bf16 pairs (dot_product_block). */
+enum walk_kind { WALK_FUSE, WALK_PAIRS, WALK_PRODUCT, WALK_PAIRS_PRODUCT };
 
 static inline __attribute__((always_inline)) void
 walk_block(const enum walk_kind kind, const int R, ltx_idx k, const void *x, ltx_idx ldx,
@@ -610,6 +623,10 @@ walk_block(const enum walk_kind kind, const int R, ltx_idx k, const void *x, ltx
         dot_block(R, k, x, ldx, y, ldy, w, ldw, out, ldo);
         return;
     }
+    if (kind == WALK_PAIRS_PRODUCT) {
+        dot_product_block(R, k, x, ldx, y, ldy, c, ldc);
+        return;
+    }
 #endif
     if (kind == WALK_PRODUCT)
         product_block(R, k, x, ldx, y, ldy, c, ldc);
@@ -619,16 +636,18 @@ walk_block(const enum walk_kind kind, const int R, ltx_idx k, const void *x, ltx
 
 /* The walk of a small-rank fuse (or of its product alone) over its tile, row blocks outer:
  * MR x NR register blocks, the last rows one block of their own height, the last columns one
- * element at a time. WALK_PAIRS: x and y are bf16 pairs (dot_fuse_bf16's layout, k counting
- * pairs, y row-major with row stride ldy) for the dot-product block; else f32, y the fuse
- * panel (pack_fuse_panel). Both layouts have 4-byte elements, so one pointer arithmetic
- * serves. WALK_PRODUCT writes the sums to c (row stride ldc) and reads no w. */
+ * element at a time. WALK_PAIRS and WALK_PAIRS_PRODUCT: x and y are bf16 pairs
+ * (dot_fuse_bf16's layout, k counting pairs, y row-major with row stride ldy) for the
+ * dot-product block; else f32, y the fuse panel (pack_fuse_panel). Both layouts have 4-byte
+ * elements, so one pointer arithmetic serves. The products write the sums to c (row stride
+ * ldc) and read no w. */
 static inline __attribute__((always_inline)) void
 fuse_walk(const enum walk_kind kind, ltx_idx m, ltx_idx n, ltx_idx k, const void *x,
           ltx_idx ldx, const void *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
           uint16_t *out, ltx_idx ldo, float *c, ltx_idx ldc)
 {
-    const int pairs = kind == WALK_PAIRS;
+    const int pairs = kind == WALK_PAIRS || kind == WALK_PAIRS_PRODUCT;
+    const int product = kind == WALK_PRODUCT || kind == WALK_PAIRS_PRODUCT;
     const float *xf = x, *yf = y;
     const uint32_t *xp = x, *yp = y;
     const ltx_idx n_full = n - n % NR;
@@ -640,10 +659,10 @@ fuse_walk(const enum walk_kind kind, ltx_idx m, ltx_idx n, ltx_idx k, const void
         for (ltx_idx j = 0; j < n_full; j += NR) {
             const float *yb = pairs ? yf + j : yf + j * k;  /* strip j / NR starts at j k */
             /* the block's place in w and out, or in c */
-            const uint16_t *wb = (kind == WALK_PRODUCT) ? w : w + i * ldw + j;
-            uint16_t *ob = (kind == WALK_PRODUCT) ? out : out + i * ldo + j;
-            float *cb = (kind == WALK_PRODUCT) ? c + i * ldc + j : c;
-            if (kind != WALK_PRODUCT)
+            const uint16_t *wb = product ? w : w + i * ldw + j;
+            uint16_t *ob = product ? out : out + i * ldo + j;
+            float *cb = product ? c + i * ldc + j : c;
+            if (!product)
                 fuse_prefetch(w, ldw, m, n_full, i, j + ahead * NR);
             /* The last rows as one block of their own height: one row at a time has too few
              * independent sums to cover the FMA latency. Every table's MR is 4 to 8. */
@@ -688,7 +707,7 @@ fuse_walk(const enum walk_kind kind, ltx_idx m, ltx_idx n, ltx_idx k, const void
                                     yf[n_full * k + p * (n - n_full) + (j - n_full)];
                     }
                 }
-                if (kind == WALK_PRODUCT)
+                if (product)
                     c[r * ldc + j] = acc;
                 else
                     store_fused_row(&acc, w + r * ldw + j, out + r * ldo + j, 1);
@@ -747,6 +766,13 @@ static void dot_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp, 
                           uint16_t *out, ltx_idx ldo)
 {
     fuse_walk(WALK_PAIRS, m, n, kp, xp, ldxp, yp, ldyp, w, ldw, out, ldo, NULL, 0);
+}
+
+static void dot_product_bf16(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp,
+                             ltx_idx ldxp, const uint32_t *yp, ltx_idx ldyp, float *c,
+                             ltx_idx ldc)
+{
+    fuse_walk(WALK_PAIRS_PRODUCT, m, n, kp, xp, ldxp, yp, ldyp, NULL, 0, NULL, 0, c, ldc);
 }
 #endif
 
@@ -1576,6 +1602,7 @@ const ltx_kernels TABLE = {
     .seq_product_panel = seq_product_panel,
 #if defined(LTX_BF16_CONVERT)
     .dot_fuse_bf16 = dot_fuse_bf16,  /* NULL in the other tables */
+    .dot_product_bf16 = dot_product_bf16,
     .dot_stream_wxt = dot_stream_wxt,
     .dot_panel_wxt = dot_panel_wxt,
 #endif

@@ -204,6 +204,13 @@ typedef struct {
     void (*dot_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp,
                           const uint32_t *yp, ltx_idx ldyp, const uint16_t *w, ltx_idx ldw,
                           uint16_t *out, ltx_idx ldo);
+    /* c[m x n] (ldc) = xp @ yp from the same pairs, each sum from +0.0 in the textbook order,
+     * under the same conditions: the product alone of dot_fuse_bf16, stored where it is
+     * rounded and added later (several adapters, fp8 weights, a bare delta). NULL where
+     * dot_fuse_bf16 is. */
+    void (*dot_product_bf16)(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp,
+                             ltx_idx ldxp, const uint32_t *yp, ltx_idx ldyp, float *c,
+                             ltx_idx ldc);
     /* dst[q, j] = src[2q, j] << 16 | src[2q + 1, j] (0 past the last row) for a rows x cols
      * block of bf16 (row stride lds) into ceil(rows / 2) rows of cols pairs */
     void (*pack_pairs_rows)(const uint16_t *src, ltx_idx lds, uint32_t *dst, ltx_idx rows,

@@ -196,6 +196,34 @@ def dot_fuse_bf16(const uint16_t[:, ::1] x, const uint16_t[:, ::1] y, const uint
     return out
 
 
+def dot_product_bf16(const uint16_t[:, ::1] x, const uint16_t[:, ::1] y, table=None):
+    """f32 x @ y for bf16 x and y by the table's dot-product kernel, the product alone, into
+    rows of n + 3 floats first filled with NaN (so that a write past a row shows)."""
+    cdef Py_ssize_t m = x.shape[0], k = x.shape[1], n = y.shape[1]
+    cdef Py_ssize_t kp = (k + 1) // 2
+    if y.shape[0] != k:
+        raise ValueError("shape mismatch")
+    cdef const ltx_kernels *kern = _table(table)
+    if kern.dot_product_bf16 == NULL:
+        raise ValueError("this kernel table has no dot-product kernel")
+    xf = np.ascontiguousarray((np.asarray(x).astype(np.uint32) << 16).view(np.float32))
+    cdef const float[:, ::1] xv = xf
+    xp_arr = np.zeros((m, max(kp, 1)), np.uint32)
+    yp_arr = np.zeros((max(kp, 1), n), np.uint32)
+    cdef uint32_t[:, ::1] xp = xp_arr
+    cdef uint32_t[:, ::1] yp = yp_arr
+    out = np.full((m, n + 3), np.nan, np.float32)
+    cdef float[:, ::1] c = out
+    if m and n:
+        with nogil:
+            if k:
+                kern.pack_pairs_cols(&xv[0, 0], k, &xp[0, 0], xp.shape[1], m, k)
+                kern.pack_pairs_rows(&y[0, 0], n, &yp[0, 0], k, n)
+            kern.dot_product_bf16(m, n, kp, &xp[0, 0], xp.shape[1], &yp[0, 0], n, &c[0, 0],
+                                  n + 3)
+    return out
+
+
 def sgemm(const float[:, ::1] x, const float[:, ::1] y, out=None):
     """x @ y by one sgemm call through the seam (into ``out`` when given): the ceiling the
     benchmarks divide by, and the call the probe tests check."""
