@@ -18,7 +18,6 @@ Sampled rows of every ltx2blas result are checked byte for byte against ltx2blas
 
     python bench/bench_fuse_kinds.py [--threads 1,2] [--ranks 32,384] [--shapes 4096x4096] [--out F]
 """
-import contextlib
 import os
 import sys
 
@@ -29,26 +28,6 @@ import harness  # noqa: E402
 import peers  # noqa: E402
 
 STRENGTHS = (0.8, -0.5)
-
-
-@contextlib.contextmanager
-def without_dot_product():
-    """The fuse's routes as on a CPU without the dot-product kernel: its guard refuses."""
-    from ltx2blas import fuse
-
-    own = fuse._pairs_exact
-    fuse._pairs_exact = lambda *args: False
-    try:
-        yield
-    finally:
-        fuse._pairs_exact = own
-
-
-def f32_kernels(call):
-    def run():
-        with without_dot_product():
-            return call()
-    return run
 
 
 def torch_calls(weight, fp8, adapters, threads):
@@ -123,8 +102,8 @@ def run_shape(threads_list, shape, ranks, repeats, sample_rows, log):
             }
             from ltx2blas import _gemm
             if _gemm.has_pairs_kernel():
-                cands["bf16_two_f32"] = f32_kernels(cands["bf16_two"])
-                cands["fp8_one_f32"] = f32_kernels(cands["fp8_one"])
+                cands["bf16_two_f32"] = harness.without_dot_product(cands["bf16_two"])
+                cands["fp8_one_f32"] = harness.without_dot_product(cands["fp8_one"])
             cands.update(torch_calls(weight, fp8, adapters, threads))
             t = harness.interleaved(cands, repeats=repeats)
             peak = square_flops / t["sgemm_square"][harness.STAT] / 1e9

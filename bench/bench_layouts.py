@@ -4,7 +4,8 @@ For each thread count, rank and layout: fuse_quantized on an LTX-2-shaped weight
 through the GEMM seam, then the layout's merge and requantisation passes), interleaved with the
 in-place bf16 fuse of the same shape and rank and a square 2048^3 sgemm at the same thread count.
 Reported: the layout's time divided by the bf16 fuse's (what the layout costs on top), and its
-rate as a fraction of the sgemm rate.  The block layouts' first 128 rows are checked against ltx2blas.reference.
+rate as a fraction of the sgemm rate; on CPUs with the dot-product kernel (AVX512_BF16) also
+the time of the same call with that kernel off over the time with it (``f32_time_ratio``).  The block layouts' first 128 rows are checked against ltx2blas.reference.
 
     python bench/bench_layouts.py [--threads 1,2] [--ranks 32,384] [--shape 4096x4096]
 """
@@ -47,7 +48,7 @@ def weights(rng, rows, cols):
 
 def run(threads_list, shape, ranks, repeats=3, log=print):
     import ltx2blas
-    from ltx2blas import reference
+    from ltx2blas import _gemm, reference
 
     rng = np.random.default_rng(0)
     rows, cols = shape
@@ -67,6 +68,8 @@ def run(threads_list, shape, ranks, repeats=3, log=print):
             for layout, (w, kw) in stored.items():
                 cands[layout] = (lambda w=w, kw=kw, layout=layout: ltx2blas.fuse_quantized(
                     layout, w, [(a, b, 0.8)], threads=threads, delta_buffer=delta, **kw))
+                if _gemm.has_pairs_kernel():
+                    cands[layout + "_f32"] = harness.without_dot_product(cands[layout])
             t = harness.interleaved(cands, repeats=repeats)
             base = t["bf16"][harness.STAT]
             peak = square_flops / t["sgemm_square"][harness.STAT] / 1e9
@@ -85,10 +88,14 @@ def run(threads_list, shape, ranks, repeats=3, log=print):
                        "seconds_median": t[layout]["median"], "gflops": flops / s / 1e9,
                        "sgemm_gflops": peak, "of_sgemm": flops / s / 1e9 / peak,
                        "of_bf16_fuse": base / s, "bf16_fuse_seconds": base, "checked": checked}
+                extra = ""
+                if layout + "_f32" in t:
+                    row["f32_time_ratio"] = t[layout + "_f32"][harness.STAT] / s
+                    extra = f"  dot-product kernel off {row['f32_time_ratio']:.2f}x its time"
                 out.append(row)
                 log(f"layout {layout:10s} threads={threads} {rows}x{cols} rank {rank:>4}: "
                     f"{row['gflops']:6.1f} GFLOP/s  {row['of_sgemm']:.2f} of sgemm ({peak:.0f})  "
-                    f"{s / base:.2f}x the bf16 fuse's time  checked={checked}")
+                    f"{s / base:.2f}x the bf16 fuse's time  checked={checked}{extra}")
     return out
 
 

@@ -138,6 +138,21 @@ def reader(array, threads):
     return read
 
 
+def without_dot_product(call):
+    """``call`` run as on a CPU without the fuse's dot-product kernel: its guard refuses every
+    adapter, so the f32 kernels and sgemm take the products (the comparison in one run)."""
+    def run():
+        from ltx2blas import fuse
+
+        own = fuse._pairs_exact
+        fuse._pairs_exact = lambda *args: False
+        try:
+            return call()
+        finally:
+            fuse._pairs_exact = own
+    return run
+
+
 def square_sgemm(threads, n=2048):
     """(callable, flops): one n^3 sgemm through the BLAS ltx2blas calls, at ``threads`` threads --
     the sgemm rate as a candidate to interleave with a workload's calls, so that the rate a
