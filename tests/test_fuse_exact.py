@@ -20,6 +20,15 @@ def adapter(rng, rows, cols, rank, scale=0.01):
     return random_bf16(rng, (rank, cols), scale), random_bf16(rng, (rows, rank), scale)
 
 
+def textbook_product(x, y):
+    """x @ y for f32 x [m, k] and y [k, n], each element from +0.0 in the order p = 0, 1, ...
+    (mul, then add), as f32."""
+    acc = np.zeros((x.shape[0], y.shape[1]), np.float32)
+    for p in range(x.shape[1]):
+        acc = acc + x[:, p:p + 1] * y[p:p + 1, :]
+    return acc
+
+
 @pytest.mark.parametrize("rank", RANKS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_fuse_lora_matches_reference(rng, shape, rank):
@@ -84,9 +93,7 @@ def test_fused_kernel_alone(kernel_table, rng, shape, k):
     x = reference.bf16_widen(random_bf16(rng, (m, k)))
     y = reference.bf16_widen(random_bf16(rng, (k, n)))
     w = random_bf16(rng, (m, n))
-    acc = np.zeros((m, n), np.float32)
-    for p in range(k):
-        acc = acc + x[:, p:p + 1] * y[p:p + 1, :]
+    acc = textbook_product(x, y)
     expected = reference.bf16_round(reference.bf16_widen(w) + reference.bf16_widen(
         reference.bf16_round(acc)))
     assert np.array_equal(hooks.seq_fuse_bf16(x, y, w, kernel_table), expected)
@@ -102,9 +109,7 @@ def test_product_kernel_alone(kernel_table, rng, shape, k):
     m, n = shape
     x = reference.bf16_widen(random_bf16(rng, (m, k)))
     y = reference.bf16_widen(random_bf16(rng, (k, n)))
-    acc = np.zeros((m, n), np.float32)
-    for p in range(k):
-        acc = acc + x[:, p:p + 1] * y[p:p + 1, :]
+    acc = textbook_product(x, y)
     got = hooks.seq_product_panel(x, y, kernel_table)
     assert np.array_equal(got[:, :n].view(np.uint32), acc.view(np.uint32))
     assert np.all(np.isnan(got[:, n:]))
@@ -119,9 +124,7 @@ def test_pairs_kernel_alone(pairs_table, rng, shape, k):
     x, y = random_bf16(rng, (m, k)), random_bf16(rng, (k, n))
     w = rng.integers(0, 65536, size=(m, n), dtype=np.uint16)  # every kind, NaN and inf too
     xf, yf = reference.bf16_widen(x), reference.bf16_widen(y)
-    acc = np.zeros((m, n), np.float32)
-    for p in range(k):
-        acc = acc + xf[:, p:p + 1] * yf[p:p + 1, :]
+    acc = textbook_product(xf, yf)
     with np.errstate(invalid="ignore", over="ignore"):
         expected = reference.bf16_round(reference.bf16_widen(w) + reference.bf16_widen(
             reference.bf16_round(acc)))
@@ -136,9 +139,7 @@ def test_pairs_product_alone(pairs_table, rng, shape, k):
     m, n = shape
     x, y = random_bf16(rng, (m, k)), random_bf16(rng, (k, n))
     xf, yf = reference.bf16_widen(x), reference.bf16_widen(y)
-    acc = np.zeros((m, n), np.float32)
-    for p in range(k):
-        acc = acc + xf[:, p:p + 1] * yf[p:p + 1, :]
+    acc = textbook_product(xf, yf)
     got = hooks.dot_product_bf16(x, y, pairs_table)
     assert np.array_equal(got[:, :n].view(np.uint32), acc.view(np.uint32))
     assert np.all(np.isnan(got[:, n:]))

@@ -167,30 +167,44 @@ def has_pairs_kernel(table=None):
     return _table(table).dot_fuse_bf16 != NULL
 
 
-def dot_fuse_bf16(const uint16_t[:, ::1] x, const uint16_t[:, ::1] y, const uint16_t[:, ::1] w,
-                  table=None):
-    """bf16(w + bf16(x @ y)) for bf16 x and y, packed in pairs by the table's pack kernels and
-    multiplied by its dot-product fuse."""
+cdef object pairs_of(const uint16_t[:, ::1] x, const uint16_t[:, ::1] y,
+                     const ltx_kernels *kern):
+    """(x's columns, y's rows) packed in pairs of terms by the table's pack kernels, as the
+    fuse driver packs bf16(B*s) and A; at least one pair wide."""
     cdef Py_ssize_t m = x.shape[0], k = x.shape[1], n = y.shape[1]
     cdef Py_ssize_t kp = (k + 1) // 2
-    if y.shape[0] != k or w.shape[0] != m or w.shape[1] != n:
+    if y.shape[0] != k:
         raise ValueError("shape mismatch")
-    cdef const ltx_kernels *kern = _table(table)
-    if kern.dot_fuse_bf16 == NULL:
-        raise ValueError("this kernel table has no dot-product fuse")
     xf = np.ascontiguousarray((np.asarray(x).astype(np.uint32) << 16).view(np.float32))
     cdef const float[:, ::1] xv = xf
     xp_arr = np.zeros((m, max(kp, 1)), np.uint32)
     yp_arr = np.zeros((max(kp, 1), n), np.uint32)
     cdef uint32_t[:, ::1] xp = xp_arr
     cdef uint32_t[:, ::1] yp = yp_arr
+    if m and n and k:
+        with nogil:
+            kern.pack_pairs_cols(&xv[0, 0], k, &xp[0, 0], xp.shape[1], m, k)
+            kern.pack_pairs_rows(&y[0, 0], n, &yp[0, 0], k, n)
+    return xp_arr, yp_arr
+
+
+def dot_fuse_bf16(const uint16_t[:, ::1] x, const uint16_t[:, ::1] y, const uint16_t[:, ::1] w,
+                  table=None):
+    """bf16(w + bf16(x @ y)) for bf16 x and y, packed in pairs by the table's pack kernels and
+    multiplied by its dot-product fuse."""
+    cdef Py_ssize_t m = x.shape[0], n = y.shape[1], kp = (x.shape[1] + 1) // 2
+    if w.shape[0] != m or w.shape[1] != n:
+        raise ValueError("shape mismatch")
+    cdef const ltx_kernels *kern = _table(table)
+    if kern.dot_fuse_bf16 == NULL:
+        raise ValueError("this kernel table has no dot-product fuse")
+    xp_arr, yp_arr = pairs_of(x, y, kern)
+    cdef uint32_t[:, ::1] xp = xp_arr
+    cdef uint32_t[:, ::1] yp = yp_arr
     out = np.empty((m, n), np.uint16)
     cdef uint16_t[:, ::1] o = out
     if m and n:
         with nogil:
-            if k:
-                kern.pack_pairs_cols(&xv[0, 0], k, &xp[0, 0], xp.shape[1], m, k)
-                kern.pack_pairs_rows(&y[0, 0], n, &yp[0, 0], k, n)
             kern.dot_fuse_bf16(m, n, kp, &xp[0, 0], xp.shape[1], &yp[0, 0], n, &w[0, 0], n,
                                &o[0, 0], n)
     return out
@@ -199,26 +213,17 @@ def dot_fuse_bf16(const uint16_t[:, ::1] x, const uint16_t[:, ::1] y, const uint
 def dot_product_bf16(const uint16_t[:, ::1] x, const uint16_t[:, ::1] y, table=None):
     """f32 x @ y for bf16 x and y by the table's dot-product kernel, the product alone, into
     rows of n + 3 floats first filled with NaN (so that a write past a row shows)."""
-    cdef Py_ssize_t m = x.shape[0], k = x.shape[1], n = y.shape[1]
-    cdef Py_ssize_t kp = (k + 1) // 2
-    if y.shape[0] != k:
-        raise ValueError("shape mismatch")
+    cdef Py_ssize_t m = x.shape[0], n = y.shape[1], kp = (x.shape[1] + 1) // 2
     cdef const ltx_kernels *kern = _table(table)
     if kern.dot_product_bf16 == NULL:
         raise ValueError("this kernel table has no dot-product kernel")
-    xf = np.ascontiguousarray((np.asarray(x).astype(np.uint32) << 16).view(np.float32))
-    cdef const float[:, ::1] xv = xf
-    xp_arr = np.zeros((m, max(kp, 1)), np.uint32)
-    yp_arr = np.zeros((max(kp, 1), n), np.uint32)
+    xp_arr, yp_arr = pairs_of(x, y, kern)
     cdef uint32_t[:, ::1] xp = xp_arr
     cdef uint32_t[:, ::1] yp = yp_arr
     out = np.full((m, n + 3), np.nan, np.float32)
     cdef float[:, ::1] c = out
     if m and n:
         with nogil:
-            if k:
-                kern.pack_pairs_cols(&xv[0, 0], k, &xp[0, 0], xp.shape[1], m, k)
-                kern.pack_pairs_rows(&y[0, 0], n, &yp[0, 0], k, n)
             kern.dot_product_bf16(m, n, kp, &xp[0, 0], xp.shape[1], &yp[0, 0], n, &c[0, 0],
                                   n + 3)
     return out
