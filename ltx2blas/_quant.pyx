@@ -7,6 +7,9 @@ inputs alone, so the bytes are the same for any thread count.  Validation happen
 """
 from cython.parallel cimport prange
 from libc.stdint cimport uint8_t, uint16_t, uint64_t
+from libc.string cimport strncmp
+
+from ._gemm cimport kernels
 
 cdef extern from "kernels.h" nogil:
     float ltx_fp8_value(unsigned int code, int e5m2)
@@ -14,9 +17,9 @@ cdef extern from "kernels.h" nogil:
 cdef extern from "quant.h" nogil:
     ctypedef Py_ssize_t ltx_idx
     float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx count,
-                             float scale, int e5m2)
+                             float scale, int e5m2, int avx512)
     void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, float scale,
-                              float mult, float fmax, int e5m2)
+                              float mult, float fmax, int e5m2, int avx512)
     float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales,
                                uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1)
     void ltx_block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj,
@@ -48,6 +51,12 @@ cdef enum:
     ROWS_PER_TASK = 16
 
 
+cdef bint avx512_table() noexcept:
+    """Whether the kernel table in use is an AVX-512 one: the per-tensor fp8 passes then take
+    sixteen elements at a time (the same bytes), and a forced table forces them too."""
+    return strncmp(kernels(True).name, b"avx512", 6) == 0
+
+
 cdef inline float fmax_nan(float a, float b) noexcept nogil:
     """max that lets a NaN through (a NaN anywhere must show in the result)."""
     if a != a or b != b:
@@ -61,10 +70,12 @@ def scaled_fp8_max(const uint8_t[::1] codes, const uint16_t[::1] delta, float sc
     cdef Py_ssize_t n = codes.shape[0], chunk = 1 << 16, tasks = (n + chunk - 1) // chunk, t
     cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
     cdef Py_ssize_t a
+    cdef bint vec = avx512_table()
     with nogil:
         for t in prange(tasks, num_threads=threads, schedule="dynamic"):
             a = t * chunk
-            tops[t] = ltx_scaled_fp8_max(&codes[a], &delta[a], min(chunk, n - a), scale, e5m2)
+            tops[t] = ltx_scaled_fp8_max(&codes[a], &delta[a], min(chunk, n - a), scale, e5m2,
+                                         vec)
     return _max(tops)
 
 
@@ -72,11 +83,12 @@ def scaled_fp8_store(uint8_t[::1] codes, const uint16_t[::1] delta, float scale,
                      float fmax, bint e5m2, int threads):
     """codes = fp8(clamp(f32(n * mult), -fmax, fmax)) in place (fp8(n) for an infinite mult)."""
     cdef Py_ssize_t n = codes.shape[0], chunk = 1 << 16, tasks = (n + chunk - 1) // chunk, t, a
+    cdef bint vec = avx512_table()
     with nogil:
         for t in prange(tasks, num_threads=threads, schedule="dynamic"):
             a = t * chunk
             ltx_scaled_fp8_store(&codes[a], &delta[a], min(chunk, n - a), scale, mult, fmax,
-                                 e5m2)
+                                 e5m2, vec)
 
 
 def block_merge(const uint8_t[:, ::1] codes, bint fp6, const float[:, ::1] scales,

@@ -79,6 +79,29 @@ def test_matches_reference(rng, layout, fmt, count, rule):
     assert all(np.array_equal(b, a) for b, a in zip(before, [weight, *scales]))  # not in place
 
 
+@pytest.mark.parametrize("layout, fmt", [("fp8_scaled", "F8_E4M3"), ("comfy_fp8", "F8_E4M3"),
+                                         ("comfy_fp8", "F8_E5M2")])
+def test_per_tensor_passes_every_code_on_every_table(kernel_table, rng, layout, fmt):
+    """The per-tensor passes (the maximum, then the rounding store) of each kernel table --
+    sixteen elements at a time on the AVX-512 ones, one at a time elsewhere -- on every finite
+    code of the format beside deltas of every size from far below the codes' quantum to past
+    the largest, exact multiples of it among them (ties), given as a full-weight difference
+    (whose delta is itself); rows of 103 elements, so that runs end in a scalar tail."""
+    rows, cols = 96, 103
+    nan = (lambda c: (c & 0x7F) == 0x7F) if fmt == "F8_E4M3" else (lambda c: (c & 0x7C) == 0x7C)
+    finite = np.array([c for c in range(256) if not nan(c)], np.uint8)
+    codes = finite[rng.integers(0, finite.size, (rows, cols))]
+    scale = np.array(0.0005 if fmt == "F8_E4M3" else 0.00002, np.float32)
+    exponents = rng.integers(-30, 4, (rows, cols)).astype(np.float32)
+    values = rng.choice(np.float32([1.0, 1.5, 1.25, 1.0625, 1.03125]), (rows, cols))
+    diff = reference.bf16_round(values * np.exp2(exponents) * scale
+                                * rng.choice(np.float32([-1, 1]), (rows, cols)))
+    diff[::7, ::5] = 0x0000
+    expected = reference.fuse_quantized(layout, codes, (scale,), [(diff, 1.0)], "addmm", fmt)
+    got = quantized.fuse_quantized(layout, codes, [(diff, 1.0)], scale=scale, fmt=fmt)
+    same(got, expected)
+
+
 @pytest.mark.parametrize("layout, fmt", LAYOUT_FORMATS)
 def test_in_place_and_tiles(rng, layout, fmt):
     weight, scales, kwargs = case(rng, layout, fmt or "F8_E4M3")

@@ -18,6 +18,9 @@
 #if defined(LTX_VARIANT_AVX512) || defined(LTX_VARIANT_AVX2)
 #include <immintrin.h>
 #endif
+#if defined(LTX_VARIANT_AVX512)
+#include "fp8_avx512.h"
+#endif
 
 #if defined(LTX_VARIANT_AVX512)
 #define VW 16
@@ -1457,60 +1460,22 @@ static inline vu32 fp8_nearest_vec(vu32 h, int e5m2, vu32 *over)
 
 #if defined(LTX_VARIANT_AVX512)
 /* fp8_nearest_vec on AVX-512, u the f32 bits of bf16 values (bf16_high_vec's), in fewer
- * operations: the rounding of quant.c's fp8_encode, the same function of the value -- below
- * the smallest normal, one f32 addition of a constant whose unit in the last place is the
- * subnormal quantum (nearest-even, exact); above, the f32 bits rounded nearest-even at the
- * fp8 mantissa and rebiased -- with inf, NaN and overflow as fp8_from_bf16 has them, selected
- * by mask registers. The generic form spends about 110 vector operations a vector, and the
- * store is bound by them. */
-static inline vu32 fp8_nearest_vec_avx512(vu32 u, int e5m2, vu32 *over);
-
-/* fp8_value_vec on AVX-512, the same integer and f32 operations, its selects made by mask
- * registers. */
-static inline vf fp8_value_vec_avx512(vu32 codes, int e5m2)
-{
-    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
-    const float quantum = e5m2 ? 0x1p-16f : 0x1p-9f;
-    const __m512i c = (__m512i)codes;
-    const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
-    const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 23 - mant),
-                                            _mm512_set1_epi32((127 - bias) << 23));
-    const __m512i subnormal = _mm512_castps_si512(
-        _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(quantum)));
-    const __mmask16 small = _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(1 << mant));
-    __m512i v = _mm512_mask_blend_epi32(small, normal, subnormal);
-    const __mmask16 inf = e5m2 ? _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7C)) : 0;
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(e5m2 ? 0x7C : 0x7E));
-    v = _mm512_mask_mov_epi32(v, inf, _mm512_set1_epi32(0x7F800000));
-    v = _mm512_or_si512(v, _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24));
-    return (vf)_mm512_mask_mov_epi32(v, nan, _mm512_set1_epi32(0x7FC00000));
-}
-
+ * operations: ltx_fp8_round_avx512 (fp8_avx512.h), the same function of the value, with inf,
+ * NaN and overflow as fp8_from_bf16 has them, selected by mask registers. The generic form
+ * spends about 110 vector operations a vector, and the store is bound by them. */
 static inline vu32 fp8_nearest_vec_avx512(vu32 u, int e5m2, vu32 *over)
 {
-    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7, shift = 23 - mant;
-    const uint32_t largest = e5m2 ? 0x7Bu : 0x7Eu, saturated = e5m2 ? 0x7Cu : 0x7Eu;
-    const __m512i bits = (__m512i)u;
-    const __m512i a = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
-    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
-    const float magic = ltx_bits_f32((uint32_t)(127 + 23 + 1 - bias - mant) << 23 | 0x400000u);
-    const __m512i sub = _mm512_sub_epi32(
-        _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(magic))),
-        _mm512_set1_epi32((int)ltx_f32_bits(magic)));
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(a, shift), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32((1 << (shift - 1)) - 1)), lsb),
-        shift);
-    const __m512i normal = _mm512_sub_epi32(rounded, _mm512_set1_epi32((127 - bias) << mant));
-    const __mmask16 small = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32((128 - bias) << 23));
-    __m512i code = _mm512_mask_blend_epi32(small, normal, sub);
-    const __mmask16 finite = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
-    const __mmask16 o = _mm512_mask_cmpgt_epu32_mask(finite, code, _mm512_set1_epi32((int)largest));
-    code = _mm512_mask_mov_epi32(code, o | (__mmask16)~finite, _mm512_set1_epi32((int)saturated));
+    const __m512i a = _mm512_and_si512((__m512i)u, _mm512_set1_epi32(0x7FFFFFFF));
+    __mmask16 past;
+    __m512i code = ltx_fp8_round_avx512((__m512)u, e5m2, &past);
+    /* fp8_from_bf16's specials: NaN to 0x7F (its sign kept), inf saturated but no overflow */
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
-    code = _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(0x7F));
-    *over = (vu32)_mm512_maskz_set1_epi32(o, 1);
-    return (vu32)_mm512_or_si512(code, sign);
+    code = _mm512_mask_mov_epi32(code, nan,
+                                 _mm512_or_si512(_mm512_and_si512(code, _mm512_set1_epi32(0x80)),
+                                                 _mm512_set1_epi32(0x7F)));
+    const __mmask16 finite = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
+    *over = (vu32)_mm512_maskz_set1_epi32(past & finite, 1);
+    return (vu32)code;
 }
 #endif
 
@@ -1529,7 +1494,8 @@ static ltx_idx store_fused_fp8(const float *acc, const uint8_t *w, ltx_idx ldw, 
             prefetch_run(w + (r + PREFETCH_ROWS) * ldw, cols);
         for (ltx_idx i = 0; i < full; i += VW) {
 #if defined(LTX_VARIANT_AVX512)
-            const vf value = fp8_value_vec_avx512(load_u8_vec(w + r * ldw + i), e5m2);
+            const vf value = (vf)ltx_fp8_value_avx512((__m512i)load_u8_vec(w + r * ldw + i),
+                                                      e5m2);
 #else
             const vf value = fp8_value_vec(load_u8_vec(w + r * ldw + i), e5m2);
 #endif

@@ -2,6 +2,7 @@
  * operation written is one IEEE f32 operation, rounded once. */
 #include <string.h>
 
+#include "fp8_avx512.h"
 #include "kernels.h"
 #include "quant.h"
 
@@ -81,13 +82,70 @@ uint32_t ltx_e2m1_from_f32(float x)
 
 /* ---- per-tensor scaled fp8 ---- */
 
+#if defined(__x86_64__)
+/* The two passes below, sixteen elements at a time where the caller says the CPU has AVX-512
+ * (the kernel table in use is an AVX-512 one), with the same f32 operations in the same
+ * order: the table's entry (the code's value times scale) computed, the delta widened and
+ * added; then the magnitude's maximum (which, like the scalar comparison, keeps the running
+ * maximum where a value is NaN), or the product by mult clamped by comparisons and rounded by
+ * ltx_fp8_round_avx512, fp8_encode's rounding. The last count % 16 elements are left to the
+ * scalar loops. Returns how many were done. */
+static LTX_AVX512_TARGET ltx_idx scaled_fp8_max_avx512(const uint8_t *codes,
+                                                       const uint16_t *delta, ltx_idx count,
+                                                       float scale, int e5m2, float *top)
+{
+    const ltx_idx full = count - count % 16;
+    __m512 best = _mm512_set1_ps(*top);
+    for (ltx_idx i = 0; i < full; i += 16) {
+        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i)));
+        const __m512 d = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(delta + i))), 16));
+        const __m512 w = _mm512_mul_ps(ltx_fp8_value_avx512(c, e5m2), _mm512_set1_ps(scale));
+        const __m512 n = _mm512_abs_ps(_mm512_add_ps(w, d));
+        best = _mm512_max_ps(n, best);
+    }
+    *top = _mm512_reduce_max_ps(best);
+    return full;
+}
+
+static LTX_AVX512_TARGET ltx_idx scaled_fp8_store_avx512(uint8_t *codes, const uint16_t *delta,
+                                                         ltx_idx count, float scale,
+                                                         float mult, float fmax, int e5m2)
+{
+    const ltx_idx full = count - count % 16;
+    for (ltx_idx i = 0; i < full; i += 16) {
+        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i)));
+        const __m512 d = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(delta + i))), 16));
+        const __m512 w = _mm512_mul_ps(ltx_fp8_value_avx512(c, e5m2), _mm512_set1_ps(scale));
+        __m512 n = _mm512_mul_ps(_mm512_add_ps(w, d), _mm512_set1_ps(mult));
+        n = _mm512_mask_mov_ps(n, _mm512_cmp_ps_mask(n, _mm512_set1_ps(-fmax), _CMP_LT_OQ),
+                               _mm512_set1_ps(-fmax));
+        n = _mm512_mask_mov_ps(n, _mm512_cmp_ps_mask(n, _mm512_set1_ps(fmax), _CMP_GT_OQ),
+                               _mm512_set1_ps(fmax));
+        __mmask16 past;
+        _mm_storeu_si128((__m128i *)(codes + i),
+                         _mm512_cvtepi32_epi8(ltx_fp8_round_avx512(n, e5m2, &past)));
+    }
+    return full;
+}
+#endif
+
 float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx count,
-                         float scale, int e5m2)
+                         float scale, int e5m2, int avx512)
 {
     const float *values = ltx_fp8_table(e5m2);
     float table[256], top = 0.0f;
     for (int c = 0; c < 256; c++)
         table[c] = values[c] * scale;
+#if defined(__x86_64__)
+    if (avx512) {
+        const ltx_idx done = scaled_fp8_max_avx512(codes, delta, count, scale, e5m2, &top);
+        codes += done, delta += done, count -= done;
+    }
+#else
+    (void)avx512;
+#endif
     /* finite codes and delta (the caller checks): the only non-finite sum is an overflow to
      * inf, which a plain maximum keeps */
     for (ltx_idx i = 0; i < count; i++) {
@@ -98,7 +156,7 @@ float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx co
 }
 
 void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, float scale,
-                          float mult, float fmax, int e5m2)
+                          float mult, float fmax, int e5m2, int avx512)
 {
     const float *values = ltx_fp8_table(e5m2);
     float table[256];
@@ -110,6 +168,15 @@ void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, 
             codes[i] = (uint8_t)fp8_encode(table[codes[i]] + ltx_bf16_value(delta[i]), e5m2);
         return;
     }
+#if defined(__x86_64__)
+    if (avx512) {
+        const ltx_idx done = scaled_fp8_store_avx512(codes, delta, count, scale, mult, fmax,
+                                                     e5m2);
+        codes += done, delta += done, count -= done;
+    }
+#else
+    (void)avx512;
+#endif
     for (ltx_idx i = 0; i < count; i++) {
         float n = (table[codes[i]] + ltx_bf16_value(delta[i])) * mult;
         n = n < -fmax ? -fmax : n > fmax ? fmax : n;

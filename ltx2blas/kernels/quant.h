@@ -22,13 +22,14 @@ uint32_t ltx_e2m1_from_f32(float x);
 
 /* ---- per-tensor scaled fp8: n = f32(f32(code) * scale) + f32(delta) ---- */
 
-/* max |n| over n elements (codes and delta of one run of the weight). */
+/* max |n| over n elements (codes and delta of one run of the weight). avx512: the CPU has
+ * AVX-512 (F, BW, DQ, VL), and the pass may use it (the same bytes). */
 float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx count,
-                         float scale, int e5m2);
+                         float scale, int e5m2, int avx512);
 /* codes[i] = fp8(clamp(f32(n * mult), -fmax, fmax)), in place; fp8(n) when mult is infinite
- * (the whole tensor is zero). */
+ * (the whole tensor is zero). avx512 as above. */
 void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, float scale,
-                          float mult, float fmax, int e5m2);
+                          float mult, float fmax, int e5m2, int avx512);
 
 /* ---- blockwise fp8 / fp6: 128 x 128 blocks, one f32 scale each ([rows/128, cols/128]) ----
  * fp8: e4m3 codes [rows, cols]; fp6: packed [rows, cols * 3 / 4] (4 six-bit codes in 3 bytes). */
