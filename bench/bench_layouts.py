@@ -8,7 +8,7 @@ rate as a fraction of the sgemm rate; on CPUs with the dot-product kernel (AVX51
 the time of the same call with that kernel off over the time with it (``f32_time_ratio``).  The block layouts' first 128 rows are checked against ltx2blas.reference.
 
     python bench/bench_layouts.py [--threads 1,2] [--ranks 32,384] [--shape 4096x4096]
-    python bench/bench_layouts.py --passes [--threads 1,2]   (the per-tensor fp8 passes alone,
+    python bench/bench_layouts.py --passes [--threads 1,2]   (the fp8 layouts' passes alone,
                                          the AVX-512 path against the scalar one, interleaved)
 """
 import argparse
@@ -102,10 +102,11 @@ def run(threads_list, shape, ranks, repeats=3, log=print):
 
 
 def run_passes(threads_list, shape, repeats=7, log=print):
-    """The per-tensor fp8 layouts' two element passes alone (the maximum, then the rounding
-    store) on the AVX-512 path against the scalar path (the AVX2 table forced, which sends
-    them one element at a time), interleaved, the bytes checked the same; each call copies
-    the codes first, as a fuse that is not in place does."""
+    """The fp8 layouts' element passes alone -- per tensor (the maximum, then the rounding
+    store) and blockwise (the merge, then each block's requantisation) -- on the AVX-512 path
+    against the scalar path (the AVX2 table forced, which sends them one element at a time),
+    interleaved, the bytes checked the same; each call copies what its passes overwrite
+    first, as a fuse that is not in place does."""
     from ltx2blas import _gemm, _quant, reference
 
     if not any(name.startswith("avx512") for name in _gemm.kernels_built()):
@@ -115,44 +116,57 @@ def run_passes(threads_list, shape, repeats=7, log=print):
     rows, cols = shape
     w = harness.widen(harness.random_bf16(rng, shape, 0.02))
     scale = np.float32(np.abs(w).max() / 448)
-    codes = reference.fp8_round(w / scale, "F8_E4M3").reshape(-1)
-    delta = harness.random_bf16(rng, (rows * cols,), 1e-3)
+    codes = reference.fp8_round(w / scale, "F8_E4M3")
+    block_scales = np.full((rows // 128, cols // 128), scale, np.float32)
+    delta = harness.random_bf16(rng, shape, 1e-3)
+
+    def per_tensor(threads):
+        out = codes.copy()
+        top = np.float32(_quant.scaled_fp8_max(codes.reshape(-1), delta.reshape(-1), scale,
+                                               False, threads))
+        mult = (np.float32(1.0) / top) * np.float32(448.0)
+        _quant.scaled_fp8_store(out.reshape(-1), delta.reshape(-1), scale, mult,
+                                np.float32(448.0), False, threads)
+        return (out,)
+
+    def blockwise(threads):
+        merged, out, new_scales = delta.copy(), codes.copy(), block_scales.copy()
+        _quant.block_merge(codes, False, block_scales, merged, threads)
+        _quant.block_quantize(merged, False, out, new_scales, threads)
+        return out, new_scales
+
+    fast = next(n for n in ("avx512bf16", "avx512") if n in _gemm.kernels_built())
     out_rows = []
     for threads in threads_list:
-        outs = {}
+        for layout, passes in (("per-tensor fp8", per_tensor), ("blockwise fp8", blockwise)):
+            outs = {}
 
-        def passes(table, threads=threads, outs=outs):
-            def call():
-                _gemm.use_kernels(table)
-                try:
-                    out = codes.copy()
-                    top = np.float32(_quant.scaled_fp8_max(codes, delta, scale, False, threads))
-                    mult = (np.float32(1.0) / top) * np.float32(448.0)
-                    _quant.scaled_fp8_store(out, delta, scale, mult, np.float32(448.0), False,
-                                            threads)
-                    outs[table] = out
-                finally:
-                    _gemm.use_kernels(None)
-            return call
+            def on(table, passes=passes, threads=threads, outs=outs):
+                def call():
+                    _gemm.use_kernels(table)
+                    try:
+                        outs[table] = passes(threads)
+                    finally:
+                        _gemm.use_kernels(None)
+                return call
 
-        fast = next(n for n in ("avx512bf16", "avx512") if n in _gemm.kernels_built())
-        try:
-            t = harness.interleaved({"avx512": passes(fast), "scalar": passes("avx2")},
-                                    repeats=repeats)
-        except ValueError as exc:  # the CPU cannot run the table
-            log(f"layout passes: {exc}")
-            return out_rows
-        same = bool(np.array_equal(outs[fast], outs["avx2"]))
-        row = {"workload": "layout_passes", "rows": rows, "cols": cols, "threads": threads,
-               "avx512_seconds": t["avx512"][harness.STAT],
-               "scalar_seconds": t["scalar"][harness.STAT],
-               "scalar_time_ratio": t["scalar"][harness.STAT] / t["avx512"][harness.STAT],
-               "same_bytes": same}
-        out_rows.append(row)
-        log(f"layout passes threads={threads} {rows}x{cols}: AVX-512 "
-            f"{row['avx512_seconds'] * 1e3:.1f} ms, scalar {row['scalar_seconds'] * 1e3:.1f} ms, "
-            f"scalar {row['scalar_time_ratio']:.2f}x "
-            f"its time, same bytes {same}")
+            try:
+                t = harness.interleaved({"avx512": on(fast), "scalar": on("avx2")},
+                                        repeats=repeats)
+            except ValueError as exc:  # the CPU cannot run the table
+                log(f"layout passes: {exc}")
+                return out_rows
+            same = all(np.array_equal(a, b) for a, b in zip(outs[fast], outs["avx2"]))
+            row = {"workload": "layout_passes", "passes": layout, "rows": rows, "cols": cols,
+                   "threads": threads, "avx512_seconds": t["avx512"][harness.STAT],
+                   "scalar_seconds": t["scalar"][harness.STAT],
+                   "scalar_time_ratio": t["scalar"][harness.STAT] / t["avx512"][harness.STAT],
+                   "same_bytes": same}
+            out_rows.append(row)
+            log(f"layout passes ({layout}) threads={threads} {rows}x{cols}: AVX-512 "
+                f"{row['avx512_seconds'] * 1e3:.1f} ms, scalar "
+                f"{row['scalar_seconds'] * 1e3:.1f} ms, scalar {row['scalar_time_ratio']:.2f}x "
+                f"its time, same bytes {same}")
     return out_rows
 
 
@@ -162,7 +176,7 @@ def main(argv=None):
     parser.add_argument("--ranks", default="32,384")
     parser.add_argument("--shape", default="4096x4096")
     parser.add_argument("--passes", action="store_true",
-                        help="instead: the per-tensor fp8 passes alone, AVX-512 against scalar")
+                        help="instead: the fp8 layouts' passes alone, AVX-512 against scalar")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     harness.check_installed_not_checkout()

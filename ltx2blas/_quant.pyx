@@ -21,9 +21,10 @@ cdef extern from "quant.h" nogil:
     void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, float scale,
                               float mult, float fmax, int e5m2, int avx512)
     float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales,
-                               uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1)
+                               uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                               int avx512)
     void ltx_block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj,
-                            int fp6, uint8_t *codes, float *scales)
+                            int fp6, uint8_t *codes, float *scales, int avx512)
     float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales,
                                ltx_idx padded_cols, float scale_2, uint16_t *delta,
                                ltx_idx cols, ltx_idx r0, ltx_idx r1)
@@ -52,8 +53,9 @@ cdef enum:
 
 
 cdef bint avx512_table() noexcept:
-    """Whether the kernel table in use is an AVX-512 one: the per-tensor fp8 passes then take
-    sixteen elements at a time (the same bytes), and a forced table forces them too."""
+    """Whether the kernel table in use is an AVX-512 one: the per-tensor and blockwise fp8
+    passes then take sixteen elements at a time (the same bytes), and a forced table forces
+    them too."""
     return strncmp(kernels(True).name, b"avx512", 6) == 0
 
 
@@ -97,11 +99,12 @@ def block_merge(const uint8_t[:, ::1] codes, bint fp6, const float[:, ::1] scale
     cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0
     cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
+    cdef bint vec = avx512_table()
     with nogil:
         for t in prange(tasks, num_threads=threads, schedule="dynamic"):
             r0 = t * ROWS_PER_TASK
             tops[t] = ltx_block_merge_rows(&codes[0, 0], fp6, &scales[0, 0], &delta[0, 0], cols,
-                                           r0, min(r0 + ROWS_PER_TASK, rows))
+                                           r0, min(r0 + ROWS_PER_TASK, rows), vec)
     return _max(tops)
 
 
@@ -109,10 +112,11 @@ def block_quantize(const uint16_t[:, ::1] merged, bint fp6, uint8_t[:, ::1] code
                    float[:, ::1] scales, int threads):
     """Each 128 x 128 block of merged requantised into codes and its scale."""
     cdef Py_ssize_t cols = merged.shape[1], nb = scales.shape[1], blocks = scales.size, b
+    cdef bint vec = avx512_table()
     with nogil:
         for b in prange(blocks, num_threads=threads, schedule="dynamic"):
             ltx_block_quantize(&merged[0, 0], cols, b // nb, b % nb, fp6, &codes[0, 0],
-                               &scales[0, 0])
+                               &scales[0, 0], vec)
 
 
 def nvfp4_merge(const uint8_t[:, ::1] packed, const uint8_t[:, ::1] scales, float scale_2,

@@ -197,12 +197,86 @@ static inline uint32_t fp6_code(const uint8_t *row, ltx_idx i)
     return ((six >> 5) << 7) | (six & 0x1Fu);
 }
 
+#if defined(__x86_64__)
+/* ltx_bf16_high of sixteen f32 values, lane by lane (the same macros), on AVX-512. */
+static inline LTX_AVX512_TARGET __m512i bf16_high_avx512(__m512 f)
+{
+    typedef uint32_t v16u __attribute__((vector_size(64)));
+    const v16u u = (v16u)_mm512_castps_si512(f);
+    const v16u nearest = LTX_BF16_NEAREST(u), qnan = LTX_BF16_QNAN(u);
+    return _mm512_mask_mov_epi32((__m512i)nearest, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
+                                 (__m512i)qnan);
+}
+
+/* The blockwise fp8 passes below on AVX-512 (where the caller says the kernel table in use is
+ * an AVX-512 one), sixteen elements at a time, with the same f32 operations in the same
+ * order: the merge of rows r0 .. r1 (returns their max |merged|, the running maximum kept
+ * where a value is NaN, as the scalar comparison does), and one block's requantisation by
+ * ltx_fp8_round_avx512, fp8_encode's rounding. fp6 keeps the scalar loops. */
+static LTX_AVX512_TARGET float block_merge_rows_avx512(const uint8_t *codes, const float *scales,
+                                                       uint16_t *delta, ltx_idx cols,
+                                                       ltx_idx r0, ltx_idx r1)
+{
+    const ltx_idx blocks = cols / BLOCK;
+    __m512 best = _mm512_setzero_ps();
+    for (ltx_idx r = r0; r < r1; r++)
+        for (ltx_idx bj = 0; bj < blocks; bj++) {
+            const __m512 scale = _mm512_set1_ps(scales[(r / BLOCK) * blocks + bj]);
+            for (ltx_idx i = bj * BLOCK; i < (bj + 1) * BLOCK; i += 16) {
+                uint16_t *d = delta + r * cols + i;
+                const __m512i c = _mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(codes + r * cols + i)));
+                const __m512 w = _mm512_castsi512_ps(
+                    bf16_high_avx512(_mm512_mul_ps(ltx_fp8_value_avx512(c, 0), scale)));
+                const __m512 dv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)d)), 16));
+                const __m512i m = bf16_high_avx512(_mm512_add_ps(w, dv));
+                _mm256_storeu_si256((__m256i *)d, _mm512_cvtepi32_epi16(_mm512_srli_epi32(m, 16)));
+                best = _mm512_max_ps(_mm512_abs_ps(_mm512_castsi512_ps(m)), best);
+            }
+        }
+    return _mm512_reduce_max_ps(best);
+}
+
+static LTX_AVX512_TARGET void block_quantize_avx512(const uint16_t *m, ltx_idx cols,
+                                                    uint8_t *codes, ltx_idx ldc, float *scale)
+{
+    __m512 best = _mm512_setzero_ps();
+    for (ltx_idx r = 0; r < BLOCK; r++)
+        for (ltx_idx i = 0; i < BLOCK; i += 16) {
+            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256((const __m256i *)(m + r * cols + i))), 16));
+            best = _mm512_max_ps(_mm512_abs_ps(v), best);
+        }
+    const float top = _mm512_reduce_max_ps(best);
+    const float mult = (1.0f / top) * 448.0f; /* inf for an all-zero block */
+    const int zero = top == 0.0f;
+    *scale = 1.0f / mult;
+    for (ltx_idx r = 0; r < BLOCK; r++)
+        for (ltx_idx i = 0; i < BLOCK; i += 16) {
+            __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256((const __m256i *)(m + r * cols + i))), 16));
+            if (!zero)
+                v = _mm512_mul_ps(v, _mm512_set1_ps(mult));
+            __mmask16 past;
+            _mm_storeu_si128((__m128i *)(codes + r * ldc + i),
+                             _mm512_cvtepi32_epi8(ltx_fp8_round_avx512(v, 0, &past)));
+        }
+}
+#endif
+
 float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales, uint16_t *delta,
-                           ltx_idx cols, ltx_idx r0, ltx_idx r1)
+                           ltx_idx cols, ltx_idx r0, ltx_idx r1, int avx512)
 {
     const ltx_idx ldc = fp6 ? cols / 4 * 3 : cols, blocks = cols / BLOCK;
     const float *values = ltx_fp8_table(0);
     float top = 0.0f;
+#if defined(__x86_64__)
+    if (avx512 && !fp6)
+        return block_merge_rows_avx512(codes, scales, delta, cols, r0, r1);
+#else
+    (void)avx512;
+#endif
     for (ltx_idx r = r0; r < r1; r++) {
         const uint8_t *row = codes + r * ldc;
         uint16_t *d = delta + r * cols;
@@ -222,10 +296,19 @@ float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales, u
 }
 
 void ltx_block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj, int fp6,
-                        uint8_t *codes, float *scales)
+                        uint8_t *codes, float *scales, int avx512)
 {
     const ltx_idx ldc = fp6 ? cols / 4 * 3 : cols;
     const uint16_t *m = merged + bi * BLOCK * cols + bj * BLOCK;
+#if defined(__x86_64__)
+    if (avx512 && !fp6) {
+        block_quantize_avx512(m, cols, codes + bi * BLOCK * ldc + bj * BLOCK, ldc,
+                              scales + bi * (cols / BLOCK) + bj);
+        return;
+    }
+#else
+    (void)avx512;
+#endif
     float top = 0.0f;
     for (ltx_idx r = 0; r < BLOCK; r++)
         for (ltx_idx i = 0; i < BLOCK; i++) {

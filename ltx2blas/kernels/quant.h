@@ -35,13 +35,14 @@ void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, 
  * fp8: e4m3 codes [rows, cols]; fp6: packed [rows, cols * 3 / 4] (4 six-bit codes in 3 bytes). */
 
 /* Rows r0..r1: delta[r, i] = bf16(bf16(f32(code) * scale[block]) + delta), in place; returns
- * max |merged| over the rows. */
+ * max |merged| over the rows. avx512 as above (fp8 only; fp6 ignores it). */
 float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales, uint16_t *delta,
-                           ltx_idx cols, ltx_idx r0, ltx_idx r1);
+                           ltx_idx cols, ltx_idx r0, ltx_idx r1, int avx512);
 /* Block (bi, bj) of merged bf16 [rows, cols]: m = scale_max * f32(1 / max|merged|) (448, or
- * 0.1172 for fp6), code = e4m3(f32(merged * m)), scale = f32(1 / m). */
+ * 0.1172 for fp6), code = e4m3(f32(merged * m)), scale = f32(1 / m). avx512 as above (fp8
+ * only). */
 void ltx_block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj, int fp6,
-                        uint8_t *codes, float *scales);
+                        uint8_t *codes, float *scales, int avx512);
 
 /* ---- NVFP4: packed E2M1 rows (element 2j in the high nibble), E4M3 block scales of 16
  * elements in the cuBLAS 128 x 4 tiled layout of `padded_cols` columns, one f32 scale_2 ---- */
