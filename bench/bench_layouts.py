@@ -8,7 +8,7 @@ rate as a fraction of the sgemm rate; on CPUs with the dot-product kernel (AVX51
 the time of the same call with that kernel off over the time with it (``f32_time_ratio``).  The block layouts' first 128 rows are checked against ltx2blas.reference.
 
     python bench/bench_layouts.py [--threads 1,2] [--ranks 32,384] [--shape 4096x4096]
-    python bench/bench_layouts.py --passes [--threads 1,2]   (the fp8 layouts' passes alone,
+    python bench/bench_layouts.py --passes [--threads 1,2]   (the layouts' passes alone,
                                          the AVX-512 path against the scalar one, interleaved)
 """
 import argparse
@@ -102,8 +102,9 @@ def run(threads_list, shape, ranks, repeats=3, log=print):
 
 
 def run_passes(threads_list, shape, repeats=7, log=print):
-    """The fp8 layouts' element passes alone -- per tensor (the maximum, then the rounding
-    store) and blockwise (the merge, then each block's requantisation) -- on the AVX-512 path
+    """The layouts' element passes alone -- per-tensor fp8 (the maximum, then the rounding
+    store), blockwise fp8 and NVFP4 (the merge, then each block's or group's requantisation)
+    -- on the AVX-512 path
     against the scalar path (the AVX2 table forced, which sends them one element at a time),
     interleaved, the bytes checked the same; each call copies what its passes overwrite
     first, as a fuse that is not in place does."""
@@ -119,6 +120,7 @@ def run_passes(threads_list, shape, repeats=7, log=print):
     codes = reference.fp8_round(w / scale, "F8_E4M3")
     block_scales = np.full((rows // 128, cols // 128), scale, np.float32)
     delta = harness.random_bf16(rng, shape, 1e-3)
+    stored = weights(rng, rows, cols)
 
     def per_tensor(threads):
         out = codes.copy()
@@ -135,10 +137,20 @@ def run_passes(threads_list, shape, repeats=7, log=print):
         _quant.block_quantize(merged, False, out, new_scales, threads)
         return out, new_scales
 
+    nvfp4_codes, nvfp4_scales = stored["nvfp4"][0], stored["nvfp4"][1]["scale"]
+
+    def nvfp4(threads):
+        merged, out, new_scales = delta.copy(), nvfp4_codes.copy(), nvfp4_scales.copy()
+        top = _quant.nvfp4_merge(nvfp4_codes, nvfp4_scales, np.float32(1e-3), merged, threads)
+        _quant.nvfp4_quantize(merged, np.float32(np.float32(top) / np.float32(2688.0)), out,
+                              new_scales, threads)
+        return out, new_scales
+
     fast = next(n for n in ("avx512bf16", "avx512") if n in _gemm.kernels_built())
     out_rows = []
     for threads in threads_list:
-        for layout, passes in (("per-tensor fp8", per_tensor), ("blockwise fp8", blockwise)):
+        for layout, passes in (("per-tensor fp8", per_tensor), ("blockwise fp8", blockwise),
+                               ("nvfp4", nvfp4)):
             outs = {}
 
             def on(table, passes=passes, threads=threads, outs=outs):
@@ -176,7 +188,7 @@ def main(argv=None):
     parser.add_argument("--ranks", default="32,384")
     parser.add_argument("--shape", default="4096x4096")
     parser.add_argument("--passes", action="store_true",
-                        help="instead: the fp8 layouts' passes alone, AVX-512 against scalar")
+                        help="instead: the layouts' passes alone, AVX-512 against scalar")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     harness.check_installed_not_checkout()

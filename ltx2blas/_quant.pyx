@@ -27,10 +27,10 @@ cdef extern from "quant.h" nogil:
                             int fp6, uint8_t *codes, float *scales, int avx512)
     float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales,
                                ltx_idx padded_cols, float scale_2, uint16_t *delta,
-                               ltx_idx cols, ltx_idx r0, ltx_idx r1)
+                               ltx_idx cols, ltx_idx r0, ltx_idx r1, int avx512)
     void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed,
                                  uint8_t *scales, ltx_idx padded_cols, ltx_idx cols, ltx_idx r0,
-                                 ltx_idx r1)
+                                 ltx_idx r1, int avx512)
 
     void ltx_round_bf16(const float *src, uint16_t *dst, ltx_idx n)
     void ltx_dora_merge_rows(const uint16_t *w, uint16_t *delta, ltx_idx cols, ltx_idx r0,
@@ -53,9 +53,9 @@ cdef enum:
 
 
 cdef bint avx512_table() noexcept:
-    """Whether the kernel table in use is an AVX-512 one: the per-tensor and blockwise fp8
-    passes then take sixteen elements at a time (the same bytes), and a forced table forces
-    them too."""
+    """Whether the kernel table in use is an AVX-512 one: the per-tensor fp8, blockwise fp8 and
+    NVFP4 passes then take sixteen elements at a time (the same bytes), and a forced table
+    forces them too."""
     return strncmp(kernels(True).name, b"avx512", 6) == 0
 
 
@@ -127,11 +127,13 @@ def nvfp4_merge(const uint8_t[:, ::1] packed, const uint8_t[:, ::1] scales, floa
     cdef Py_ssize_t padded = scales.shape[1]
     cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
+    cdef bint vec = avx512_table()
     with nogil:
         for t in prange(tasks, num_threads=threads, schedule="dynamic"):
             r0 = t * ROWS_PER_TASK
             tops[t] = ltx_nvfp4_merge_rows(&packed[0, 0], &scales[0, 0], padded, scale_2,
-                                           &delta[0, 0], cols, r0, min(r0 + ROWS_PER_TASK, rows))
+                                           &delta[0, 0], cols, r0, min(r0 + ROWS_PER_TASK, rows),
+                                           vec)
     return _max(tops)
 
 
@@ -142,12 +144,13 @@ def nvfp4_quantize(const uint16_t[:, ::1] merged, float t, uint8_t[:, ::1] packe
     cdef Py_ssize_t rows = merged.shape[0], cols = merged.shape[1], task, r0
     cdef Py_ssize_t padded = scales.shape[1]
     cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    cdef bint vec = avx512_table()
     scales[:, :] = 0
     with nogil:
         for task in prange(tasks, num_threads=threads, schedule="dynamic"):
             r0 = task * ROWS_PER_TASK
             ltx_nvfp4_quantize_rows(&merged[0, 0], t, &packed[0, 0], &scales[0, 0], padded,
-                                    cols, r0, min(r0 + ROWS_PER_TASK, rows))
+                                    cols, r0, min(r0 + ROWS_PER_TASK, rows), vec)
 
 
 def fp8_values(bint e5m2):

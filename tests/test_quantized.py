@@ -121,6 +121,23 @@ def test_block_passes_every_code_on_every_table(kernel_table, rng):
     same(got, expected)
 
 
+def test_nvfp4_passes_on_every_table(kernel_table, rng):
+    """The NVFP4 passes (the merge, then each group's scale and E2M1 codes) of each kernel
+    table -- a group of 16 at a time on the AVX-512 ones -- on every byte of packed codes,
+    beside deltas of every size from far below the codes' steps to past them, and a group
+    whose merged values are all zero."""
+    packed, scales, scale_2 = nvfp4_case(rng)
+    exponents = rng.integers(-30, -3, (ROWS, COLS)).astype(np.float32)
+    signs = rng.choice(np.float32([-1, 1]), (ROWS, COLS))
+    diff = reference.bf16_round(rng.choice(np.float32([1.0, 1.5, 1.25, 1.75]), (ROWS, COLS))
+                                * np.exp2(exponents) * signs)
+    packed[5, :8] = 0                                      # one group of zero codes
+    diff[5, :16] = 0                                       # and zero deltas
+    expected = reference.fuse_quantized("nvfp4", packed, (scales, scale_2), [(diff, 1.0)])
+    got = quantized.fuse_quantized("nvfp4", packed, [(diff, 1.0)], scale=scales, scale_2=scale_2)
+    same(got, expected)
+
+
 @pytest.mark.parametrize("layout, fmt", LAYOUT_FORMATS)
 def test_in_place_and_tiles(rng, layout, fmt):
     weight, scales, kwargs = case(rng, layout, fmt or "F8_E4M3")

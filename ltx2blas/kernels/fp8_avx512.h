@@ -1,6 +1,6 @@
 /*
  * fp8 rounding, sixteen f32 values at a time on AVX-512, shared by the fuse's rounding store
- * (kernels.c, built for AVX-512) and the scaled-fp8 layout passes (quant.c, built for the
+ * (kernels.c, built for AVX-512) and the fp8 layouts' passes (quant.c, built for the
  * baseline and calling it only where the CPU has AVX-512).
  */
 #ifndef LTX_FP8_AVX512_H

@@ -90,6 +90,13 @@ uint32_t ltx_e2m1_from_f32(float x)
  * maximum where a value is NaN), or the product by mult clamped by comparisons and rounded by
  * ltx_fp8_round_avx512, fp8_encode's rounding. The last count % 16 elements are left to the
  * scalar loops. Returns how many were done. */
+/* Sixteen bf16 values (any alignment) as f32. */
+static inline LTX_AVX512_TARGET __m512 widen16_avx512(const uint16_t *p)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
 static LTX_AVX512_TARGET ltx_idx scaled_fp8_max_avx512(const uint8_t *codes,
                                                        const uint16_t *delta, ltx_idx count,
                                                        float scale, int e5m2, float *top)
@@ -98,8 +105,7 @@ static LTX_AVX512_TARGET ltx_idx scaled_fp8_max_avx512(const uint8_t *codes,
     __m512 best = _mm512_set1_ps(*top);
     for (ltx_idx i = 0; i < full; i += 16) {
         const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i)));
-        const __m512 d = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(delta + i))), 16));
+        const __m512 d = widen16_avx512(delta + i);
         const __m512 w = _mm512_mul_ps(ltx_fp8_value_avx512(c, e5m2), _mm512_set1_ps(scale));
         const __m512 n = _mm512_abs_ps(_mm512_add_ps(w, d));
         best = _mm512_max_ps(n, best);
@@ -115,8 +121,7 @@ static LTX_AVX512_TARGET ltx_idx scaled_fp8_store_avx512(uint8_t *codes, const u
     const ltx_idx full = count - count % 16;
     for (ltx_idx i = 0; i < full; i += 16) {
         const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + i)));
-        const __m512 d = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(delta + i))), 16));
+        const __m512 d = widen16_avx512(delta + i);
         const __m512 w = _mm512_mul_ps(ltx_fp8_value_avx512(c, e5m2), _mm512_set1_ps(scale));
         __m512 n = _mm512_mul_ps(_mm512_add_ps(w, d), _mm512_set1_ps(mult));
         n = _mm512_mask_mov_ps(n, _mm512_cmp_ps_mask(n, _mm512_set1_ps(-fmax), _CMP_LT_OQ),
@@ -208,6 +213,16 @@ static inline LTX_AVX512_TARGET __m512i bf16_high_avx512(__m512 f)
                                  (__m512i)qnan);
 }
 
+/* The merge of sixteen dequantised values w into the delta at d, in place: d = bf16(w + d);
+ * returns the running maximum of |merged| (kept where a value is NaN, as the scalar
+ * comparison keeps it). */
+static inline LTX_AVX512_TARGET __m512 merge16_avx512(__m512 w, uint16_t *d, __m512 best)
+{
+    const __m512i m = bf16_high_avx512(_mm512_add_ps(w, widen16_avx512(d)));
+    _mm256_storeu_si256((__m256i *)d, _mm512_cvtepi32_epi16(_mm512_srli_epi32(m, 16)));
+    return _mm512_max_ps(_mm512_abs_ps(_mm512_castsi512_ps(m)), best);
+}
+
 /* The blockwise fp8 passes below on AVX-512 (where the caller says the kernel table in use is
  * an AVX-512 one), sixteen elements at a time, with the same f32 operations in the same
  * order: the merge of rows r0 .. r1 (returns their max |merged|, the running maximum kept
@@ -223,16 +238,11 @@ static LTX_AVX512_TARGET float block_merge_rows_avx512(const uint8_t *codes, con
         for (ltx_idx bj = 0; bj < blocks; bj++) {
             const __m512 scale = _mm512_set1_ps(scales[(r / BLOCK) * blocks + bj]);
             for (ltx_idx i = bj * BLOCK; i < (bj + 1) * BLOCK; i += 16) {
-                uint16_t *d = delta + r * cols + i;
                 const __m512i c = _mm512_cvtepu8_epi32(
                     _mm_loadu_si128((const __m128i *)(codes + r * cols + i)));
                 const __m512 w = _mm512_castsi512_ps(
                     bf16_high_avx512(_mm512_mul_ps(ltx_fp8_value_avx512(c, 0), scale)));
-                const __m512 dv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)d)), 16));
-                const __m512i m = bf16_high_avx512(_mm512_add_ps(w, dv));
-                _mm256_storeu_si256((__m256i *)d, _mm512_cvtepi32_epi16(_mm512_srli_epi32(m, 16)));
-                best = _mm512_max_ps(_mm512_abs_ps(_mm512_castsi512_ps(m)), best);
+                best = merge16_avx512(w, delta + r * cols + i, best);
             }
         }
     return _mm512_reduce_max_ps(best);
@@ -244,9 +254,7 @@ static LTX_AVX512_TARGET void block_quantize_avx512(const uint16_t *m, ltx_idx c
     __m512 best = _mm512_setzero_ps();
     for (ltx_idx r = 0; r < BLOCK; r++)
         for (ltx_idx i = 0; i < BLOCK; i += 16) {
-            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                _mm256_loadu_si256((const __m256i *)(m + r * cols + i))), 16));
-            best = _mm512_max_ps(_mm512_abs_ps(v), best);
+            best = _mm512_max_ps(_mm512_abs_ps(widen16_avx512(m + r * cols + i)), best);
         }
     const float top = _mm512_reduce_max_ps(best);
     const float mult = (1.0f / top) * 448.0f; /* inf for an all-zero block */
@@ -254,8 +262,7 @@ static LTX_AVX512_TARGET void block_quantize_avx512(const uint16_t *m, ltx_idx c
     *scale = 1.0f / mult;
     for (ltx_idx r = 0; r < BLOCK; r++)
         for (ltx_idx i = 0; i < BLOCK; i += 16) {
-            __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                _mm256_loadu_si256((const __m256i *)(m + r * cols + i))), 16));
+            __m512 v = widen16_avx512(m + r * cols + i);
             if (!zero)
                 v = _mm512_mul_ps(v, _mm512_set1_ps(mult));
             __mmask16 past;
@@ -357,10 +364,101 @@ ltx_idx ltx_nvfp4_scale_offset(ltx_idx row, ltx_idx col, ltx_idx padded_cols)
 static const float e2m1_value[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
+/* A group's scale code from its largest magnitude and the tensor's scale t -- E4M3 of
+ * (top / 6) / t, at most 448 (zero where t is) -- and 1 / (t * that scale's value), 0 for a
+ * zero scale. */
+static inline float nvfp4_group_scale(float top, float t, uint32_t *code)
+{
+    float s = 0.0f;
+    if (t > 0.0f) {
+        s = (top / 6.0f) / t;
+        s = s < 448.0f ? s : 448.0f;
+    }
+    *code = fp8_encode(s, 0);
+    const float total = t * ltx_fp8_table(0)[*code];
+    return total > 0.0f ? 1.0f / total : 0.0f;
+}
+
+#if defined(__x86_64__)
+/* The NVFP4 passes below on AVX-512 (where the caller says the kernel table in use is an
+ * AVX-512 one), a group of 16 elements -- one vector -- at a time, with the same f32
+ * operations in the same order: the nibbles' values from the table by a permute, the merge
+ * and its maximum (the running maximum kept where a value is NaN, as the scalar comparison
+ * does); the group's maximum, scale and code by the scalar rules, then the E2M1 codes by the
+ * same seven comparisons, counted. */
+static LTX_AVX512_TARGET float nvfp4_merge_rows_avx512(const uint8_t *packed,
+                                                       const uint8_t *scales,
+                                                       ltx_idx padded_cols, float scale_2,
+                                                       uint16_t *delta, ltx_idx cols,
+                                                       ltx_idx r0, ltx_idx r1)
+{
+    const __m512 values = _mm512_loadu_ps(e2m1_value);
+    __m512 best = _mm512_setzero_ps();
+    for (ltx_idx r = r0; r < r1; r++)
+        for (ltx_idx g = 0; g < cols / GROUP; g++) {
+            const float total = scale_2 * ltx_fp8_table(0)[scales[ltx_nvfp4_scale_offset(
+                r, g, padded_cols)]];
+            const __m128i bytes = _mm_loadl_epi64((const __m128i *)(packed + r * (cols / 2) +
+                                                                    g * GROUP / 2));
+            /* element 2j is byte j's high nibble, element 2j + 1 its low one */
+            const __m128i nibbles = _mm_unpacklo_epi8(
+                _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F)),
+                _mm_and_si128(bytes, _mm_set1_epi8(0x0F)));
+            const __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nibbles), values);
+            const __m512 w = _mm512_castsi512_ps(
+                bf16_high_avx512(_mm512_mul_ps(v, _mm512_set1_ps(total))));
+            best = merge16_avx512(w, delta + r * cols + g * GROUP, best);
+        }
+    return _mm512_reduce_max_ps(best);
+}
+
+static LTX_AVX512_TARGET void nvfp4_quantize_rows_avx512(const uint16_t *merged, float t,
+                                                         uint8_t *packed, uint8_t *scales,
+                                                         ltx_idx padded_cols, ltx_idx cols,
+                                                         ltx_idx r0, ltx_idx r1)
+{
+    for (ltx_idx r = r0; r < r1; r++)
+        for (ltx_idx g = 0; g < cols / GROUP; g++) {
+            const __m512 v = widen16_avx512(merged + r * cols + g * GROUP);
+            const float top = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_abs_ps(v), _mm512_setzero_ps()));
+            uint32_t sf;
+            const float inv = nvfp4_group_scale(top, t, &sf);
+            scales[ltx_nvfp4_scale_offset(r, g, padded_cols)] = (uint8_t)sf;
+            const __m512 x = _mm512_mul_ps(v, _mm512_set1_ps(inv));
+            const __m512 a = _mm512_abs_ps(x);
+            const __m512i one = _mm512_set1_epi32(1);
+            __m512i code = _mm512_setzero_si512();
+            static const float above[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+            for (int k = 0; k < 7; k++) {
+                /* ltx_e2m1_from_f32: > below an odd code, >= below an even one */
+                const __mmask16 past = _mm512_cmp_ps_mask(a, _mm512_set1_ps(above[k]),
+                                                          (k & 1) ? _CMP_GE_OQ : _CMP_GT_OQ);
+                code = _mm512_mask_add_epi32(code, past, code, one);
+            }
+            code = _mm512_or_si512(code, _mm512_and_si512(
+                _mm512_srli_epi32(_mm512_castps_si512(x), 28), _mm512_set1_epi32(0x8)));
+            /* 16 codes -> 8 bytes, element 2j in byte j's high nibble */
+            const __m128i c = _mm512_cvtepi32_epi8(code);
+            const __m128i pairs = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(
+                c, _mm_set1_epi16(0x00FF)), 4), _mm_srli_epi16(c, 8));
+            _mm_storel_epi64((__m128i *)(packed + r * (cols / 2) + g * GROUP / 2),
+                             _mm_packus_epi16(pairs, pairs));
+        }
+}
+#endif
+
 float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx padded_cols,
-                           float scale_2, uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1)
+                           float scale_2, uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                           int avx512)
 {
     float top = 0.0f;
+#if defined(__x86_64__)
+    if (avx512)
+        return nvfp4_merge_rows_avx512(packed, scales, padded_cols, scale_2, delta, cols, r0, r1);
+#else
+    (void)avx512;
+#endif
     for (ltx_idx r = r0; r < r1; r++) {
         const uint8_t *row = packed + r * (cols / 2);
         uint16_t *d = delta + r * cols;
@@ -382,8 +480,17 @@ float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx
 }
 
 void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, uint8_t *scales,
-                             ltx_idx padded_cols, ltx_idx cols, ltx_idx r0, ltx_idx r1)
+                             ltx_idx padded_cols, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                             int avx512)
 {
+#if defined(__x86_64__)
+    if (avx512) {
+        nvfp4_quantize_rows_avx512(merged, t, packed, scales, padded_cols, cols, r0, r1);
+        return;
+    }
+#else
+    (void)avx512;
+#endif
     for (ltx_idx r = r0; r < r1; r++) {
         const uint16_t *m = merged + r * cols;
         uint8_t *row = packed + r * (cols / 2);
@@ -393,15 +500,9 @@ void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, u
                 const float a = absf(ltx_bf16_value(m[g * GROUP + j]));
                 top = a > top ? a : top;
             }
-            float s = 0.0f;
-            if (t > 0.0f) {
-                s = (top / 6.0f) / t;
-                s = s < 448.0f ? s : 448.0f;
-            }
-            const uint32_t sf = fp8_encode(s, 0);
+            uint32_t sf;
+            const float inv = nvfp4_group_scale(top, t, &sf);
             scales[ltx_nvfp4_scale_offset(r, g, padded_cols)] = (uint8_t)sf;
-            const float total = t * ltx_fp8_table(0)[sf];
-            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
             for (ltx_idx j = 0; j < GROUP; j += 2) {
                 const uint32_t hi = ltx_e2m1_from_f32(ltx_bf16_value(m[g * GROUP + j]) * inv);
                 const uint32_t lo = ltx_e2m1_from_f32(ltx_bf16_value(m[g * GROUP + j + 1]) * inv);

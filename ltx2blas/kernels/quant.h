@@ -52,11 +52,14 @@ ltx_idx ltx_nvfp4_scale_offset(ltx_idx row, ltx_idx col, ltx_idx padded_cols);
 /* Rows r0..r1: delta[r, :] = bf16(bf16(e2m1 * f32(scale_2 * block scale)) + delta), in place;
  * returns max |merged| over the rows. */
 float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx padded_cols,
-                           float scale_2, uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1);
+                           float scale_2, uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                           int avx512);
 /* Rows r0..r1 of merged bf16 quantised with the new scale_2 `t`: packed codes and their block
- * scales (the caller zeroes the scale array's padding). */
+ * scales (the caller zeroes the scale array's padding). avx512, here and above, as for the
+ * per-tensor passes. */
 void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, uint8_t *scales,
-                             ltx_idx padded_cols, ltx_idx cols, ltx_idx r0, ltx_idx r1);
+                             ltx_idx padded_cols, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                             int avx512);
 
 /* ---- DoRA (reference.fuse_dora) ----
  * Rows r0..r1: delta = V = bf16(W + delta) in place, and row_sq[r] = sum_i V[r, i]^2 in f64 in
