@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LTX_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define LTX_AVX512_TARGET __attribute__((target("avx512f")))
 
 /* The value of each lane's fp8 code (each below 256), as ltx_fp8_value gives it, without a
  * table: for a normal code its exponent and mantissa bits placed in an f32's and the exponent

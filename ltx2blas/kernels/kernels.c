@@ -598,13 +598,14 @@ dot_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp, const uint3
     store_block_rounded(R, acc, w, ldw, out, ldo);
 }
 
-/* dot_product_bf16's register tile: the sums alone, to c (row stride ldc). */
+/* dot_sums' block stored alone to c (row stride ldc): dot_product_bf16's register tile, and
+ * the dot-product Linear's panel block (the weight rows' pairs broadcast where they lie). */
 static inline __attribute__((always_inline)) void
-dot_product_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp,
-                  const uint32_t *yp, ltx_idx ldyp, float *c, ltx_idx ldc)
+dot_sums_to(const int R, ltx_idx kp, const char *xb, ltx_idx row_bytes, const uint32_t *yp,
+            ltx_idx ldyp, float *c, ltx_idx ldc)
 {
     vf acc[MR][NRV];
-    dot_sums(R, kp, (const char *)xp, 4 * ldxp, yp, ldyp, acc);
+    dot_sums(R, kp, xb, row_bytes, yp, ldyp, acc);
     for (int r = 0; r < R; r++)
         for (int v = 0; v < NRV; v++)
             STOREV(c + r * ldc + v * VW, acc[r][v]);
@@ -613,7 +614,7 @@ dot_product_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp,
 
 /* What the walk below does with each block's sums: the fuse from the fuse panel, the fuse
  * from bf16 pairs (dot_block), or the product alone, stored to c, from the fuse panel or from
- * bf16 pairs (dot_product_block). */
+ * bf16 pairs (dot_sums_to). */
 enum walk_kind { WALK_FUSE, WALK_PAIRS, WALK_PRODUCT, WALK_PAIRS_PRODUCT };
 
 static inline __attribute__((always_inline)) void
@@ -627,7 +628,7 @@ walk_block(const enum walk_kind kind, const int R, ltx_idx k, const void *x, ltx
         return;
     }
     if (kind == WALK_PAIRS_PRODUCT) {
-        dot_product_block(R, k, x, ldx, y, ldy, c, ldc);
+        dot_sums_to(R, k, x, 4 * ldx, y, ldy, c, ldc);
         return;
     }
 #endif
@@ -857,6 +858,15 @@ static inline int stream_rows(ltx_idx mt) { return mt <= FEW8 ? 8 : mt <= FEW4 ?
 
 /* One block (len elements, a multiple of VW) of R weight rows against MM rows of x, its lane
  * sums added into lanes[r * mt + m]; `next` is where the rows read after these start. */
+/* Where element `at` of weight row r lies for a lane block of len elements starting at w: in
+ * the block, or past its end in the next block's rows (next), as the walk below hands them
+ * on -- what the streaming tiles prefetch ahead. */
+static inline const uint16_t *row_ahead(const uint16_t *w, const uint16_t *next, int r,
+                                        ltx_idx ldw, ltx_idx at, ltx_idx len)
+{
+    return at < len ? w + r * ldw + at : next + r * ldw + (at - len);
+}
+
 static inline __attribute__((always_inline)) void
 stream_block(const int MM, const int R, ltx_idx len, const float *x, ltx_idx ldx,
              const uint16_t *w, ltx_idx ldw, const uint16_t *next, float *lanes, ltx_idx mt)
@@ -869,8 +879,7 @@ stream_block(const int MM, const int R, ltx_idx len, const float *x, ltx_idx ldx
         vf wv[8];
         const ltx_idx ahead = k + STREAM_AHEAD;
         for (int r = 0; r < R; r++) {
-            __builtin_prefetch(ahead < len ? w + r * ldw + ahead : next + r * ldw + (ahead - len),
-                               0, 3);
+            __builtin_prefetch(row_ahead(w, next, r, ldw, ahead, len), 0, 3);
             wv[r] = widen_vec(w + r * ldw + k);
         }
         for (int m = 0; m < MM; m++) {
@@ -1025,13 +1034,9 @@ dot_stream_block(const int MM, const int R, const int FAR, ltx_idx len, const ui
         __m512bh wv[8];
         const ltx_idx ahead = k + DOT_AHEAD;
         for (int r = 0; r < R; r++) {
-            __builtin_prefetch(ahead < len ? w + r * ldw + ahead : next + r * ldw + (ahead - len),
-                               0, 3);
-            if (FAR) {
-                const ltx_idx far = k + DOT_FAR;
-                __builtin_prefetch(far < len ? w + r * ldw + far : next + r * ldw + (far - len),
-                                   0, 2);
-            }
+            __builtin_prefetch(row_ahead(w, next, r, ldw, ahead, len), 0, 3);
+            if (FAR)
+                __builtin_prefetch(row_ahead(w, next, r, ldw, k + DOT_FAR, len), 0, 2);
             wv[r] = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
         }
         for (int m = 0; m < MM; m++) {
@@ -1144,19 +1149,6 @@ static void pack_x_pairs(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kp,
     }
 }
 
-/* sums[r np + j] = the pairs' sum for weight row r and column j of one strip (R rows): the
- * fuse's register block, the weight rows' pairs broadcast where they lie. */
-static inline __attribute__((always_inline)) void
-dot_panel_block(const int R, ltx_idx kp, const uint16_t *w, ltx_idx ldw, const uint32_t *ys,
-                float *sums, ltx_idx np)
-{
-    vf acc[MR][NRV];
-    dot_sums(R, kp, (const char *)w, 2 * ldw, ys, NR, acc);
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < NRV; v++)
-            STOREV(sums + r * np + v * VW, acc[r][v]);
-}
-
 static void dot_panel_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x, ltx_idx ldx,
                           const uint16_t *w, ltx_idx ldw, float *acc, float *scratch)
 {
@@ -1182,7 +1174,7 @@ static void dot_panel_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x, 
                 switch (rows) {
 #define PANEL_CASE(R)                                                                         \
                 case R:                                                                       \
-                    dot_panel_block(R, kp, wb, ldw, ys, sb, np);                              \
+                    dot_sums_to(R, kp, (const char *)wb, 2 * ldw, ys, NR, sb, np);            \
                     break;
                     PANEL_CASE(MR)
                     PANEL_CASE(1)
@@ -1405,6 +1397,32 @@ static inline void store_u8_vec(uint8_t *p, vu32 v)
 #endif
 }
 
+#if defined(LTX_VARIANT_AVX512)
+/* On AVX-512 the two rules below, lane by lane, from fp8_avx512.h: the same functions of the
+ * values with the selects made by mask registers, where the generic forms spend about 110
+ * vector operations a vector and the rounding store is bound by them. ltx_fp8_round_avx512 is
+ * quant.c's rounding; fp8_from_bf16's inf, NaN and overflow are set around it. */
+static inline vf fp8_value_vec(vu32 c, int e5m2)
+{
+    return (vf)ltx_fp8_value_avx512((__m512i)c, e5m2);
+}
+
+static inline vu32 fp8_nearest_vec(vu32 h, int e5m2, vu32 *over)
+{
+    const vu32 u = h << 16;
+    const __m512i a = _mm512_and_si512((__m512i)u, _mm512_set1_epi32(0x7FFFFFFF));
+    __mmask16 past;
+    __m512i code = ltx_fp8_round_avx512((__m512)u, e5m2, &past);
+    /* NaN to 0x7F (its sign kept); inf saturated, but not an overflow */
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
+    code = _mm512_mask_mov_epi32(code, nan,
+                                 _mm512_or_si512(_mm512_and_si512(code, _mm512_set1_epi32(0x80)),
+                                                 _mm512_set1_epi32(0x7F)));
+    const __mmask16 finite = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
+    *over = (vu32)_mm512_maskz_set1_epi32(past & finite, 1);
+    return (vu32)code;
+}
+#else
 /* ltx_fp8_value of VW codes (each below 256), lane by lane, without the table: for a normal
  * code its exponent and mantissa bits placed in an f32's and the exponent rebiased (integer
  * operations); for a subnormal code, its mantissa m converted and scaled, m 2**(1 - bias -
@@ -1457,26 +1475,6 @@ static inline vu32 fp8_nearest_vec(vu32 h, int e5m2, vu32 *over)
     *over = o;
     return code | sign;
 }
-
-#if defined(LTX_VARIANT_AVX512)
-/* fp8_nearest_vec on AVX-512, u the f32 bits of bf16 values (bf16_high_vec's), in fewer
- * operations: ltx_fp8_round_avx512 (fp8_avx512.h), the same function of the value, with inf,
- * NaN and overflow as fp8_from_bf16 has them, selected by mask registers. The generic form
- * spends about 110 vector operations a vector, and the store is bound by them. */
-static inline vu32 fp8_nearest_vec_avx512(vu32 u, int e5m2, vu32 *over)
-{
-    const __m512i a = _mm512_and_si512((__m512i)u, _mm512_set1_epi32(0x7FFFFFFF));
-    __mmask16 past;
-    __m512i code = ltx_fp8_round_avx512((__m512)u, e5m2, &past);
-    /* fp8_from_bf16's specials: NaN to 0x7F (its sign kept), inf saturated but no overflow */
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
-    code = _mm512_mask_mov_epi32(code, nan,
-                                 _mm512_or_si512(_mm512_and_si512(code, _mm512_set1_epi32(0x80)),
-                                                 _mm512_set1_epi32(0x7F)));
-    const __mmask16 finite = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
-    *over = (vu32)_mm512_maskz_set1_epi32(past & finite, 1);
-    return (vu32)code;
-}
 #endif
 
 /* The fp8 rounding store. Nearest-even goes VW elements at a time (fp8_value_vec and
@@ -1493,19 +1491,10 @@ static ltx_idx store_fused_fp8(const float *acc, const uint8_t *w, ltx_idx ldw, 
         if (r + PREFETCH_ROWS < rows)
             prefetch_run(w + (r + PREFETCH_ROWS) * ldw, cols);
         for (ltx_idx i = 0; i < full; i += VW) {
-#if defined(LTX_VARIANT_AVX512)
-            const vf value = (vf)ltx_fp8_value_avx512((__m512i)load_u8_vec(w + r * ldw + i),
-                                                      e5m2);
-#else
             const vf value = fp8_value_vec(load_u8_vec(w + r * ldw + i), e5m2);
-#endif
             const vf sum = value + (vf)bf16_high_vec(LOADV(acc + r * cols + i));
             vu32 over;
-#if defined(LTX_VARIANT_AVX512)
-            const vu32 code = fp8_nearest_vec_avx512(bf16_high_vec(sum), e5m2, &over);
-#else
             const vu32 code = fp8_nearest_vec(bf16_high_vec(sum) >> 16, e5m2, &over);
-#endif
             store_u8_vec(out + r * ldo + i, code);
             if (__builtin_expect(first_over < 0 && any_lane(over), 0))
                 for (int l = 0; l < VW; l++)

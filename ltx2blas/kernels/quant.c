@@ -70,26 +70,23 @@ uint32_t ltx_fp8_from_f32(float x, int e5m2)
     return code | sign;
 }
 
+/* The E2M1 grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0-7): a magnitude's code is the number of
+ * these midpoints below it; a midpoint itself counts toward the even code, so the comparison
+ * is >= below an even code (odd k) and > below an odd one. */
+static const float e2m1_midpoint[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+
 uint32_t ltx_e2m1_from_f32(float x)
 {
-    /* the grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0-7): the code is the number of midpoints
-     * below |x|; a midpoint itself counts toward the even code (>= below an even code) */
     const float a = absf(x);
-    const uint32_t code = (uint32_t)(a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) +
-                          (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+    uint32_t code = 0;
+    for (int k = 0; k < 7; k++)
+        code += (k & 1) ? a >= e2m1_midpoint[k] : a > e2m1_midpoint[k];
     return code | ((ltx_f32_bits(x) >> 28) & 0x8u);
 }
 
 /* ---- per-tensor scaled fp8 ---- */
 
 #if defined(__x86_64__)
-/* The two passes below, sixteen elements at a time where the caller says the CPU has AVX-512
- * (the kernel table in use is an AVX-512 one), with the same f32 operations in the same
- * order: the table's entry (the code's value times scale) computed, the delta widened and
- * added; then the magnitude's maximum (which, like the scalar comparison, keeps the running
- * maximum where a value is NaN), or the product by mult clamped by comparisons and rounded by
- * ltx_fp8_round_avx512, fp8_encode's rounding. The last count % 16 elements are left to the
- * scalar loops. Returns how many were done. */
 /* Sixteen bf16 values (any alignment) as f32. */
 static inline LTX_AVX512_TARGET __m512 widen16_avx512(const uint16_t *p)
 {
@@ -97,6 +94,13 @@ static inline LTX_AVX512_TARGET __m512 widen16_avx512(const uint16_t *p)
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* The two passes below, sixteen elements at a time where the caller says the CPU has AVX-512
+ * (the kernel table in use is an AVX-512 one), with the same f32 operations in the same
+ * order: the table's entry (the code's value times scale) computed, the delta widened and
+ * added; then the magnitude's maximum (which, like the scalar comparison, keeps the running
+ * maximum where a value is NaN), or the product by mult clamped by comparisons and rounded by
+ * ltx_fp8_round_avx512, fp8_encode's rounding. The last count % 16 elements are left to the
+ * scalar loops. Returns how many were done. */
 static LTX_AVX512_TARGET ltx_idx scaled_fp8_max_avx512(const uint8_t *codes,
                                                        const uint16_t *delta, ltx_idx count,
                                                        float scale, int e5m2, float *top)
@@ -148,8 +152,6 @@ float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx co
         const ltx_idx done = scaled_fp8_max_avx512(codes, delta, count, scale, e5m2, &top);
         codes += done, delta += done, count -= done;
     }
-#else
-    (void)avx512;
 #endif
     /* finite codes and delta (the caller checks): the only non-finite sum is an overflow to
      * inf, which a plain maximum keeps */
@@ -179,8 +181,6 @@ void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, 
                                                      e5m2);
         codes += done, delta += done, count -= done;
     }
-#else
-    (void)avx512;
 #endif
     for (ltx_idx i = 0; i < count; i++) {
         float n = (table[codes[i]] + ltx_bf16_value(delta[i])) * mult;
@@ -281,8 +281,6 @@ float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales, u
 #if defined(__x86_64__)
     if (avx512 && !fp6)
         return block_merge_rows_avx512(codes, scales, delta, cols, r0, r1);
-#else
-    (void)avx512;
 #endif
     for (ltx_idx r = r0; r < r1; r++) {
         const uint8_t *row = codes + r * ldc;
@@ -313,8 +311,6 @@ void ltx_block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_id
                               scales + bi * (cols / BLOCK) + bj);
         return;
     }
-#else
-    (void)avx512;
 #endif
     float top = 0.0f;
     for (ltx_idx r = 0; r < BLOCK; r++)
@@ -429,10 +425,8 @@ static LTX_AVX512_TARGET void nvfp4_quantize_rows_avx512(const uint16_t *merged,
             const __m512 a = _mm512_abs_ps(x);
             const __m512i one = _mm512_set1_epi32(1);
             __m512i code = _mm512_setzero_si512();
-            static const float above[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
-            for (int k = 0; k < 7; k++) {
-                /* ltx_e2m1_from_f32: > below an odd code, >= below an even one */
-                const __mmask16 past = _mm512_cmp_ps_mask(a, _mm512_set1_ps(above[k]),
+            for (int k = 0; k < 7; k++) {  /* ltx_e2m1_from_f32's count */
+                const __mmask16 past = _mm512_cmp_ps_mask(a, _mm512_set1_ps(e2m1_midpoint[k]),
                                                           (k & 1) ? _CMP_GE_OQ : _CMP_GT_OQ);
                 code = _mm512_mask_add_epi32(code, past, code, one);
             }
@@ -456,8 +450,6 @@ float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx
 #if defined(__x86_64__)
     if (avx512)
         return nvfp4_merge_rows_avx512(packed, scales, padded_cols, scale_2, delta, cols, r0, r1);
-#else
-    (void)avx512;
 #endif
     for (ltx_idx r = r0; r < r1; r++) {
         const uint8_t *row = packed + r * (cols / 2);
@@ -488,8 +480,6 @@ void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, u
         nvfp4_quantize_rows_avx512(merged, t, packed, scales, padded_cols, cols, r0, r1);
         return;
     }
-#else
-    (void)avx512;
 #endif
     for (ltx_idx r = r0; r < r1; r++) {
         const uint16_t *m = merged + r * cols;
