@@ -46,16 +46,18 @@ def exact_sample(x, w, m_idx, o_idx):
 
 @contextlib.contextmanager
 def taking(route):
-    """The Linear's plan (and text_features') sent to the panel route, or away from it to the
-    streaming kernel, whatever the kernel table's own panel_min_rows."""
+    """The Linear's plan (and text_features') sent to the panel route, or away from it (to the
+    streaming kernel up to STREAM_ROWS rows, to sgemm above), whatever the kernel table's own
+    panel_min_rows and the BLAS beside it."""
     from ltx2blas import linear_layer
 
-    own = linear_layer._panel_min_rows
+    own = linear_layer._panel_min_rows, linear_layer.panel_above_stream_rows
     linear_layer._panel_min_rows = (lambda: 1) if route == "panel" else (lambda: 0)
+    linear_layer.panel_above_stream_rows = lambda: route == "panel"
     try:
         yield
     finally:
-        linear_layer._panel_min_rows = own
+        linear_layer._panel_min_rows, linear_layer.panel_above_stream_rows = own
 
 
 def check_rows(x, w, y, rng, samples=8):

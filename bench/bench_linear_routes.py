@@ -1,18 +1,21 @@
-"""The Linear's two kernel routes from 48 to 64 rows, against each other and the sgemm rate, in
-the same run.
+"""The Linear's panel route against the route the rows would take without it, and the sgemm
+rate, in the same run.
 
   * ``panel``: the fuse's register blocks on weight rows widened 512 at a time (the route the
-    kernel table takes from its ``panel_min_rows``);
-  * ``stream``: the streaming kernel, as the tables without the panel route run these rows.
+    kernel table takes from its ``panel_min_rows``, and above STREAM_ROWS rows where the
+    table's vectors are wider than the BLAS's sgemm kernel);
+  * ``stream``: the streaming kernel, as the tables without the panel route run up to
+    STREAM_ROWS rows; ``sgemm``: the sgemm route on widened weight panels, above.
 
 Both are interleaved with a square 2048^3 sgemm at the same thread count
 (harness.square_sgemm); every result is checked on sampled outputs against the exact sum,
 within the derived bound of the route that computed it. Reported per row: each route's rate as
-a fraction of the sgemm rate (fastest samples) and the panel route's speed over the stream's
+a fraction of the sgemm rate (fastest samples) and the panel route's speed over the other's
 (fastest and median samples).  With ``--tokens``, also ``text_features`` V2 (hidden states
-[1, T, 3840, 49], every token valid, the 4096 and 2048 projections) by both routes.
+[1, T, 3840, 49], every token valid, the 4096 and 2048 projections) by the panel and streaming
+routes.
 
-    python bench/bench_linear_routes.py [--threads 1,2] [--rows 48,64] [--outs 2048,4096]
+    python bench/bench_linear_routes.py [--threads 1,2] [--rows 48,64,256] [--outs 2048,4096]
                                         [--width 188160] [--tokens 64] [--out FILE.json]
 """
 import argparse
@@ -30,15 +33,16 @@ OUTS = [2048, 4096]
 ROUTES = ("panel", "stream")
 
 
-def compared(times, checked):
-    """A row's common part: the panel route's speed over the stream's, the samples, the checks."""
-    return {"panel_speedup": times["stream"]["min"] / times["panel"]["min"],
-            "panel_speedup_median": times["stream"]["median"] / times["panel"]["median"],
+def compared(times, checked, other="stream"):
+    """A row's common part: the panel route's speed over the other's, the samples, the checks."""
+    return {"against": other,
+            "panel_speedup": times[other]["min"] / times["panel"]["min"],
+            "panel_speedup_median": times[other]["median"] / times["panel"]["median"],
             "times": times, "checked": checked}
 
 
 def said(row):
-    return (f"panel faster x{row['panel_speedup']:.3f} (medians "
+    return (f"panel faster than {row['against']} x{row['panel_speedup']:.3f} (medians "
             f"x{row['panel_speedup_median']:.3f}); checked: {row['checked']}")
 
 
@@ -53,8 +57,9 @@ def run(threads_list, rows_list, outs, width=IN_FEATURES, repeats=5, log=print):
         weight = harness.random_bf16(rng, (out, width), 0.02)
         for rows in rows_list:
             x = x_all[:rows]
+            routes = ("panel", "stream" if rows <= linear_layer.STREAM_ROWS else "sgemm")
             for threads in threads_list:
-                ys = {name: np.empty((rows, out), np.float32) for name in ROUTES}
+                ys = {name: np.empty((rows, out), np.float32) for name in routes}
 
                 def linear(name):
                     def call():
@@ -63,23 +68,23 @@ def run(threads_list, rows_list, outs, width=IN_FEATURES, repeats=5, log=print):
                     return call
 
                 sgemm, flops = harness.square_sgemm(threads)
-                times = harness.interleaved({"panel": linear("panel"), "stream": linear("stream"),
+                times = harness.interleaved({**{name: linear(name) for name in routes},
                                              "sgemm": sgemm}, repeats=repeats)
                 checked = {}
-                for name in ROUTES:
+                for name in routes:
                     with taking(name):
                         assert linear_layer.plan(rows, weight.dtype)[0] == name
                         checked[name] = check_rows(x, weight, ys[name], rng)
                 work = 2.0 * rows * out * width
                 rate = {name: (work / times[name]["min"]) / (flops / times["sgemm"]["min"])
-                        for name in ROUTES}
+                        for name in routes}
                 row = {"rows": rows, "out": out, "in": width, "threads": threads,
-                       "panel_of_sgemm": rate["panel"], "stream_of_sgemm": rate["stream"],
+                       **{f"{name}_of_sgemm": rate[name] for name in routes},
                        "sgemm_gflops": flops / times["sgemm"]["min"] / 1e9,
-                       **compared(times, checked)}
+                       **compared(times, checked, routes[1])}
                 result.append(row)
                 log(f"out {out} M {rows} threads {threads}: panel x{rate['panel']:.2f} of sgemm, "
-                    f"stream x{rate['stream']:.2f}; " + said(row))
+                    f"{routes[1]} x{rate[routes[1]]:.2f}; " + said(row))
     return result
 
 

@@ -7,13 +7,14 @@ import sys
 import numpy as np
 
 from . import _gemm, _probe
-from ._threads import available_cpus, blas_single_threaded, default_threads
+from ._threads import available_cpus, blas_single_threaded, default_threads, scipy_blas
 from .fuse import _pairs_exact, default_tile
 from .linear_layer import (
     DOT_PANEL_ROWS,
     DOT_ROUTES,
     STREAM_ROWS,
     _panel_min_rows,
+    panel_above_stream_rows,
     plan,
     segments,
     task_count,
@@ -52,21 +53,6 @@ def _cpu_features():
     return [f for f in wanted if f in flags]
 
 
-def _blas_libraries():
-    from threadpoolctl import threadpool_info
-
-    return [lib for lib in threadpool_info() if lib.get("user_api") == "blas"]
-
-
-def _scipy_blas(libraries):
-    """The BLAS library that scipy.linalg.cython_blas calls (scipy's own, when bundled)."""
-    for lib in libraries:
-        if "scipy" in os.path.basename(os.path.dirname(lib.get("filepath", ""))) or \
-                "scipy.libs" in lib.get("filepath", ""):
-            return lib
-    return libraries[-1] if libraries else None
-
-
 def collect(probe_depths=(32, 384, 450, 512)):
     """Everything ``ltx2blas info`` prints, as a dict (JSON-serialisable)."""
     import scipy
@@ -74,8 +60,7 @@ def collect(probe_depths=(32, 384, 450, 512)):
 
     from . import __version__
 
-    libraries = _blas_libraries()
-    blas = _scipy_blas(libraries)
+    blas = scipy_blas()
     mb, nb = default_tile(*ROUTE_WEIGHT)
     depths = {k: _probe.verified_depth(mb, nb, k, k, pin=blas_single_threaded)
               for k in probe_depths}
@@ -125,6 +110,7 @@ def collect(probe_depths=(32, 384, 450, 512)):
                                  "otherwise": _fuse_route(k, handed[k], pairs=False)}
                         for k in probe_depths},
         "linear_routes": linear_routes,
+        "linear_panel_above_stream_rows": panel_above_stream_rows(),
         "linear_routes_bf16_x": bf16_x_routes,
         "dot_product_fuse": _gemm.has_pairs_kernel(),
     }
@@ -193,7 +179,9 @@ def format_info(info):
              "would share the FMA pipes" if panel_rows else "")
     lines.append(f"  (up to {STREAM_ROWS} rows ltx2blas's kernels read the bf16 weight rows "
                  "once, where a BLAS would spend longer packing each weight panel than "
-                 f"multiplying it{panel}; above, sgemm on widened weight panels)")
+                 f"multiplying it{panel}; above, " + ("the panel kernel too, its vectors wider "
+                 f"than the BLAS's sgemm kernel ({(blas or {}).get('architecture')})"
+                 if info.get("linear_panel_above_stream_rows") else "sgemm on widened weight panels") + ")")
     bf16_x = info.get("linear_routes_bf16_x", {})
     if any(r in DOT_ROUTES for r in bf16_x.values()):
         lines.append("  on bf16 x (what text_features multiplies), two products per instruction "

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import _gemm, _linear
 from ._validate import BLAS_INT_MAX, bf16_or_f32, bf16_to_f32, choice, contiguous, ndarray, output
-from ._threads import blas_single_threaded, resolve_threads, waves
+from ._threads import blas_single_threaded, resolve_threads, scipy_blas, waves
 from .errors import ArgumentError, DTypeError, ShapeError
 
 __all__ = ["linear", "plan", "segments", "task_count", "error_bound", "gamma", "buffer_bytes"]
@@ -73,6 +73,22 @@ def _panel_min_rows():
     return _gemm.panel_min_rows()
 
 
+#: OpenBLAS's kernel cores whose sgemm runs 512-bit vectors. threadpoolctl names the core
+#: OpenBLAS chose at load time; a CPU it does not know gets an older core (OpenBLAS 0.3.30
+#: runs its 256-bit Haswell kernels on AMD Zen 5).
+WIDE_BLAS_CORES = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
+
+
+def panel_above_stream_rows():
+    """Whether a bf16 weight takes the panel route above STREAM_ROWS rows instead of sgemm: where
+    the kernel table's vectors (AVX-512) are wider than those of the sgemm kernel the BLAS runs
+    on this CPU, the fuse's register blocks outrun it at every row count (1.3-1.5x at 256 rows
+    on a Zen 5: bench/results/amd-epyc-zen5-avx512bf16). A BLAS of unknown core keeps sgemm."""
+    core = (scipy_blas() or {}).get("architecture")
+    return (_gemm.kernel_name().startswith("avx512") and core is not None
+            and core.lower() not in WIDE_BLAS_CORES)
+
+
 #: Up to this many rows of x the streaming product is bound by memory: it reads whole weight
 #: rows (one segment; shorter runs read measurably slower) and takes its tasks from the output
 #: features alone, 8 a task, 256 or more at the real widths -- x, at most 3 MiB, is then read
@@ -107,6 +123,8 @@ def plan(rows, weight_dtype, accumulate="f32", blocks=None, x_dtype=np.float32):
     elif bf16_weight and np.dtype(x_dtype).itemsize == 2 and _gemm.has_dot_linear():
         route = "dot_panel" if rows >= DOT_PANEL_ROWS else "dot"
     elif bf16_weight and 0 < panel_rows <= rows <= STREAM_ROWS:
+        route = "panel"
+    elif bf16_weight and rows > STREAM_ROWS and panel_above_stream_rows():
         route = "panel"
     elif bf16_weight and rows <= STREAM_ROWS:
         route = "stream"

@@ -25,11 +25,13 @@ def test_tile_route_and_segment_benchmarks_run_and_check_their_results(tmp_path)
         assert rows and all(row["same_bytes"] and row.get("within_bound", True) for row in rows)
     out = tmp_path / "linear_routes.json"
     r = subprocess.run([sys.executable, os.path.join(folder, "bench_linear_routes.py"), "--threads",
-                        "1", "--rows", "48", "--outs", "40", "--width", "3000", "--out", str(out)],
-                       capture_output=True, text=True, cwd="/", timeout=600)
+                        "1", "--rows", "48,80", "--outs", "40", "--width", "3000", "--out",
+                        str(out)], capture_output=True, text=True, cwd="/", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert rows and all(row["checked"] == {"panel": True, "stream": True} for row in rows)
+    # the panel route against the streaming kernel up to 64 rows, against sgemm above
+    assert [row["checked"] for row in rows] == [{"panel": True, "stream": True},
+                                                {"panel": True, "sgemm": True}]
     # its text_features part, on small hidden states
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_linear_routes as b; "
             "rows = b.run_features([1], 8, depth=64, layers=3, outs=(40, 24), repeats=1); "

@@ -53,7 +53,8 @@ def test_info_shows_the_route_of_each_rank_and_row_count():
     from ltx2blas import _gemm
     at_64 = "panel" if 0 < _gemm.panel_min_rows() <= 64 else "stream"
     assert [linear[m]["route"] for m in ("1", "8", "64", "256", "1024")] == \
-        ["stream", "stream", at_64, "sgemm", "sgemm"]
+        ["stream", "stream", at_64] + 2 * [
+            "panel" if info["linear_panel_above_stream_rows"] else "sgemm"]
     # the in-dimension's segments bring every real shape to 256 tasks or more
     assert all(t >= 256 for m in linear.values() for t in m["tasks"].values())
     assert linear["1"]["segments"]["2048"] == 1 and linear["8"]["segments"]["2048"] == 16

@@ -102,31 +102,29 @@ def test_thread_count_does_not_change_bytes(rng, tokens):
         assert all(a.tobytes() == b.tobytes() for a, b in zip(first, again))
 
 
-@pytest.mark.parametrize("dot", [False, True])
-def test_projections_cut_into_segments_are_the_linears_bytes(rng, monkeypatch, dot):
+@pytest.mark.parametrize("route_asked", ["sgemm", "panel", "dot"])
+def test_projections_cut_into_segments_are_the_linears_bytes(rng, monkeypatch, route_asked):
     """V2 on the sgemm route with in-dimensions cut differently per projection (25 segments of
-    two chunks, taken in two steps, for 1300 outputs; 50 of one chunk for 40), and on the
-    dot-product route where the CPU has it (3 segments): each projection byte-identical to
-    linear() on the materialised features, for 1 and 2 threads."""
-    from ltx2blas import _gemm
+    two chunks, taken in two steps, for 1300 outputs; 50 of one chunk for 40), on the panel
+    route and on the dot-product route where the CPU has it (3 segments each): each
+    projection byte-identical to linear() on the materialised features, for 1 and 2 threads."""
+    from ltx2blas import _gemm, linear_layer
     from ltx2blas.linear_layer import plan, segments
-    if dot and not _gemm.has_dot_linear():
+    if route_asked == "dot" and not _gemm.has_dot_linear():
         pytest.skip(f"the {_gemm.kernel_name()} kernel table has no dot-product Linear "
                     "(it needs AVX512_BF16)")
-    if not dot:  # the sgemm route on every table
+    if route_asked != "dot":  # the f32-x routes on every table
         monkeypatch.setattr(_gemm, "has_dot_linear", lambda: False)
+        monkeypatch.setattr(linear_layer, "panel_above_stream_rows",
+                            lambda: route_asked == "panel")
     h = hidden(rng, (1, 520, 64, 400))
     mask = np.ones((1, 520), bool)
     projs = projections(rng, "v2", 25600, (1300, 40))
     route, blocks = plan(520, np.uint16, x_dtype=np.uint16)
-    if dot:
-        assert route == "dot_panel"
-        assert [segments(520, o, 25600, route, blocks)[0] for o in (1300, 40)] == [3, 3]
-        route = "sgemm"  # the checks below, as for the sgemm route
-        blocks = None
-    assert route == "sgemm"
-    if blocks is not None:
-        assert [segments(520, o, 25600, route, blocks)[0] for o in (1300, 40)] == [25, 50]
+    wanted = {"sgemm": ("sgemm", [25, 50]), "panel": ("panel", [3, 3]),
+              "dot": ("dot_panel", [3, 3])}[route_asked]
+    assert route == wanted[0]
+    assert [segments(520, o, 25600, route, blocks)[0] for o in (1300, 40)] == wanted[1]
     got = ltx2blas.text_features(h, mask, projs, version="v2", threads=2)
     again = ltx2blas.text_features(h, mask, projs, version="v2", threads=1)
     for (w, b), y, y1 in zip(projs, got, again):
@@ -185,8 +183,9 @@ def test_non_finite_hidden_states_propagate_like_the_reference(rng):
 
 
 def test_progress(rng, monkeypatch):
-    from ltx2blas import _gemm
+    from ltx2blas import _gemm, linear_layer
     monkeypatch.setattr(_gemm, "has_dot_linear", lambda: False)  # the sgemm route everywhere
+    monkeypatch.setattr(linear_layer, "panel_above_stream_rows", lambda: False)
     h = hidden(rng, (1, 80, 64, 200))   # 12,800 features, 25 segments (sgemm route)
     seen = []
     ltx2blas.text_features(h, np.ones((1, 80), bool), projections(rng, "v1", 12800),

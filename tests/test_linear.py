@@ -189,8 +189,12 @@ def test_eight_python_threads_at_once(rng):
 
 
 def test_blocks_are_fixed_by_shape_not_threads():
-    for rows, route in ((5, "stream"), (16, "stream"), (65, "sgemm"), (1024, "sgemm")):
+    for rows, route in ((5, "stream"), (16, "stream")):
         assert plan(rows, np.uint16) == (route, BLOCKS[route])
+    for rows in (65, 1024):  # beside a BLAS of narrower vectors than the table's, the panel
+        above = linear_layer.panel_above_stream_rows()
+        assert plan(rows, np.uint16) == (("panel", STREAM_WIDE_BLOCKS) if above
+                                         else ("sgemm", BLOCKS["sgemm"]))
     for rows in (1, 4):
         assert plan(rows, np.uint16) == ("stream", STREAM_FEW_BLOCKS)
     panel_rows = _gemm.panel_min_rows()  # 48 on the AVX2 table, where it was measured; else 0
@@ -297,9 +301,10 @@ def test_dot_route_flushes_subnormals_within_the_bound(rng, rows):
 
 @pytest.mark.parametrize("rows", [70, 600])
 @pytest.mark.parametrize("accumulate", ["f32", "f64"])
-def test_segments_of_the_sgemm_routes_keep_bytes_and_bound(rng, rows, accumulate):
+def test_segments_of_the_sgemm_routes_keep_bytes_and_bound(rng, monkeypatch, rows, accumulate):
     """Several segments on the sgemm and f64 routes (6 and 2 output blocks here): the same bytes
     for any thread count, within the derived bound, which counts the segments' additions."""
+    monkeypatch.setattr(linear_layer, "panel_above_stream_rows", lambda: False)
     x, w, b = case(rng, rows, 9000, 300)
     route, blocks = plan(rows, w.dtype, accumulate)
     count, _ = segments(rows, 300, 9000, route, blocks)
@@ -358,6 +363,42 @@ def test_panel_kernel_in_every_table(kernel_table, rng, monkeypatch, rows, cols,
     if kernel_table == "base":  # no contraction: the order written out, byte for byte
         seg_len = segments(rows, feats, cols, *plan(rows, w.dtype))[1]
         assert y.tobytes() == panel_order(x, w, b, seg_len).tobytes()
+
+
+@pytest.mark.parametrize("core, table, above", [
+    ("Haswell", "avx512bf16", True), ("Zen", "avx512", True), ("SkylakeX", "avx512bf16", False),
+    ("SapphireRapids", "avx512", False), ("Haswell", "avx2", False), (None, "avx512bf16", False),
+    ("neoversen2", "neon", False)])
+def test_panel_route_above_stream_rows_where_the_blas_is_narrower(monkeypatch, core, table,
+                                                                  above):
+    # Only an AVX-512 table beside a BLAS core known to run narrower sgemm vectors takes the
+    # panel route above STREAM_ROWS rows; an unknown BLAS keeps sgemm, as does an f32 weight.
+    monkeypatch.setattr(linear_layer, "scipy_blas", lambda: {"architecture": core})
+    monkeypatch.setattr(linear_layer._gemm, "kernel_name", lambda allow_fma=True: table)
+    assert linear_layer.panel_above_stream_rows() is above
+    assert plan(65, np.uint16) == (("panel", STREAM_WIDE_BLOCKS) if above
+                                   else ("sgemm", BLOCKS["sgemm"]))
+    assert plan(64, np.uint16)[0] != "sgemm"
+    assert plan(65, np.float32)[0] == "sgemm"
+    assert plan(65, np.uint16, "f64")[0] == "f64"
+
+
+@pytest.mark.parametrize("rows", [65, 200])
+def test_panel_route_above_stream_rows_in_every_table(kernel_table, rng, monkeypatch, rows):
+    # Row blocks of STREAM_ROWS and a shorter last one, two segments: within the bound, the
+    # same bytes on one and two threads and for any task blocks, and the sgemm route's
+    # result within its own bound beside it.
+    monkeypatch.setattr(linear_layer, "panel_above_stream_rows", lambda: True)
+    x, w, b = case(rng, rows, STREAM_SEGMENT + 900, 21)
+    assert plan(rows, w.dtype) == ("panel", STREAM_WIDE_BLOCKS)
+    y = ltx2blas.linear(x, w, b, threads=2)
+    assert np.all(np.abs(y - exact(x, w, b)) <= error_bound(x, w, b) + f32_ulp(y) / 2)
+    assert ltx2blas.linear(x, w, b, threads=1).tobytes() == y.tobytes()
+    assert ltx2blas.linear(x, w, b, blocks=(16, 5, 1 << 18)).tobytes() == y.tobytes()
+    monkeypatch.setattr(linear_layer, "panel_above_stream_rows", lambda: False)
+    assert plan(rows, w.dtype)[0] == "sgemm"
+    y_sgemm = ltx2blas.linear(x, w, b, threads=2)
+    assert np.all(np.abs(y_sgemm - exact(x, w, b)) <= error_bound(x, w, b) + f32_ulp(y) / 2)
 
 
 def test_panel_route_agrees_with_the_streaming_route_within_both_bounds(rng, monkeypatch):
