@@ -89,19 +89,11 @@ def _blas_controller():
 
 def scipy_blas():
     """threadpoolctl's record of the BLAS that scipy.linalg.cython_blas calls (scipy's own, when
-    bundled), or None; read once, as a process does not load another."""
-    global _scipy_blas
-    if _scipy_blas is False:
-        from threadpoolctl import threadpool_info
-
-        libraries = [lib for lib in threadpool_info() if lib.get("user_api") == "blas"]
-        _scipy_blas = next((lib for lib in libraries if "scipy" in os.path.basename(
-            os.path.dirname(lib.get("filepath", ""))) or "scipy.libs" in lib.get("filepath", "")),
-            libraries[-1] if libraries else None)
-    return _scipy_blas
-
-
-_scipy_blas = False
+    bundled), or None: read now, so that its thread count is the current one."""
+    libraries = [lib for lib in _blas_controller().info() if lib.get("user_api") == "blas"]
+    return next((lib for lib in libraries if "scipy" in os.path.basename(
+        os.path.dirname(lib.get("filepath", ""))) or "scipy.libs" in lib.get("filepath", "")),
+        libraries[-1] if libraries else None)
 
 
 def _free_openblas_control():

@@ -1,6 +1,5 @@
 """What ltx2blas runs on: versions, BLAS, threads, CPU features, the BLAS's exact depth, and the
 route each fuse rank and Linear row count takes here, with the reason."""
-import os
 import platform
 import sys
 
@@ -177,11 +176,12 @@ def format_info(info):
     panel = (f"; from {panel_rows} rows the panel kernel, the fuse's register blocks on weight "
              f"rows widened {_gemm.PANEL_CHUNK} at a time, where the streaming kernel's widening "
              "would share the FMA pipes" if panel_rows else "")
+    above = (f"the panel kernel too, its vectors wider than the BLAS's sgemm kernel "
+             f"({blas.get('architecture')})" if info.get("linear_panel_above_stream_rows")
+             else "sgemm on widened weight panels")
     lines.append(f"  (up to {STREAM_ROWS} rows ltx2blas's kernels read the bf16 weight rows "
                  "once, where a BLAS would spend longer packing each weight panel than "
-                 f"multiplying it{panel}; above, " + ("the panel kernel too, its vectors wider "
-                 f"than the BLAS's sgemm kernel ({(blas or {}).get('architecture')})"
-                 if info.get("linear_panel_above_stream_rows") else "sgemm on widened weight panels") + ")")
+                 f"multiplying it{panel}; above, {above})")
     bf16_x = info.get("linear_routes_bf16_x", {})
     if any(r in DOT_ROUTES for r in bf16_x.values()):
         lines.append("  on bf16 x (what text_features multiplies), two products per instruction "

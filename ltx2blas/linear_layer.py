@@ -10,6 +10,7 @@ half the speed and twice the panel memory.  Either way the result is an f32 arra
 byte-identical for any thread count and from run to run: the library, not the BLAS, fixes how
 the in-dimension is split.
 """
+import functools
 import math
 
 import numpy as np
@@ -79,14 +80,28 @@ def _panel_min_rows():
 WIDE_BLAS_CORES = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
 
 
+@functools.lru_cache(maxsize=None)
+def _blas_core():
+    """The kernel core the BLAS chose when it loaded (fixed for the process), or None."""
+    return (scipy_blas() or {}).get("architecture")
+
+
 def panel_above_stream_rows():
     """Whether a bf16 weight takes the panel route above STREAM_ROWS rows instead of sgemm: where
     the kernel table's vectors (AVX-512) are wider than those of the sgemm kernel the BLAS runs
     on this CPU, the fuse's register blocks outrun it at every row count (1.3-1.5x at 256 rows
     on a Zen 5: bench/results/amd-epyc-zen5-avx512bf16). A BLAS of unknown core keeps sgemm."""
-    core = (scipy_blas() or {}).get("architecture")
+    core = _blas_core()
     return (_gemm.kernel_name().startswith("avx512") and core is not None
             and core.lower() not in WIDE_BLAS_CORES)
+
+
+def _panel_route(rows):
+    """Whether rows of f32 x by a bf16 weight take the panel kernel: from the table's
+    panel_min_rows up to STREAM_ROWS, and above them where panel_above_stream_rows()."""
+    if rows > STREAM_ROWS:
+        return panel_above_stream_rows()
+    return 0 < _panel_min_rows() <= rows
 
 
 #: Up to this many rows of x the streaming product is bound by memory: it reads whole weight
@@ -117,14 +132,11 @@ def plan(rows, weight_dtype, accumulate="f32", blocks=None, x_dtype=np.float32):
     """The route ("sgemm", "stream", "panel", "dot", "dot_panel" or "f64") and (rows, features,
     chunk) blocks a call with ``rows`` rows of x of ``x_dtype`` and this weight dtype takes."""
     bf16_weight = np.dtype(weight_dtype).itemsize == 2
-    panel_rows = _panel_min_rows()
     if accumulate == "f64":
         route = "f64"
     elif bf16_weight and np.dtype(x_dtype).itemsize == 2 and _gemm.has_dot_linear():
         route = "dot_panel" if rows >= DOT_PANEL_ROWS else "dot"
-    elif bf16_weight and 0 < panel_rows <= rows <= STREAM_ROWS:
-        route = "panel"
-    elif bf16_weight and rows > STREAM_ROWS and panel_above_stream_rows():
+    elif bf16_weight and _panel_route(rows):
         route = "panel"
     elif bf16_weight and rows <= STREAM_ROWS:
         route = "stream"

@@ -373,7 +373,7 @@ def test_panel_route_above_stream_rows_where_the_blas_is_narrower(monkeypatch, c
                                                                   above):
     # Only an AVX-512 table beside a BLAS core known to run narrower sgemm vectors takes the
     # panel route above STREAM_ROWS rows; an unknown BLAS keeps sgemm, as does an f32 weight.
-    monkeypatch.setattr(linear_layer, "scipy_blas", lambda: {"architecture": core})
+    monkeypatch.setattr(linear_layer, "_blas_core", lambda: core)
     monkeypatch.setattr(linear_layer._gemm, "kernel_name", lambda allow_fma=True: table)
     assert linear_layer.panel_above_stream_rows() is above
     assert plan(65, np.uint16) == (("panel", STREAM_WIDE_BLOCKS) if above
