@@ -4,25 +4,27 @@ panels.
 
 Each projection's in-dimension is cut into segments as ltx2blas.linear cuts it; the panels are
 laid out as linear lays out its widened input panels (rows packed, row stride = the chunk's
-width), every task adds its segment's chunks with the same calls in the same order from the
-same start, and finish() adds the segments' sums in the same order, so a projection's result is
+width), or for the dot-product panel kernel in its strips of pairs, chunk by chunk; every task
+adds its segment's chunks with the same products in the same order from the same start, and finish() adds the segments' sums in the same order, so a projection's result is
 byte-identical to ``linear(features, weight, bias)`` on the same features -- without the
 features ever existing whole.
 """
 from cython.parallel cimport parallel, prange
 from libc.math cimport NAN, isnan
-from libc.stdint cimport int64_t, uint16_t
+from libc.stdint cimport int64_t, uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
 
-from ._gemm cimport chunk_panel_bytes, chunk_wxt, kernels, ltx_kernels, takes_bf16_x
+from ._gemm cimport (LTX_DOT_PANEL_PAIRS, LTX_DOT_PANEL_SCRATCH, LTX_DOT_PANEL_STRIP,
+                     LTX_LAYER_TABLE_PAD, chunk_panel_bytes, chunk_wxt, kernels, ltx_kernels,
+                     pack_x_pairs, packed_chunk_wxt, packs_strips, takes_bf16_x)
 from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_alloc,
-                        omp_get_thread_num, start_block)
+                        omp_get_thread_num, start_block, up64)
+
+import numpy as np
 
 
 cdef extern from "kernels.h" nogil:
-    float ltx_bf16_round(float f)       # f32(bf16(f)), the library's one rounding
     float ltx_bf16_value(uint16_t h)
-    uint16_t ltx_bf16_of(float f)
 
 
 cdef inline float load(const void *src, bint bf16, Py_ssize_t i) noexcept nogil:
@@ -84,6 +86,7 @@ cdef struct Projection:
     Py_ssize_t out, panels, blocks, first_task
     Py_ssize_t segments, seg_len
     int step_chunks           # chunks of every segment a step normalises and adds
+    Py_ssize_t slot_len       # elements of one chunk's panel (slot)
 
 
 cdef struct FeatureJob:
@@ -95,16 +98,37 @@ cdef struct FeatureJob:
     const int64_t *sample     # the sample each valid row belongs to
     Py_ssize_t n              # number of valid rows
     bint v2
-    const float *mean         # V1: [B, L]
-    const float *range_       # V1: [B, L]
-    const float *inv          # V2: [n, L]
+    const float *mean         # V1: [B, L + LTX_LAYER_TABLE_PAD]
+    const float *range_       # V1: [B, L + LTX_LAYER_TABLE_PAD]
+    const float *inv          # V2: [n, L + LTX_LAYER_TABLE_PAD]
+    Py_ssize_t table_stride   # L + LTX_LAYER_TABLE_PAD: each table's first values again past L
     int count                 # projections
     Projection *proj
     int task_rows, task_feats, chunk
     Py_ssize_t row_blocks
     int product               # chunk_wxt's product (PRODUCT_*)
     bint bf16_panels          # the product takes bf16 x: the panels hold bf16 bits
+    bint strip_panels         # ... in the dot-product panel kernel's strips (packs_strips)
     const ltx_kernels *kern
+
+
+def panel_elements(int product, int task_rows, Py_ssize_t n, Py_ssize_t segments,
+                   int step_chunks, int chunk, Py_ssize_t seg_len):
+    """f32 elements of one projection's panels: a step's chunks of every segment, each
+    [n rows, min(chunk, seg_len)] -- f32, or bf16 two to an element where the product takes
+    bf16 x, in strips of pairs (rows rounded up to whole strips) where packs_strips."""
+    return segments * step_chunks * slot_elements(product, task_rows, n, min(chunk, seg_len))
+
+
+cdef Py_ssize_t slot_elements(int product, int task_rows, Py_ssize_t n,
+                              Py_ssize_t width) noexcept:
+    """f32 elements of a chunk's panel of n rows, width features wide (see panel_elements)."""
+    if packs_strips(product, task_rows):
+        return ((n + LTX_DOT_PANEL_STRIP - 1) // LTX_DOT_PANEL_STRIP * LTX_DOT_PANEL_STRIP
+                * LTX_DOT_PANEL_PAIRS(width))
+    if takes_bf16_x(product):
+        return (n * width + 1) // 2
+    return n * width
 
 
 cdef inline void step_range(const FeatureJob *job, const Projection *pr, Py_ssize_t seg,
@@ -118,22 +142,31 @@ cdef inline void step_range(const FeatureJob *job, const Projection *pr, Py_ssiz
 
 cdef inline Py_ssize_t slot(const FeatureJob *job, const Projection *pr, Py_ssize_t seg,
                             Py_ssize_t c) noexcept nogil:
-    """Where chunk c of segment ``seg``'s piece starts in the projection's panels: pieces one
-    after another, each chunk's rows packed (row r at r * its width), as linear() packs them."""
-    return (seg * pr.step_chunks + c) * job.n * min(<Py_ssize_t>job.chunk, pr.seg_len)
+    """Where chunk c of segment ``seg``'s piece starts in the projection's panels, in panel
+    elements (bf16 ones with bf16_panels): pieces one after another, each chunk's rows packed
+    (row r at r * its width), as linear() packs them, or in strips of pairs."""
+    return (seg * pr.step_chunks + c) * pr.slot_len * (2 if job.bf16_panels else 1)
+
+
+cdef void normalize_piece(const FeatureJob *job, const Projection *pr, Py_ssize_t r,
+                          Py_ssize_t c0, int kt, void *dst) noexcept nogil:
+    """Row r's features [c0, c0 + kt) for projection pr into dst, one after another: bf16 bits
+    with bf16_panels, else f32."""
+    cdef const char *row = (<const char *>job.hidden
+                            + (job.rows[r] * job.width + c0) * (2 if job.bf16 else 4))
+    cdef Py_ssize_t at = (r if job.v2 else job.sample[r]) * job.table_stride
+    if job.v2:
+        job.kern.normalize_features(row, job.bf16, kt, job.inv + at, NULL, c0 % job.layers,
+                                    job.layers, pr.scale, dst, job.bf16_panels)
+    else:
+        job.kern.normalize_features(row, job.bf16, kt, job.mean + at, job.range_ + at,
+                                    c0 % job.layers, job.layers, 1.0, dst, job.bf16_panels)
 
 
 cdef void normalize_row(const FeatureJob *job, Py_ssize_t r, Py_ssize_t step) noexcept nogil:
-    """Row r's features of this step into every projection's panels."""
-    cdef const void *row = (<const char *>job.hidden
-                            + job.rows[r] * job.width * (2 if job.bf16 else 4))
-    cdef Py_ssize_t c0, s0, s1, seg, j, base, c
-    cdef int l, p, kt
-    cdef float v
-    cdef const float *mean = job.mean + job.sample[r] * job.layers if not job.v2 else NULL
-    cdef const float *rng = job.range_ + job.sample[r] * job.layers if not job.v2 else NULL
-    cdef const float *inv = job.inv + r * job.layers if job.v2 else NULL
-    cdef bint bf16_panels = job.bf16_panels
+    """Row r's features of this step into every projection's panels, rows packed."""
+    cdef Py_ssize_t c0, s0, s1, seg, c
+    cdef int p, kt
     cdef Projection *pr
     for p in range(job.count):
         pr = &job.proj[p]
@@ -142,21 +175,39 @@ cdef void normalize_row(const FeatureJob *job, Py_ssize_t r, Py_ssize_t step) no
             c0, c = s0, 0
             while c0 < s1:
                 kt = <int>min(<Py_ssize_t>job.chunk, s1 - c0)
-                base = slot(job, pr, seg, c) + r * kt
-                l = <int>(c0 % job.layers)
-                for j in range(kt):
-                    v = load(row, job.bf16, c0 + j)
-                    if job.v2:
-                        v = ltx_bf16_round(ltx_bf16_round(v * inv[l]) * pr.scale)
-                    else:
-                        v = ltx_bf16_round(((v - mean[l]) / rng[l]) * <float>8.0)
-                    if bf16_panels:
-                        (<uint16_t *>pr.x)[base + j] = ltx_bf16_of(v)  # v is bf16: exact
-                    else:
-                        pr.x[base + j] = v
-                    l += 1
-                    if l == job.layers:
-                        l = 0
+                if job.bf16_panels:
+                    normalize_piece(job, pr, r, c0, kt,
+                                    <uint16_t *>pr.x + slot(job, pr, seg, c) + r * kt)
+                else:
+                    normalize_piece(job, pr, r, c0, kt, pr.x + slot(job, pr, seg, c) + r * kt)
+                c0 += kt
+                c += 1
+
+
+cdef void normalize_strip(const FeatureJob *job, Py_ssize_t strip, Py_ssize_t step,
+                          uint16_t *rows_bf16) noexcept nogil:
+    """The features of this step of a strip's rows into every projection's panels, in strips of
+    pairs (strip_panels): each chunk of the strip's rows normalised into rows_bf16 (a strip's
+    rows of a chunk), then packed by the kernel's transposes -- written a pair at a time
+    straight into the strip, a row's chunk touched a line for every two features."""
+    cdef Py_ssize_t r0 = strip * LTX_DOT_PANEL_STRIP
+    cdef Py_ssize_t r1 = min(job.n, r0 + LTX_DOT_PANEL_STRIP), r
+    cdef Py_ssize_t c0, s0, s1, seg, c
+    cdef int p, kt
+    cdef Projection *pr
+    for p in range(job.count):
+        pr = &job.proj[p]
+        for seg in range(pr.segments):
+            step_range(job, pr, seg, step, &s0, &s1)
+            c0, c = s0, 0
+            while c0 < s1:
+                kt = <int>min(<Py_ssize_t>job.chunk, s1 - c0)
+                for r in range(r0, r1):
+                    normalize_piece(job, pr, r, c0, kt, rows_bf16 + (r - r0) * kt)
+                pack_x_pairs(job.kern, r1 - r0, kt, rows_bf16, kt,
+                             <uint32_t *>(<uint16_t *>pr.x + slot(job, pr, seg, c))
+                             + strip * LTX_DOT_PANEL_PAIRS(kt) * LTX_DOT_PANEL_STRIP,
+                             LTX_DOT_PANEL_PAIRS(kt) * LTX_DOT_PANEL_STRIP)
                 c0 += kt
                 c += 1
 
@@ -190,6 +241,15 @@ cdef void run_task(const FeatureJob *job, Py_ssize_t task, Py_ssize_t step,
     c0 = s0
     while c0 < s1:
         kt = <int>min(<Py_ssize_t>job.chunk, s1 - c0)
+        if job.strip_panels:
+            packed_chunk_wxt(job.kern, mt, ot, kt,
+                             <const uint32_t *>(<uint16_t *>pr.x + slot(job, pr, seg, c))
+                             + (m0 // LTX_DOT_PANEL_STRIP) * LTX_DOT_PANEL_PAIRS(kt)
+                             * LTX_DOT_PANEL_STRIP, LTX_DOT_PANEL_PAIRS(kt) * LTX_DOT_PANEL_STRIP,
+                             pr.w16 + o0 * job.width + c0, <int>job.width, panel, acc)
+            c0 += kt
+            c += 1
+            continue
         if job.bf16_panels:
             xp = <uint16_t *>pr.x + slot(job, pr, seg, c) + m0 * kt
         else:
@@ -202,6 +262,16 @@ cdef void run_task(const FeatureJob *job, Py_ssize_t task, Py_ssize_t step,
         c += 1
 
 
+def padded_by_layer(table):
+    """A per-layer table [rows, L] with LTX_LAYER_TABLE_PAD columns more, the first ones again
+    (column i holds column i mod L): the layout normalize_features reads; None stays None."""
+    if table is None:
+        return None
+    layers = table.shape[1]
+    wrap = (layers + np.arange(LTX_LAYER_TABLE_PAD)) % layers
+    return np.ascontiguousarray(np.concatenate([table, table[:, wrap]], axis=1), np.float32)
+
+
 cdef class FeaturePlan:
     """One text_features call: normalize(step) writes a step's features (a whole number of
     chunks of every segment) into the panels, run(step, first, stop) adds them into tasks'
@@ -211,6 +281,8 @@ cdef class FeaturePlan:
     cdef Projection *proj
     cdef char *panels
     cdef size_t panel_len
+    cdef char *rows_bf16           # per thread with strip_panels: a strip's rows of a chunk
+    cdef size_t rows_len
     cdef int threads
     cdef readonly Py_ssize_t tasks
     cdef object keep
@@ -218,15 +290,14 @@ cdef class FeaturePlan:
     def __cinit__(self):
         self.proj = NULL
         self.panels = NULL
+        self.rows_bf16 = NULL
 
     def __init__(self, hidden, const int64_t[::1] rows, const int64_t[::1] sample, bint v2,
                  mean, range_, inv, list weights, list biases, list accs, list xs, list scales,
                  list cuts, int task_rows, int task_feats, int chunk, int product, int threads,
                  int layers):
         """``cuts``: each projection's (segments, segment length, chunks a step); ``accs``:
-        [segments * n * out] f32; ``xs``: the panels, segments * chunks a step * n *
-        min(chunk, segment length) f32 -- or with the dot-product product as many bf16, in an
-        f32 array of half the length (rounded up)."""
+        [segments * n * out] f32; ``xs``: the panels, f32 arrays of panel_elements(...) each."""
         cdef const uint16_t[:, ::1] h16
         cdef const float[:, ::1] h32
         cdef const uint16_t[:, ::1] w16
@@ -237,6 +308,7 @@ cdef class FeaturePlan:
         cdef const float[:, ::1] st
         cdef int p, count = len(weights)
         cdef Py_ssize_t first = 0, needed
+        mean, range_, inv = (padded_by_layer(t) for t in (mean, range_, inv))
         self.keep = [hidden, rows, sample, mean, range_, inv, weights, biases, accs, xs]
         self.job.bf16 = hidden.dtype.itemsize == 2
         if self.job.bf16:
@@ -247,6 +319,7 @@ cdef class FeaturePlan:
             self.job.hidden = &h32[0, 0]
         self.job.width = hidden.shape[1]
         self.job.layers = layers
+        self.job.table_stride = layers + LTX_LAYER_TABLE_PAD
         self.job.rows = &rows[0]
         self.job.sample = &sample[0]
         self.job.n = rows.shape[0]
@@ -264,6 +337,7 @@ cdef class FeaturePlan:
         self.job.row_blocks = (self.job.n + task_rows - 1) // task_rows
         self.job.product = product
         self.job.bf16_panels = takes_bf16_x(product)
+        self.job.strip_panels = packs_strips(product, task_rows)
         self.job.kern = kernels(True)
         self.job.count = count
         self.proj = <Projection *>malloc(count * sizeof(Projection))
@@ -287,10 +361,9 @@ cdef class FeaturePlan:
             self.proj[p].out = w.shape[0]
             acc = accs[p]
             x = xs[p]
-            needed = (self.proj[p].segments * self.proj[p].step_chunks * self.job.n
-                      * min(<Py_ssize_t>chunk, self.proj[p].seg_len))
-            if self.job.bf16_panels:  # bf16, two to an f32 element
-                needed = (needed + 1) // 2
+            self.proj[p].slot_len = slot_elements(product, task_rows, self.job.n,
+                                                  min(<Py_ssize_t>chunk, self.proj[p].seg_len))
+            needed = self.proj[p].segments * self.proj[p].step_chunks * self.proj[p].slot_len
             if (acc.shape[0] < self.proj[p].segments * self.job.n * self.proj[p].out or
                     x.shape[0] < needed):
                 raise ValueError("accumulator or panel array too small for the cut")
@@ -305,22 +378,39 @@ cdef class FeaturePlan:
         self.tasks = first
         self.threads = threads
         # Per thread: the widened weight panel, or on the kernels' routes their scratch.
-        self.panel_len = chunk_panel_bytes(product, task_rows, task_feats, chunk)
+        if self.job.strip_panels:
+            self.panel_len = LTX_DOT_PANEL_SCRATCH(task_rows) * sizeof(float)
+        else:
+            self.panel_len = chunk_panel_bytes(product, task_rows, task_feats, chunk)
         self.panels = <char *>ltx_aligned_alloc(self.panel_len * threads)
         if self.panels == NULL:
             raise MemoryError("could not allocate the weight panel buffers")
+        if self.job.strip_panels:
+            self.rows_len = up64(LTX_DOT_PANEL_STRIP * chunk * sizeof(uint16_t))
+            self.rows_bf16 = <char *>ltx_aligned_alloc(self.rows_len * threads)
+            if self.rows_bf16 == NULL:
+                raise MemoryError("could not allocate the normalisation buffers")
 
     def __dealloc__(self):
         free(self.proj)
         free(self.panels)
+        free(self.rows_bf16)
 
     def normalize(self, Py_ssize_t step):
         """The normalisation of a step's features into the panels."""
         cdef Py_ssize_t r
         cdef int threads = self.threads
-        with nogil:
-            for r in prange(self.job.n, num_threads=threads, schedule="static"):
-                normalize_row(&self.job, r, step)
+        cdef Py_ssize_t strips = (self.job.n + LTX_DOT_PANEL_STRIP - 1) // LTX_DOT_PANEL_STRIP
+        cdef uint16_t *mine
+        if not self.job.strip_panels:
+            with nogil:
+                for r in prange(self.job.n, num_threads=threads, schedule="static"):
+                    normalize_row(&self.job, r, step)
+            return
+        with nogil, parallel(num_threads=threads):
+            mine = <uint16_t *>(self.rows_bf16 + self.rows_len * omp_get_thread_num())
+            for r in prange(strips, schedule="dynamic"):
+                normalize_strip(&self.job, r, step, mine)
 
     def run(self, Py_ssize_t step, Py_ssize_t first, Py_ssize_t stop):
         """Tasks [first, stop) of a step, whose features normalize(step) has produced."""

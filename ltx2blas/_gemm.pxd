@@ -9,8 +9,12 @@ cdef extern from "kernels.h" nogil:
     int LTX_PANEL_CHUNK
     int LTX_DOT_BLOCK
     int LTX_DOT_PANEL_CHUNK
-    size_t LTX_DOT_PANEL_SCRATCH(size_t mt, size_t kt)
+    int LTX_DOT_PANEL_STRIP
+    size_t LTX_DOT_PANEL_PAIRS(size_t kt)
+    size_t LTX_DOT_PANEL_PACKED(size_t mt, size_t kt)
+    size_t LTX_DOT_PANEL_SCRATCH(size_t mt)
     size_t LTX_PANEL_SCRATCH(size_t mt)
+    int LTX_LAYER_TABLE_PAD
     ctypedef struct ltx_kernels:
         const char *name
         void (*seq_gemm)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
@@ -36,9 +40,11 @@ cdef extern from "kernels.h" nogil:
         void (*dot_stream_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x,
                                ltx_idx ldx, const uint16_t *w, ltx_idx ldw, float *acc,
                                float *lanes) noexcept nogil
-        void (*dot_panel_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x,
-                              ltx_idx ldx, const uint16_t *w, ltx_idx ldw, float *acc,
+        void (*dot_panel_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint32_t *xs,
+                              ltx_idx lds, const uint16_t *w, ltx_idx ldw, float *acc,
                               float *scratch) noexcept nogil
+        void (*pack_x_pairs)(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kt,
+                             uint32_t *xs, ltx_idx lds) noexcept nogil
         int panel_min_rows
         ltx_idx (*store_fused_fp8)(const float *acc, const uint8_t *w, ltx_idx ldw,
                                    uint8_t *out, ltx_idx ldo, ltx_idx rows, ltx_idx cols,
@@ -64,6 +70,9 @@ cdef extern from "kernels.h" nogil:
         void (*clear_negative_zero_bf16)(uint16_t *p, ltx_idx ldp, ltx_idx rows,
                                          ltx_idx cols) noexcept nogil
         void (*round_bf16_f32)(const float *src, float *dst, ltx_idx n) noexcept nogil
+        void (*normalize_features)(const void *src, int src_bf16, ltx_idx n, const float *a,
+                                   const float *b, ltx_idx l0, ltx_idx layers, float scale,
+                                   void *dst, int dst_bf16) noexcept nogil
         void (*accumulate_addmm)(const float *acc, float *agg, float s, ltx_idx n) noexcept nogil
         void (*store_rounded)(const float *acc, uint16_t *out, ltx_idx ldo, ltx_idx rows,
                               ltx_idx cols) noexcept nogil
@@ -103,11 +112,25 @@ cdef inline bint takes_bf16_x(int product) noexcept nogil:
     """Whether chunk_wxt's product reads x as bf16 bits (the dot-product kernels)."""
     return product == PRODUCT_DOT or product == PRODUCT_DOT_PANEL
 
+cdef inline bint packs_strips(int product, int task_rows) noexcept nogil:
+    """Whether tasks of task_rows rows can take x packed for the dot-product panel kernel
+    before them (packed_chunk_wxt), rather than chunk_wxt packing each task's rows a chunk at
+    a time: where every task's first row starts a strip."""
+    return product == PRODUCT_DOT_PANEL and task_rows % LTX_DOT_PANEL_STRIP == 0
+
 cdef void chunk_wxt(const ltx_kernels *kern, int product, int mt, int ot, int kt,
                     const void *x, int ldx, const uint16_t *w16, const float *w32, int ldw,
                     float *panel, float *acc) noexcept nogil
 
 cdef size_t chunk_panel_bytes(int product, int mt, int ot, int kt) noexcept nogil
+
+cdef void packed_chunk_wxt(const ltx_kernels *kern, int mt, int ot, int kt, const uint32_t *xs,
+                           Py_ssize_t lds, const uint16_t *w16, int ldw, float *scratch,
+                           float *acc) noexcept nogil
+
+cdef void pack_x_pairs(const ltx_kernels *kern, Py_ssize_t mt, Py_ssize_t kt,
+                       const uint16_t *x, Py_ssize_t ldx, uint32_t *xs,
+                       Py_ssize_t lds) noexcept nogil
 
 cdef void exact_product_fused(const ltx_kernels *kern, int m, int n, int k, const float *x,
                               int ldx, const float *y, const uint16_t *w, Py_ssize_t ldw,

@@ -145,6 +145,7 @@ cdef void chunk_wxt(const ltx_kernels *kern, int product, int mt, int ot, int kt
     then holds the kernel's scratch; the dot-product kernels must exist in the table).  The
     Linear and the feature extractor both add their chunks here, so their results are the
     same bytes."""
+    cdef Py_ssize_t lds
     if mt <= 0 or ot <= 0 or kt <= 0:
         return
     if product == PRODUCT_STREAM:
@@ -153,8 +154,11 @@ cdef void chunk_wxt(const ltx_kernels *kern, int product, int mt, int ot, int kt
         kern.panel_wxt(mt, ot, kt, <const float *>x, ldx, w16, ldw, acc, panel)
     elif product == PRODUCT_DOT:
         kern.dot_stream_wxt(mt, ot, kt, <const uint16_t *>x, ldx, w16, ldw, acc, panel)
-    elif product == PRODUCT_DOT_PANEL:
-        kern.dot_panel_wxt(mt, ot, kt, <const uint16_t *>x, ldx, w16, ldw, acc, panel)
+    elif product == PRODUCT_DOT_PANEL:  # x packed here, for this chunk
+        lds = LTX_DOT_PANEL_PAIRS(kt) * LTX_DOT_PANEL_STRIP
+        kern.pack_x_pairs(<const uint16_t *>x, ldx, mt, kt, <uint32_t *>panel, lds)
+        kern.dot_panel_wxt(mt, ot, kt, <const uint32_t *>panel, lds, w16, ldw, acc,
+                           panel + LTX_DOT_PANEL_PACKED(mt, kt))
     elif w16 != NULL:
         kern.widen_bf16_rows(w16, ldw, panel, kt, ot, kt)
         sgemm_wxt(mt, ot, kt, <const float *>x, ldx, panel, kt, 1.0, acc, mt)
@@ -171,8 +175,27 @@ cdef size_t chunk_panel_bytes(int product, int mt, int ot, int kt) noexcept nogi
     if product == PRODUCT_PANEL:
         return up64(LTX_PANEL_SCRATCH(mt) * sizeof(float))
     if product == PRODUCT_DOT_PANEL:
-        return up64(LTX_DOT_PANEL_SCRATCH(mt, kt) * sizeof(float))
+        return up64((LTX_DOT_PANEL_PACKED(mt, kt) + LTX_DOT_PANEL_SCRATCH(mt)) * sizeof(float))
     return up64(<size_t>ot * kt * sizeof(float))
+
+
+cdef void packed_chunk_wxt(const ltx_kernels *kern, int mt, int ot, int kt, const uint32_t *xs,
+                           Py_ssize_t lds, const uint16_t *w16, int ldw, float *scratch,
+                           float *acc) noexcept nogil:
+    """chunk_wxt's PRODUCT_DOT_PANEL on an x packed before (pack_x_pairs: xs at the chunk's
+    first pair of its first strip, strips lds apart), the same bytes; scratch:
+    LTX_DOT_PANEL_SCRATCH(mt) floats."""
+    if mt > 0 and ot > 0 and kt > 0:
+        kern.dot_panel_wxt(mt, ot, kt, xs, lds, w16, ldw, acc, scratch)
+
+
+cdef void pack_x_pairs(const ltx_kernels *kern, Py_ssize_t mt, Py_ssize_t kt,
+                       const uint16_t *x, Py_ssize_t ldx, uint32_t *xs,
+                       Py_ssize_t lds) noexcept nogil:
+    """xs = mt rows of the bf16 x (kt elements each, row stride ldx) packed for
+    packed_chunk_wxt: strips of LTX_DOT_PANEL_STRIP rows lds apart."""
+    if mt > 0 and kt > 0:
+        kern.pack_x_pairs(x, ldx, mt, kt, xs, lds)
 
 
 cdef void exact_product_fused(const ltx_kernels *kern, int m, int n, int k, const float *x,
@@ -218,6 +241,8 @@ PANEL_CHUNK = LTX_PANEL_CHUNK
 DOT_BLOCK = LTX_DOT_BLOCK
 #: The dot-product panel Linear's chunk, in elements of k: each chunk's sums start from +0.0.
 DOT_PANEL_CHUNK = LTX_DOT_PANEL_CHUNK
+#: Rows of x in one strip of the dot-product panel Linear's packed x.
+DOT_PANEL_STRIP = LTX_DOT_PANEL_STRIP
 #: chunk_wxt's products by the Linear's route name (the f64 route's dgemm panels take the
 #: sgemm route's place).
 PRODUCTS = {"sgemm": PRODUCT_SGEMM, "f64": PRODUCT_SGEMM, "stream": PRODUCT_STREAM,

@@ -12,15 +12,21 @@ input's shape -- never by the thread count -- so the bytes of y do not depend on
 threads ran or which ran what.
 """
 from cython.parallel cimport parallel, prange
-from libc.stdint cimport uint16_t
+from libc.stdint cimport uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
 
-from ._gemm cimport (PRODUCT_SGEMM, chunk_panel_bytes, chunk_wxt, dgemm_wxt, kernels,
-                     ltx_kernels, takes_bf16_x)
+from ._gemm cimport (LTX_DOT_PANEL_PAIRS, LTX_DOT_PANEL_SCRATCH, LTX_DOT_PANEL_STRIP,
+                     PRODUCT_SGEMM, chunk_panel_bytes, chunk_wxt, dgemm_wxt, kernels,
+                     ltx_kernels, pack_x_pairs, packed_chunk_wxt, packs_strips, takes_bf16_x)
 from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_alloc,
                         omp_get_thread_num, start_block, up64)
 
 import numpy as np
+
+# Elements of a row packed by one task of LinearPlan.pack_x: even, so that every piece starts
+# a pair.
+cdef enum:
+    PACK_PIECE = 16384
 
 
 cdef struct LinearJob:
@@ -41,7 +47,28 @@ cdef struct LinearJob:
     bint f64
     int product                    # chunk_wxt's product (PRODUCT_*); the streaming and panel
                                    # kernels take f32 x, the dot-product kernels bf16 x
+    uint32_t *xs                   # with packs_x_once: x packed whole for the dot-product
+    Py_ssize_t xs_stride           # panel kernel (strips xs_stride apart), or NULL
     const ltx_kernels *kern
+
+
+cdef inline bint packs_x_once(int product, int task_rows, int chunk,
+                              Py_ssize_t seg_len) noexcept nogil:
+    """Whether a call packs its bf16 x whole, once, for the dot-product panel kernel, rather
+    than every task packing its rows for every chunk (once per block of output features):
+    where its tasks' rows start strips (packs_strips) and every chunk starts a pair. The bytes
+    are the same."""
+    return packs_strips(product, task_rows) and chunk % 2 == 0 and seg_len % 2 == 0
+
+
+def packed_x_bytes(Py_ssize_t rows, Py_ssize_t cols):
+    """Bytes of x packed whole for the dot-product panel kernel (see packs_x_once)."""
+    return ((rows + LTX_DOT_PANEL_STRIP - 1) // LTX_DOT_PANEL_STRIP * LTX_DOT_PANEL_STRIP
+            * LTX_DOT_PANEL_PAIRS(cols) * sizeof(uint32_t))
+
+
+def takes_packed_x(int product, int task_rows, int chunk, Py_ssize_t seg_len):
+    return packs_x_once(product, task_rows, chunk, seg_len)
 
 
 cdef struct TaskBuffers:
@@ -91,6 +118,14 @@ cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) n
                     kern.f32_to_f64(job.x32 + (m0 + r) * job.cols + c0, xp64 + r * kt, kt)
             dgemm_wxt(mt, ot, kt, xp64, kt, wp64, kt, 1.0, acc64, mt)
         else:
+            if job.xs != NULL:  # packed once, whole
+                packed_chunk_wxt(kern, mt, ot, kt,
+                                 job.xs + (m0 // LTX_DOT_PANEL_STRIP) * job.xs_stride
+                                 + (c0 // 2) * LTX_DOT_PANEL_STRIP, job.xs_stride,
+                                 job.w16 + o0 * job.cols + c0, <int>job.cols,
+                                 <float *>buf.w_panel, acc32)
+                c0 += kt
+                continue
             if takes_bf16_x(job.product):  # bf16 x, read in place
                 xp, ldx = job.x16 + m0 * job.cols + c0, <int>job.cols
             elif job.x16 != NULL:  # the sgemm route: widened a panel at a time
@@ -136,16 +171,18 @@ cdef void add_block_segments(const LinearJob *job, Py_ssize_t block) noexcept no
 
 
 cdef (size_t, size_t, size_t) buffer_layout(int task_rows, int task_feats, int chunk, bint f64,
-                                            int product, bint bf16_weight,
-                                            bint bf16_x) noexcept:
+                                            int product, bint bf16_weight, bint bf16_x,
+                                            bint packed_x) noexcept:
     """One thread's buffers: the widened weight panel [task_feats, chunk] (unless the weight is
-    f32 and the accumulation f32; on the kernels' routes, their scratch instead), the
-    widened input panel [task_rows, chunk] (f64, or bf16 x on the sgemm route), and the accumulator
-    [task_feats, task_rows]."""
+    f32 and the accumulation f32; on the kernels' routes, their scratch instead, without x's
+    packing where x is packed once), the widened input panel [task_rows, chunk] (f64, or bf16
+    x on the sgemm route), and the accumulator [task_feats, task_rows]."""
     cdef size_t elem = sizeof(double) if f64 else sizeof(float)
     cdef size_t w_len = 0, x_len = 0
     if f64:
         w_len = up64(<size_t>task_feats * chunk * elem)
+    elif packed_x:
+        w_len = up64(LTX_DOT_PANEL_SCRATCH(task_rows) * sizeof(float))
     elif product != PRODUCT_SGEMM or bf16_weight:
         w_len = chunk_panel_bytes(product, task_rows, task_feats, chunk)
     if f64 or (bf16_x and product == PRODUCT_SGEMM):  # the kernels read x in place
@@ -154,11 +191,11 @@ cdef (size_t, size_t, size_t) buffer_layout(int task_rows, int task_feats, int c
 
 
 def thread_buffer_bytes(int task_rows, int task_feats, int chunk, bint f64, int product,
-                        bint bf16_weight, bint bf16_x):
+                        bint bf16_weight, bint bf16_x, bint packed_x=False):
     """Bytes of one thread's buffers, as LinearPlan allocates them (product: a value of
-    ``_gemm.PRODUCTS``)."""
+    ``_gemm.PRODUCTS``; packed_x: takes_packed_x)."""
     w_len, x_len, acc_len = buffer_layout(task_rows, task_feats, chunk, f64, product,
-                                          bf16_weight, bf16_x)
+                                          bf16_weight, bf16_x, packed_x)
     return w_len + x_len + acc_len
 
 
@@ -169,6 +206,8 @@ cdef class LinearPlan:
     cdef LinearJob job
     cdef TaskBuffers *per_thread
     cdef char *buffers
+    cdef uint32_t *packed          # x packed whole (in the caller's array), or NULL
+    cdef bint x_packed
     cdef int threads
     cdef readonly Py_ssize_t tasks
     cdef object keep
@@ -176,9 +215,11 @@ cdef class LinearPlan:
     def __cinit__(self):
         self.per_thread = NULL
         self.buffers = NULL
+        self.packed = NULL
 
     def __init__(self, x, w, bias32, bias64, float[:, ::1] y, int task_rows, int task_feats,
-                 int chunk, int threads, bint f64, int product, Py_ssize_t seg_len, partial):
+                 int chunk, int threads, bint f64, int product, Py_ssize_t seg_len, partial,
+                 packed=None):
         cdef const float[:, ::1] x32
         cdef const uint16_t[:, ::1] x16
         cdef const float[:, ::1] w32
@@ -187,7 +228,7 @@ cdef class LinearPlan:
         cdef const double[::1] b64
         cdef size_t w_len, x_len, acc_len, buffer_len
         cdef int s
-        self.keep = (x, w, bias32, bias64, y, partial)
+        self.keep = (x, w, bias32, bias64, y, partial, packed)
         self.job.rows, self.job.cols = x.shape[0], x.shape[1]
         self.job.feats = w.shape[0]
         self.job.x32 = NULL
@@ -241,9 +282,23 @@ cdef class LinearPlan:
         self.job.blocks = block_count(self.job.rows, self.job.feats, task_rows, task_feats)
         self.tasks = self.job.blocks * self.job.segments
         self.threads = threads
+        self.job.xs = NULL
+        self.x_packed = False
+        cdef bint packed_x = packs_x_once(self.job.product, task_rows, chunk, seg_len)
+        if packed_x:
+            # A numpy array: numpy asks the kernel for huge pages, without which first touching
+            # a fresh buffer this size took longer than packing it.
+            if packed is None or packed.dtype != np.uint32 or not packed.flags.c_contiguous or \
+                    packed.nbytes != packed_x_bytes(self.job.rows, self.job.cols):
+                raise ValueError("this product packs x once: packed must be a C-contiguous "
+                                 "uint32 array of packed_x_bytes(rows, cols) bytes")
+            self.job.xs_stride = LTX_DOT_PANEL_PAIRS(self.job.cols) * LTX_DOT_PANEL_STRIP
+            self.packed = <uint32_t *><size_t>packed.ctypes.data
+            self.job.xs = self.packed
 
         w_len, x_len, acc_len = buffer_layout(task_rows, task_feats, chunk, f64, self.job.product,
-                                              self.job.w16 != NULL, self.job.x16 != NULL)
+                                              self.job.w16 != NULL, self.job.x16 != NULL,
+                                              packed_x)
         buffer_len = w_len + x_len + acc_len
         self.buffers = <char *>ltx_aligned_alloc(buffer_len * threads)
         self.per_thread = <TaskBuffers *>malloc(threads * sizeof(TaskBuffers))
@@ -258,11 +313,31 @@ cdef class LinearPlan:
         free(self.buffers)
         free(self.per_thread)
 
+    cdef void pack_x(self) noexcept nogil:
+        """x into self.packed, a strip and PACK_PIECE elements at a time, in parallel."""
+        cdef Py_ssize_t strips = (self.job.rows + LTX_DOT_PANEL_STRIP - 1) // LTX_DOT_PANEL_STRIP
+        cdef Py_ssize_t pieces = (self.job.cols + PACK_PIECE - 1) // PACK_PIECE, p, s, k0
+        cdef int threads = <int>min(<Py_ssize_t>self.threads, strips * pieces)
+        for p in prange(strips * pieces, num_threads=threads, schedule="dynamic"):
+            s, k0 = p // pieces, (p % pieces) * PACK_PIECE
+            pack_x_pairs(self.job.kern,
+                         min(<Py_ssize_t>LTX_DOT_PANEL_STRIP,
+                             self.job.rows - s * LTX_DOT_PANEL_STRIP),
+                         min(<Py_ssize_t>PACK_PIECE, self.job.cols - k0),
+                         self.job.x16 + s * LTX_DOT_PANEL_STRIP * self.job.cols + k0,
+                         self.job.cols,
+                         self.packed + s * self.job.xs_stride + (k0 // 2) * LTX_DOT_PANEL_STRIP,
+                         self.job.xs_stride)
+
     def run(self, Py_ssize_t first, Py_ssize_t stop):
         cdef Py_ssize_t t
         cdef int threads = <int>min(<Py_ssize_t>self.threads, stop - first)
         if threads < 1:
             return
+        if self.packed != NULL and not self.x_packed:
+            with nogil:
+                self.pack_x()
+            self.x_packed = True
         with nogil, parallel(num_threads=threads):
             for t in prange(first, stop, schedule="dynamic"):
                 linear_task(&self.job, t, &self.per_thread[omp_get_thread_num()])

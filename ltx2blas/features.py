@@ -23,7 +23,7 @@ from . import _features, _gemm
 from ._validate import bf16_or_f32, choice, contiguous, f32_values, ndarray
 from ._threads import blas_single_threaded, resolve_threads, waves
 from .errors import ArgumentError, ArgumentTypeError, DTypeError, ShapeError
-from .linear_layer import DOT_ROUTES, plan, segments
+from .linear_layer import plan, segments
 
 __all__ = ["text_features", "normalized_features"]
 
@@ -170,9 +170,10 @@ def _project(flat, rows, tokens, batch, layers, version, weights, biases, output
         step = max(1, min(per_segment, 4096 // chunk // count))
         cuts.append((count, length, step))
         steps = max(steps, -(-per_segment // step))
-    halve = route in DOT_ROUTES  # their panels hold bf16, two to an f32 element
-    panels = [np.empty(-(-count * step * n * min(chunk, length) // (2 if halve else 1)),
-                       np.float32) for count, length, step in cuts]
+    product = _gemm.PRODUCTS[route]
+    panels = [np.empty(_features.panel_elements(product, task_rows, n, count, step, chunk,
+                                                length), np.float32)
+              for count, length, step in cuts]
     accs = [np.empty(count * n * w.shape[0], np.float32)
             for (count, _, _), w in zip(cuts, weights)]
     scales = [float(np.float32(math.sqrt(w.shape[0] / depth))) for w in weights]
@@ -180,7 +181,7 @@ def _project(flat, rows, tokens, batch, layers, version, weights, biases, output
         mean, rng, inv = _statistics(flat, rows, sample, batch, layers, depth, version, threads)
         job = _features.FeaturePlan(flat, rows, sample, version == "v2", mean, rng, inv,
                                     weights, biases, accs, panels, scales, cuts, task_rows,
-                                    task_feats, chunk, _gemm.PRODUCTS[route], threads, layers)
+                                    task_feats, chunk, product, threads, layers)
         for step in range(steps):
             job.normalize(step)
             for first, stop in waves(job.tasks, threads):

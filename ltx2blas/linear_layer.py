@@ -68,6 +68,13 @@ DOT_PANEL_ROWS = 32
 BLOCKS["dot"] = STREAM_WIDE_BLOCKS
 BLOCKS["dot_panel"] = (STREAM_ROWS, 128, 2048)
 
+#: Above STREAM_ROWS rows the dot-product panel route takes 128 rows a task: every task reads
+#: its weight rows from memory once, so taller tasks read the weight fewer times (at 1024 rows,
+#: tasks of 64 rows read it 16 times), and at LTX-2's widths there are still 256 tasks or more.
+#: The bytes are the same: each output's chunks are added in the same order whatever the
+#: blocks.
+DOT_PANEL_WIDE_BLOCKS = (128, 128, 2048)
+
 
 def _panel_min_rows():
     """The fewest rows the table in use takes the panel route for (0: never)."""
@@ -144,6 +151,8 @@ def plan(rows, weight_dtype, accumulate="f32", blocks=None, x_dtype=np.float32):
         route = "sgemm"
     if blocks is not None:
         return route, tuple(blocks)
+    if route == "dot_panel" and rows > STREAM_ROWS:
+        return route, DOT_PANEL_WIDE_BLOCKS
     if route in DOT_ROUTES:
         return route, STREAM_FEW_BLOCKS if rows <= STREAM_FEW_ROWS else BLOCKS[route]
     if route in KERNEL_ROUTES and rows > BLOCKS["stream"][0]:
@@ -189,19 +198,24 @@ def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32",
     bf16 weight, or f64), the widened x panel [rows x chunk] (bf16 x on the sgemm route, or
     f64) and the accumulator [features x rows]; on the streaming and dot-product routes,
     instead of the weight panel, lane sums [features x rows x 16], on the panel route x's
-    strips and one block of widened weight rows for a chunk; on the streaming and panel routes
-    a bf16 x is widened once, shared.  With more than one segment (:func:`segments`), each
-    segment's sums [rows x feats] (f32, f64 on the f64 route) until they are added up."""
+    strips and one block of widened weight rows for a chunk, on the dot-product panel route
+    one block of sums [8 x rows]; on the streaming and panel routes a bf16 x is widened once,
+    shared, and on the dot-product panel route it is packed once, shared (as many bytes as x,
+    its rows rounded up to 32).  With more than one segment (:func:`segments`), each segment's
+    sums [rows x feats] (f32, f64 on the f64 route) until they are added up."""
     route, blocks = plan(rows, weight_dtype, accumulate, blocks, x_dtype)
     mb, ob, kb = blocks
     bf16_w = np.dtype(weight_dtype).itemsize == 2
     bf16_x = np.dtype(x_dtype).itemsize == 2
     # On the streaming and panel routes a bf16 x is widened once, whole, and shared: the
-    # kernels then take it as f32; the dot-product kernel reads it as it is.
+    # kernels then take it as f32; the dot-product kernels read it as it is, or packed.
+    count, length = segments(rows, feats, cols, route, blocks)
+    packed = _packs_x_once(route, blocks, length)
     per_thread = _linear.thread_buffer_bytes(mb, ob, kb, route == "f64", _gemm.PRODUCTS[route],
-                                             bf16_w, bf16_x)
+                                             bf16_w, bf16_x, packed)
     shared = 4 * rows * cols if (route in F32_X_ROUTES and bf16_x) else 0
-    count, _ = segments(rows, feats, cols, route, blocks)
+    if packed:
+        shared += _linear.packed_x_bytes(rows, cols)
     if count > 1:
         shared += count * rows * feats * (8 if route == "f64" else 4)
     return threads * per_thread + shared
@@ -298,6 +312,11 @@ def error_bound(x, weight, bias=None, accumulate="f32", blocks=None):
     return bound.reshape(x.shape[:-1] + (weight.shape[0],))
 
 
+def _packs_x_once(route, blocks, seg_len):
+    """Whether the call packs its x whole, once, for its kernel (_linear.takes_packed_x)."""
+    return _linear.takes_packed_x(_gemm.PRODUCTS[route], blocks[0], blocks[2], seg_len)
+
+
 def _subnormal(magnitudes):
     return (magnitudes > 0) & (magnitudes < 2.0**-126)
 
@@ -358,11 +377,14 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
         x2 = bf16_to_f32(x2)
     bias64 = bias32.astype(np.float64) if (bias32 is not None and route == "f64") else None
     count, length = segments(rows, feats, cols, route, blocks)
-    partial = None
+    partial = packed = None
     if count > 1:  # each segment's sums, until they are added up in order
         partial = np.empty((count, rows, feats), np.float64 if route == "f64" else np.float32)
+    if _packs_x_once(route, blocks, length):
+        packed = np.empty(_linear.packed_x_bytes(rows, cols) // 4, np.uint32)
     tasks = _linear.LinearPlan(x2, w_bits, bias32, bias64, y.reshape(rows, feats), *blocks,
-                               threads, route == "f64", _gemm.PRODUCTS[route], length, partial)
+                               threads, route == "f64", _gemm.PRODUCTS[route], length, partial,
+                               packed)
     _run_in_waves(tasks, threads, progress)
     return y
 

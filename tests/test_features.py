@@ -182,6 +182,32 @@ def test_non_finite_hidden_states_propagate_like_the_reference(rng):
         assert np.array_equal(f[~nan], fr[~nan])
 
 
+@pytest.mark.parametrize("layers", [7, 49])
+@pytest.mark.parametrize("bf16", [True, False])
+def test_the_normalisation_is_the_references_on_every_kernel_table(rng, kernel_table, layers,
+                                                                    bf16):
+    """The normalisation runs a vector of features at a time, each lane with its layer's
+    statistics: on every kernel table the CPU runs, the reference's bits for V1 and V2, with
+    fewer layers than a vector and more, rows whose length leaves a tail, a zero and a
+    subnormal token, negative zeros, an infinity and a NaN (spread as the reference spreads
+    them)."""
+    x = rng.standard_normal((2, 6, 13, layers)).astype(np.float32) * np.float32(3.0)
+    x[0, 1] = 0.0
+    x[0, 2, :, ::2] = -0.0
+    x[0, 3] = np.float32(3e-39) * np.sign(x[0, 3])      # subnormal in f32 and in bf16
+    x[1, 2, 4, 1] = np.inf
+    x[1, 4, 0, layers - 1] = np.nan
+    h = reference.bf16_round(x) if bf16 else x
+    mask = np.ones((2, 6), bool)
+    mask[1, 5] = False
+    for version in ("v1", "v2"):
+        f = ltx2blas.normalized_features(h, mask, version=version, out_features=40)
+        fr = reference.text_features_normalized(h, mask, version, 40)
+        nan = np.isnan(reference.bf16_widen(fr))
+        assert nan.any() and np.array_equal(np.isnan(reference.bf16_widen(f)), nan)
+        assert f[~nan].tobytes() == fr[~nan].tobytes()
+
+
 def test_progress(rng, monkeypatch):
     from ltx2blas import _gemm, linear_layer
     monkeypatch.setattr(_gemm, "has_dot_linear", lambda: False)  # the sgemm route everywhere

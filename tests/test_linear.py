@@ -279,6 +279,25 @@ def test_dot_route_on_bf16_x_within_its_bound_and_thread_independent(rng, rows):
 
 
 @needs_dot
+@pytest.mark.parametrize("rows", [33, 70, 130])
+def test_dot_panel_bytes_do_not_depend_on_where_x_is_packed(rng, rows):
+    """The dot-product panel route packs x whole, once, where its tasks' rows start strips of
+    32 (the default blocks), and each task's rows a chunk at a time where not: the same sums
+    in the same order either way, so the same bytes, with an odd in-dimension (the last pair
+    holds one element) and task rows cutting strips or not."""
+    from ltx2blas import _linear
+    x, w, b = case(rng, rows, 2 * 12288 + 4096 + 37, 45, True, True, "f32")
+    route, blocks = plan(rows, w.dtype, x_dtype=x.dtype)
+    product = _gemm.PRODUCTS[route]
+    _, length = segments(rows, 45, x.shape[1], route, blocks)
+    assert route == "dot_panel" and _linear.takes_packed_x(product, *blocks[::2], length)
+    assert not _linear.takes_packed_x(product, 48, blocks[2], length)
+    y = ltx2blas.linear(x, w, b, threads=2)
+    for other in ((48, 40, blocks[2]), (96, 8, blocks[2]), (32, 128, blocks[2])):
+        assert ltx2blas.linear(x, w, b, blocks=other, threads=2).tobytes() == y.tobytes(), other
+
+
+@needs_dot
 @pytest.mark.parametrize("rows", [6, 40])
 def test_dot_route_flushes_subnormals_within_the_bound(rng, rows):
     """VDPBF16PS treats subnormal inputs as zero and flushes subnormal products and sums: on

@@ -65,10 +65,12 @@ def status(field):
         if line.startswith(field + ':'):
             return int(line.split()[1]) * 1024
 
-rows, cols, feats, threads = {rows}, {cols}, {feats}, {threads}
+rows, cols, feats, threads, x_bf16 = {rows}, {cols}, {feats}, {threads}, {x_bf16}
 rng = np.random.default_rng(0)
 w = rng.integers(0x3800, 0x3C00, size=(feats, cols), dtype=np.uint16)
 x = rng.standard_normal((rows, cols), dtype=np.float32)
+if x_bf16:  # bf16 bits: the dot-product routes where the CPU has them
+    x = (x.view(np.uint32) >> 16).astype(np.uint16)
 y = np.empty((rows, feats), np.float32)
 ltx2blas.linear(x[:, :4096].copy(), w[:8, :4096].copy(), threads=threads)  # warm up
 with open('/proc/self/clear_refs', 'w') as f:
@@ -76,15 +78,18 @@ with open('/proc/self/clear_refs', 'w') as f:
 before = status('VmRSS')
 ltx2blas.linear(x, w, threads=threads, out=y)
 print(json.dumps({{"growth": status('VmHWM') - before, "weight": w.nbytes,
-                  "buffers": buffer_bytes(rows, cols, w.dtype, threads=threads, feats=feats)}}))
+                  "buffers": buffer_bytes(rows, cols, w.dtype, x.dtype, threads=threads,
+                                          feats=feats)}}))
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
-@pytest.mark.parametrize("rows", [4, 64, 100])  # streaming route, both block shapes; sgemm
-def test_linear_never_widens_the_whole_weight(rows):
+@pytest.mark.parametrize("rows, x_bf16", [(4, False), (64, False), (100, False), (100, True)])
+def test_linear_never_widens_the_whole_weight(rows, x_bf16):
+    """f32 x: the streaming route with both block shapes, then sgemm or the panel kernel; bf16
+    x: the dot-product panel route with x packed once, where the CPU has it."""
     cols, feats = 49 * 3840, 192  # a 69 MiB bf16 weight; an f32 copy would be 138 MiB
-    code = LINEAR_SCRIPT.format(rows=rows, cols=cols, feats=feats, threads=2)
+    code = LINEAR_SCRIPT.format(rows=rows, cols=cols, feats=feats, threads=2, x_bf16=x_bf16)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
                          timeout=300, check=True)
     m = json.loads(out.stdout)

@@ -566,24 +566,33 @@ static inline void fuse_prefetch(const uint16_t *w, ltx_idx ldw, ltx_idx m, ltx_
 #if defined(LTX_BF16_CONVERT)
 /* The register block of the dot-product fuse and Linear: acc[r][v] = the sums, from +0.0 over
  * pairs q = 0 .. kp-1 in order, of row r's pair q (4 bytes at xb + r * row_bytes + 4 q, any
- * alignment) broadcast against vector v of yp's row q (NR columns of pairs, row stride ldyp). */
+ * alignment) broadcast against vector v of yp's row q (NR columns of pairs, row stride ldyp).
+ * With `ahead`, the lines of the R rows laid out as xb's at `ahead` are asked for into L1 as
+ * the block runs, a line a row every 16 pairs: rows too short a run for the hardware's
+ * prefetcher to find (the Linear's weight rows, a chunk at a time). */
 static inline __attribute__((always_inline)) void
 dot_sums(const int R, ltx_idx kp, const char *xb, ltx_idx row_bytes, const uint32_t *yp,
-         ltx_idx ldyp, vf acc[MR][NRV])
+         ltx_idx ldyp, const char *ahead, vf acc[MR][NRV])
 {
     for (int r = 0; r < R; r++)
         for (int v = 0; v < NRV; v++)
             acc[r][v] = (vf){0};
-    for (ltx_idx q = 0; q < kp; q++) {
-        __m512bh yv[NRV];
-        for (int v = 0; v < NRV; v++)
-            yv[v] = (__m512bh)_mm512_loadu_si512(yp + q * ldyp + v * VW);
-        for (int r = 0; r < R; r++) {
-            uint32_t pair;
-            memcpy(&pair, xb + r * row_bytes + 4 * q, 4);
-            const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)pair);
+    for (ltx_idx q0 = 0; q0 < kp; q0 += 16) {
+        const ltx_idx q1 = kp - q0 < 16 ? kp : q0 + 16;
+        if (ahead)
+            for (int r = 0; r < R; r++)
+                __builtin_prefetch(ahead + r * row_bytes + 4 * q0, 0, 3);
+        for (ltx_idx q = q0; q < q1; q++) {
+            __m512bh yv[NRV];
             for (int v = 0; v < NRV; v++)
-                acc[r][v] = (vf)_mm512_dpbf16_ps((__m512)acc[r][v], xs, yv[v]);
+                yv[v] = (__m512bh)_mm512_loadu_si512(yp + q * ldyp + v * VW);
+            for (int r = 0; r < R; r++) {
+                uint32_t pair;
+                memcpy(&pair, xb + r * row_bytes + 4 * q, 4);
+                const __m512bh xs = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int v = 0; v < NRV; v++)
+                    acc[r][v] = (vf)_mm512_dpbf16_ps((__m512)acc[r][v], xs, yv[v]);
+            }
         }
     }
 }
@@ -594,7 +603,7 @@ dot_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp, const uint3
           ltx_idx ldyp, const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
 {
     vf acc[MR][NRV];
-    dot_sums(R, kp, (const char *)xp, 4 * ldxp, yp, ldyp, acc);
+    dot_sums(R, kp, (const char *)xp, 4 * ldxp, yp, ldyp, NULL, acc);
     store_block_rounded(R, acc, w, ldw, out, ldo);
 }
 
@@ -605,7 +614,7 @@ dot_sums_to(const int R, ltx_idx kp, const char *xb, ltx_idx row_bytes, const ui
             ltx_idx ldyp, float *c, ltx_idx ldc)
 {
     vf acc[MR][NRV];
-    dot_sums(R, kp, xb, row_bytes, yp, ldyp, acc);
+    dot_sums(R, kp, xb, row_bytes, yp, ldyp, NULL, acc);
     for (int r = 0; r < R; r++)
         for (int v = 0; v < NRV; v++)
             STOREV(c + r * ldc + v * VW, acc[r][v]);
@@ -1083,12 +1092,12 @@ static void dot_stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x,
 /* ---- The dot-product Linear with many rows of x: x packed, the weight broadcast ----
  *
  * dot_stream_wxt loads a full vector of each operand for every 16 products a lane pair, which
- * L2 cannot feed at the instruction's rate once x no longer fits L1. Here the call's x is
- * packed once, chunk by chunk of LTX_DOT_PANEL_CHUNK elements, into strips of NR rows, pairs
- * transposed (strip s, pair q: the pairs of rows s NR .. s NR + NR - 1), and the fuse's
- * register block runs over it: per pair, NRV vectors of the strip and one broadcast pair of
- * each of MR weight rows, read where they lie -- a row block at a time through the whole
- * call, so that each weight row is read in one run. Each chunk's sum of an output starts from
+ * L2 cannot feed at the instruction's rate once x no longer fits L1. Here x comes packed into
+ * strips of NR rows, pairs transposed (pack_x_pairs: strip s, pair q: the pairs of rows
+ * s NR .. s NR + NR - 1), and the fuse's register block runs over it: per pair, NRV vectors of
+ * the strip and one broadcast pair of each of MR weight rows, read where they lie -- a row
+ * block at a time through the whole call, so that each weight row is read in one run. Each
+ * chunk's sum of an output (LTX_DOT_PANEL_CHUNK elements from the call's first) starts from
  * +0.0 and adds its pairs in order (the higher element's product, then the lower's, as the
  * instruction does), then an odd last element, and is added to acc. */
 
@@ -1117,16 +1126,20 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16])
     }
 }
 
-/* xs[(s kp + q) NR + j] = the bf16 pair at x[(s NR + j), 2q] (elements 2q, 2q + 1; zero rows
- * past mt) for kp pairs: 16 pairs by 16 rows at a time, by transposes (a copy of one pair at a
- * time took a quarter of the Linear's time), the last pairs one at a time. */
-static void pack_x_pairs(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kp, uint32_t *xs)
+/* xs[s lds + q NR + j] = the bf16 pair at x[(s NR + j), 2q] (elements 2q, 2q + 1) for the
+ * (kt + 1) / 2 pairs of kt elements; an odd last element alone in its pair's low half; zero
+ * rows past mt up to a whole strip. 16 pairs by 16 rows at a time, by transposes (a copy of
+ * one pair at a time took a quarter of the Linear's time), the last pairs one at a time. */
+static void pack_x_pairs(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kt, uint32_t *xs,
+                         ltx_idx lds)
 {
-    const ltx_idx strips = (mt + NR - 1) / NR, kv = kp - kp % 16;
+    const ltx_idx strips = (mt + NR - 1) / NR, kp = kt / 2, kv = kp - kp % 16;
     for (ltx_idx s = 0; s < strips; s++) {
-        uint32_t *strip = xs + s * kp * NR;
-        for (ltx_idx h = 0; h < NR; h += 16)
-            for (ltx_idx q0 = 0; q0 < kv; q0 += 16) {
+        uint32_t *strip = xs + s * lds;
+        /* Both halves of a pair's line written together: a half-written line left for the
+         * other half's pass, a piece later, is read back from memory. */
+        for (ltx_idx q0 = 0; q0 < kv; q0 += 16)
+            for (ltx_idx h = 0; h < NR; h += 16) {
                 __m512i r[16];
                 for (int i = 0; i < 16; i++) {
                     const ltx_idx row = s * NR + h + i;
@@ -1145,61 +1158,103 @@ static void pack_x_pairs(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kp,
                     memcpy(&v, x + row * ldx + 2 * q, 4);
                 strip[q * NR + j] = v;
             }
+            if (kt & 1)
+                strip[kp * NR + j] = row < mt ? x[row * ldx + kt - 1] : 0;
         }
     }
 }
 
-static void dot_panel_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x, ltx_idx ldx,
+/* acc[r * lda + j] += c[r][..][j] for the R rows of a register block and its first `cols`
+ * columns (at most NR): one rounding each, as the scalar sum acc + c. */
+static inline __attribute__((always_inline)) void
+add_block_to(const int R, const vf c[MR][NRV], ltx_idx cols, float *acc, ltx_idx lda)
+{
+    for (int v = 0; v < NRV; v++) {
+        const ltx_idx left = cols - v * VW;
+        const __mmask16 k = left >= VW ? (__mmask16)0xFFFF
+                                       : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        for (int r = 0; r < R; r++) {
+            float *p = acc + r * lda + v * VW;
+            _mm512_mask_storeu_ps(p, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, p),
+                                                      (__m512)c[r][v]));
+        }
+    }
+}
+
+/* One chunk of len elements (len / 2 pairs from ys, strip-major) of an R-row weight block
+ * against every strip: its sums, then, if len is odd, the last element's product (the low
+ * half of pair len / 2), added to acc. sums: MR x np floats, used only for an odd len. While
+ * the first strip runs, the weight the next chunk takes (at `next`, rows as wb's) is asked
+ * for. */
+static inline __attribute__((always_inline)) void
+dot_panel_chunk(const int R, ltx_idx mt, ltx_idx len, const uint32_t *ys, ltx_idx lds,
+                const uint16_t *wb, ltx_idx ldw, const uint16_t *next, float *acc, float *sums)
+{
+    const ltx_idx strips = (mt + NR - 1) / NR, np = strips * NR, kp = len / 2;
+    for (ltx_idx s = 0; s < strips; s++) {
+        vf c[MR][NRV];
+        if (s == 0)
+            dot_sums(R, kp, (const char *)wb, 2 * ldw, ys, NR, (const char *)next, c);
+        else
+            dot_sums(R, kp, (const char *)wb, 2 * ldw, ys + s * lds, NR, NULL, c);
+        if (!(len & 1)) {
+            add_block_to(R, c, mt - s * NR, acc + s * NR, mt);
+            continue;
+        }
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < NRV; v++)
+                STOREV(sums + r * np + s * NR + v * VW, c[r][v]);
+    }
+    if (!(len & 1))
+        return;
+    for (ltx_idx r = 0; r < R; r++)
+        for (ltx_idx m = 0; m < mt; m++) {
+            const uint16_t xo = (uint16_t)ys[(m / NR) * lds + kp * NR + m % NR];
+            const float sum = sums[r * np + m] +
+                              ltx_bf16_value(xo) * ltx_bf16_value(wb[r * ldw + len - 1]);
+            acc[r * mt + m] = acc[r * mt + m] + sum;
+        }
+}
+
+/* xs: pack_x_pairs of the call's x (kt elements from the first); scratch: MR x (mt rounded
+ * up to NR) floats. Row blocks outer, so that each weight row is read in one run through the
+ * call. */
+static void dot_panel_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint32_t *xs, ltx_idx lds,
                           const uint16_t *w, ltx_idx ldw, float *acc, float *scratch)
 {
-    const ltx_idx strips = (mt + NR - 1) / NR, np = strips * NR;
-    const ltx_idx chunks = (kt + LTX_DOT_PANEL_CHUNK - 1) / LTX_DOT_PANEL_CHUNK;
-    uint32_t *xs = (uint32_t *)scratch;  /* chunk c's strips at c * np * LTX_DOT_PANEL_CHUNK / 2 */
-    float *sums = scratch + chunks * np * (LTX_DOT_PANEL_CHUNK / 2);
-    for (ltx_idx k0 = 0; k0 < kt; k0 += LTX_DOT_PANEL_CHUNK) {
-        const ltx_idx len = (kt - k0 < LTX_DOT_PANEL_CHUNK) ? kt - k0 : LTX_DOT_PANEL_CHUNK;
-        pack_x_pairs(x + k0, ldx, mt, len / 2,
-                     xs + k0 / LTX_DOT_PANEL_CHUNK * np * (LTX_DOT_PANEL_CHUNK / 2));
-    }
     for (ltx_idx i = 0; i < n; i += MR) {
         const ltx_idx rows = (n - i < MR) ? n - i : MR;
         for (ltx_idx k0 = 0; k0 < kt; k0 += LTX_DOT_PANEL_CHUNK) {
             const ltx_idx len = (kt - k0 < LTX_DOT_PANEL_CHUNK) ? kt - k0 : LTX_DOT_PANEL_CHUNK;
-            const ltx_idx kp = len / 2;
-            const uint32_t *xc = xs + k0 / LTX_DOT_PANEL_CHUNK * np * (LTX_DOT_PANEL_CHUNK / 2);
+            const uint32_t *ys = xs + (k0 / 2) * NR;
             const uint16_t *wb = w + i * ldw + k0;
-            for (ltx_idx s = 0; s < strips; s++) {
-                const uint32_t *ys = xc + s * kp * NR;
-                float *sb = sums + s * NR;
-                switch (rows) {
+            /* The next chunk of these rows, or the first of the next row block's (none past
+             * the last: prefetches past an array are harmless but wasted). */
+            const uint16_t *next = k0 + len < kt ? wb + len
+                                   : i + MR < n ? w + (i + MR) * ldw : NULL;
+            float *ab = acc + i * mt;
+            switch (rows) {
 #define PANEL_CASE(R)                                                                         \
-                case R:                                                                       \
-                    dot_sums_to(R, kp, (const char *)wb, 2 * ldw, ys, NR, sb, np);            \
-                    break;
-                    PANEL_CASE(MR)
-                    PANEL_CASE(1)
-                    PANEL_CASE(2)
-                    PANEL_CASE(3)
-                    PANEL_CASE(4)
-                    PANEL_CASE(5)
-                    PANEL_CASE(6)
-                    PANEL_CASE(7)
+            case R:                                                                           \
+                dot_panel_chunk(R, mt, len, ys, lds, wb, ldw, next, ab, scratch);             \
+                break;
+                PANEL_CASE(MR)
+                PANEL_CASE(1)
+                PANEL_CASE(2)
+                PANEL_CASE(3)
+                PANEL_CASE(4)
+                PANEL_CASE(5)
+                PANEL_CASE(6)
+                PANEL_CASE(7)
 #undef PANEL_CASE
-                }
             }
-            for (ltx_idx r = 0; r < rows; r++)
-                for (ltx_idx m = 0; m < mt; m++) {
-                    float sum = sums[r * np + m];
-                    if (len & 1)
-                        sum = sum + ltx_bf16_value(x[m * ldx + k0 + len - 1]) *
-                                    ltx_bf16_value(wb[r * ldw + len - 1]);
-                    acc[(i + r) * mt + m] = acc[(i + r) * mt + m] + sum;
-                }
         }
     }
 }
 _Static_assert(MR == 8, "dot_panel_wxt has a case for every row count up to MR");
 _Static_assert(NR % 16 == 0, "pack_x_pairs transposes 16 rows at a time");
+_Static_assert(NR == LTX_DOT_PANEL_STRIP, "the packed x's strips are the register block's columns");
+_Static_assert(LTX_DOT_PANEL_CHUNK % 2 == 0, "a chunk other than the last takes whole pairs");
 #endif
 
 /* ---- The Linear from 48 to 64 rows of x: the fuse's register blocks ----
@@ -1538,6 +1593,55 @@ static void clear_negative_zero_bf16(uint16_t *p, ltx_idx ldp, ltx_idx rows, ltx
     }
 }
 
+/* The feature extractor's normalisation of n features of one row (docs/arithmetic.md): V2
+ * (b NULL) f32(bf16(f32(bf16(x * a[l])) * scale)), V1 f32(bf16(((x - a[l]) / b[l]) * 8)),
+ * x a bf16 (src_bf16) or f32 feature, l = (l0 + i) mod layers its layer; a and b hold
+ * LTX_LAYER_TABLE_PAD values past their `layers` (a[i] = a[i mod layers]), so that the layers of
+ * VW consecutive features are one unaligned load. Each operation rounds once, as the scalar
+ * expression: kept out of contraction by the rounding between them (V2) or by having no
+ * product to add (V1). dst: bf16 bits (dst_bf16) or f32. */
+static void normalize_features(const void *src, int src_bf16, ltx_idx n, const float *a,
+                               const float *b, ltx_idx l0, ltx_idx layers, float scale,
+                               void *dst, int dst_bf16)
+{
+    _Static_assert(VW <= LTX_LAYER_TABLE_PAD, "a vector of layers fits the tables' padding");
+    const vf sv = (vf){0} + scale, eight = (vf){0} + 8.0f;
+    ltx_idx l = l0, i = 0;
+    for (; i + VW <= n; i += VW) {
+        const vf x = src_bf16 ? widen_vec((const uint16_t *)src + i)
+                              : (vf)LOADV((const float *)src + i);
+        vf v;
+        if (b == NULL) {
+            v = (vf)bf16_high_vec(x * (vf)LOADV(a + l));
+            v = (vf)bf16_high_vec(v * sv);
+        } else {
+            v = (vf)bf16_high_vec(((x - (vf)LOADV(a + l)) / (vf)LOADV(b + l)) * eight);
+        }
+        if (dst_bf16)
+            store_low16((uint16_t *)dst + i, (vu32)v >> 16);
+        else
+            STOREV((float *)dst + i, v);
+        l += VW;
+        while (l >= layers)
+            l -= layers;
+    }
+    for (; i < n; i++) {
+        const float x = src_bf16 ? ltx_bf16_value(((const uint16_t *)src)[i])
+                                 : ((const float *)src)[i];
+        float v;
+        if (b == NULL)
+            v = ltx_bf16_round(ltx_bf16_round(x * a[l]) * scale);
+        else
+            v = ltx_bf16_round(((x - a[l]) / b[l]) * 8.0f);
+        if (dst_bf16)
+            ((uint16_t *)dst)[i] = ltx_bf16_of(v);
+        else
+            ((float *)dst)[i] = v;
+        if (++l == layers)
+            l = 0;
+    }
+}
+
 static void round_bf16_f32(const float *restrict src, float *restrict dst, ltx_idx n)
 {
     u32a *d = (u32a *)dst;
@@ -1627,11 +1731,13 @@ const ltx_kernels TABLE = {
     .dot_product_bf16 = dot_product_bf16,
     .dot_stream_wxt = dot_stream_wxt,
     .dot_panel_wxt = dot_panel_wxt,
+    .pack_x_pairs = pack_x_pairs,
 #endif
     .pack_pairs_rows = pack_pairs_rows,
     .pack_pairs_cols = pack_pairs_cols,
     .clear_negative_zero_bf16 = clear_negative_zero_bf16,
     .round_bf16_f32 = round_bf16_f32,
+    .normalize_features = normalize_features,
     .accumulate_addmm = accumulate_addmm,
     .store_rounded = store_rounded,
 };

@@ -95,12 +95,17 @@ static inline uint64_t ltx_splitmix64(uint64_t x)
 #define LTX_DOT_BLOCK 2048
 
 /* The dot-product panel Linear's sums restart every this many elements of k (see
- * dot_panel_wxt), and its scratch for mt rows of x and kt elements of k: x in strips of pairs
- * (mt rounded up to 32 columns), chunk by chunk, and one row block's sums. */
+ * dot_panel_wxt). Its x packed (pack_x_pairs) for mt rows and kt elements of k: strips of
+ * LTX_DOT_PANEL_STRIP rows, each LTX_DOT_PANEL_PAIRS(kt) pairs long; its scratch: one row
+ * block's sums, LTX_DOT_PANEL_SCRATCH(mt) floats. */
 #define LTX_DOT_PANEL_CHUNK 512
-#define LTX_DOT_PANEL_SCRATCH(mt, kt)                                                       \
-    ((((mt) + 31) / 32 * 32) *                                                             \
-     (((kt) + LTX_DOT_PANEL_CHUNK - 1) / LTX_DOT_PANEL_CHUNK * (LTX_DOT_PANEL_CHUNK / 2) + 8))
+#define LTX_DOT_PANEL_STRIP 32
+#define LTX_DOT_PANEL_PAIRS(kt) (((kt) + 1) / 2)
+#define LTX_DOT_PANEL_PACKED(mt, kt)                                                        \
+    ((((mt) + LTX_DOT_PANEL_STRIP - 1) / LTX_DOT_PANEL_STRIP * LTX_DOT_PANEL_STRIP) *       \
+     LTX_DOT_PANEL_PAIRS(kt))
+#define LTX_DOT_PANEL_SCRATCH(mt)                                                           \
+    (8 * (((mt) + LTX_DOT_PANEL_STRIP - 1) / LTX_DOT_PANEL_STRIP * LTX_DOT_PANEL_STRIP))
 
 /* The panel Linear's sums restart every this many elements of k (see panel_wxt). */
 #define LTX_PANEL_CHUNK 512
@@ -108,6 +113,10 @@ static inline uint64_t ltx_splitmix64(uint64_t x)
 /* Floats of panel_wxt scratch for mt rows of x: one chunk of x in strips (mt columns rounded
  * up to a table's strip width, at most 32), one row block (at most 8 rows) of the chunk's
  * weight widened, and that block's sums. */
+/* Values past its layers that a per-layer table of the feature extractor holds (the first
+ * ones again), so that a vector of consecutive features finds its layers in one load. */
+#define LTX_LAYER_TABLE_PAD 16
+
 #define LTX_PANEL_SCRATCH(mt) (((mt) + 40) * (LTX_PANEL_CHUNK + 8))
 
 typedef struct {
@@ -165,11 +174,18 @@ typedef struct {
     /* The same sum in another fixed order: k cut into chunks of LTX_DOT_PANEL_CHUNK from 0,
      * each chunk's sum from +0.0 adding its pairs in order (VDPBF16PS: the higher element's
      * product, then the lower's, subnormals flushed), then an odd last element, the chunks'
-     * sums added to acc in order; x packed once a call, the weight rows broadcast, for
-     * many rows of x. scratch: LTX_DOT_PANEL_SCRATCH(mt, kt) floats. NULL where
+     * sums added to acc in order; the weight rows broadcast against x packed by pack_x_pairs
+     * (strip s of LTX_DOT_PANEL_STRIP rows at xs + s * lds, its pairs from the call's first
+     * element), for many rows of x. scratch: LTX_DOT_PANEL_SCRATCH(mt) floats. NULL where
      * dot_stream_wxt is. */
-    void (*dot_panel_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x, ltx_idx ldx,
+    void (*dot_panel_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint32_t *xs, ltx_idx lds,
                           const uint16_t *w, ltx_idx ldw, float *acc, float *scratch);
+    /* xs[s * lds + q * LTX_DOT_PANEL_STRIP + j] = the bf16 pair (elements 2q, 2q + 1) of row
+     * s * LTX_DOT_PANEL_STRIP + j of x (mt rows, row stride ldx) for the
+     * LTX_DOT_PANEL_PAIRS(kt) pairs of kt elements, an odd last element alone in the low half;
+     * zero rows past mt, up to a whole strip. NULL where dot_stream_wxt is. */
+    void (*pack_x_pairs)(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kt, uint32_t *xs,
+                         ltx_idx lds);
     /* The fewest rows of x for which this table's Linear takes panel_wxt (0: never; the
      * tables where it was not measured faster keep the streaming kernel) */
     int panel_min_rows;
@@ -223,6 +239,13 @@ typedef struct {
     void (*clear_negative_zero_bf16)(uint16_t *p, ltx_idx ldp, ltx_idx rows, ltx_idx cols);
     /* dst[i] = f32(bf16(src[i])) */
     void (*round_bf16_f32)(const float *src, float *dst, ltx_idx n);
+    /* The feature extractor's normalisation of n features of a row into dst (bf16 bits if
+     * dst_bf16, else f32), from bf16 (src_bf16) or f32 features, the first of layer l0: V2
+     * with b NULL (a: the row's 1 / rms by layer, scale), V1 otherwise (a: mean, b: range);
+     * each table has LTX_LAYER_TABLE_PAD values past its `layers`, a[i] = a[i mod layers]. */
+    void (*normalize_features)(const void *src, int src_bf16, ltx_idx n, const float *a,
+                               const float *b, ltx_idx l0, ltx_idx layers, float scale,
+                               void *dst, int dst_bf16);
     /* agg[i] = f32(bf16(agg[i] + f32(s * acc[i]))): the product rounded to f32 before the add,
      * never contracted into an FMA (upstream's addmm_(B, A, alpha=s) into a bf16 aggregate) */
     void (*accumulate_addmm)(const float *acc, float *agg, float s, ltx_idx n);
