@@ -163,36 +163,13 @@ cdef void normalize_piece(const FeatureJob *job, const Projection *pr, Py_ssize_
                                     c0 % job.layers, job.layers, 1.0, dst, job.bf16_panels)
 
 
-cdef void normalize_row(const FeatureJob *job, Py_ssize_t r, Py_ssize_t step) noexcept nogil:
-    """Row r's features of this step into every projection's panels, rows packed."""
-    cdef Py_ssize_t c0, s0, s1, seg, c
-    cdef int p, kt
-    cdef Projection *pr
-    for p in range(job.count):
-        pr = &job.proj[p]
-        for seg in range(pr.segments):
-            step_range(job, pr, seg, step, &s0, &s1)
-            c0, c = s0, 0
-            while c0 < s1:
-                kt = <int>min(<Py_ssize_t>job.chunk, s1 - c0)
-                if job.bf16_panels:
-                    normalize_piece(job, pr, r, c0, kt,
-                                    <uint16_t *>pr.x + slot(job, pr, seg, c) + r * kt)
-                else:
-                    normalize_piece(job, pr, r, c0, kt, pr.x + slot(job, pr, seg, c) + r * kt)
-                c0 += kt
-                c += 1
-
-
-cdef void normalize_strip(const FeatureJob *job, Py_ssize_t strip, Py_ssize_t step,
-                          uint16_t *rows_bf16) noexcept nogil:
-    """The features of this step of a strip's rows into every projection's panels, in strips of
-    pairs (strip_panels): each chunk of the strip's rows normalised into rows_bf16 (a strip's
-    rows of a chunk), then packed by the kernel's transposes -- written a pair at a time
-    straight into the strip, a row's chunk touched a line for every two features."""
-    cdef Py_ssize_t r0 = strip * LTX_DOT_PANEL_STRIP
-    cdef Py_ssize_t r1 = min(job.n, r0 + LTX_DOT_PANEL_STRIP), r
-    cdef Py_ssize_t c0, s0, s1, seg, c
+cdef void normalize_rows(const FeatureJob *job, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t step,
+                         uint16_t *strip_rows) noexcept nogil:
+    """Rows [r0, r1)'s features of this step into every projection's panels: rows packed, or,
+    with strip_panels, rows [r0, r1) being one strip, each chunk of them normalised into
+    strip_rows (a strip's rows of a chunk) and then packed by the kernel's transposes (a
+    feature at a time straight into the strip would touch a line for every two)."""
+    cdef Py_ssize_t c0, s0, s1, seg, c, r
     cdef int p, kt
     cdef Projection *pr
     for p in range(job.count):
@@ -203,11 +180,19 @@ cdef void normalize_strip(const FeatureJob *job, Py_ssize_t strip, Py_ssize_t st
             while c0 < s1:
                 kt = <int>min(<Py_ssize_t>job.chunk, s1 - c0)
                 for r in range(r0, r1):
-                    normalize_piece(job, pr, r, c0, kt, rows_bf16 + (r - r0) * kt)
-                pack_x_pairs(job.kern, r1 - r0, kt, rows_bf16, kt,
-                             <uint32_t *>(<uint16_t *>pr.x + slot(job, pr, seg, c))
-                             + strip * LTX_DOT_PANEL_PAIRS(kt) * LTX_DOT_PANEL_STRIP,
-                             LTX_DOT_PANEL_PAIRS(kt) * LTX_DOT_PANEL_STRIP)
+                    if job.strip_panels:
+                        normalize_piece(job, pr, r, c0, kt, strip_rows + (r - r0) * kt)
+                    elif job.bf16_panels:
+                        normalize_piece(job, pr, r, c0, kt,
+                                        <uint16_t *>pr.x + slot(job, pr, seg, c) + r * kt)
+                    else:
+                        normalize_piece(job, pr, r, c0, kt,
+                                        pr.x + slot(job, pr, seg, c) + r * kt)
+                if job.strip_panels:
+                    pack_x_pairs(job.kern, r1 - r0, kt, strip_rows, kt,
+                                 <uint32_t *>(<uint16_t *>pr.x + slot(job, pr, seg, c))
+                                 + r0 * LTX_DOT_PANEL_PAIRS(kt),
+                                 LTX_DOT_PANEL_PAIRS(kt) * LTX_DOT_PANEL_STRIP)
                 c0 += kt
                 c += 1
 
@@ -405,12 +390,13 @@ cdef class FeaturePlan:
         if not self.job.strip_panels:
             with nogil:
                 for r in prange(self.job.n, num_threads=threads, schedule="static"):
-                    normalize_row(&self.job, r, step)
+                    normalize_rows(&self.job, r, r + 1, step, NULL)
             return
         with nogil, parallel(num_threads=threads):
             mine = <uint16_t *>(self.rows_bf16 + self.rows_len * omp_get_thread_num())
             for r in prange(strips, schedule="dynamic"):
-                normalize_strip(&self.job, r, step, mine)
+                normalize_rows(&self.job, r * LTX_DOT_PANEL_STRIP,
+                               min(self.job.n, (r + 1) * LTX_DOT_PANEL_STRIP), step, mine)
 
     def run(self, Py_ssize_t step, Py_ssize_t first, Py_ssize_t stop):
         """Tasks [first, stop) of a step, whose features normalize(step) has produced."""
