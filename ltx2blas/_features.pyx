@@ -16,7 +16,8 @@ from libc.stdlib cimport free, malloc
 
 from ._gemm cimport (LTX_DOT_PANEL_PAIRS, LTX_DOT_PANEL_SCRATCH, LTX_DOT_PANEL_STRIP,
                      LTX_LAYER_TABLE_PAD, chunk_panel_bytes, chunk_wxt, kernels, ltx_kernels,
-                     pack_x_pairs, packed_chunk_wxt, packs_strips, takes_bf16_x)
+                     pack_x_pairs, packed_chunk_wxt, packs_strips, strip_at, strip_stride,
+                     takes_bf16_x)
 from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_alloc,
                         omp_get_thread_num, start_block, up64)
 
@@ -169,7 +170,7 @@ cdef void normalize_rows(const FeatureJob *job, Py_ssize_t r0, Py_ssize_t r1, Py
     with strip_panels, rows [r0, r1) being one strip, each chunk of them normalised into
     strip_rows (a strip's rows of a chunk) and then packed by the kernel's transposes (a
     feature at a time straight into the strip would touch a line for every two)."""
-    cdef Py_ssize_t c0, s0, s1, seg, c, r
+    cdef Py_ssize_t c0, s0, s1, seg, c, r, at
     cdef int p, kt
     cdef Projection *pr
     for p in range(job.count):
@@ -179,20 +180,18 @@ cdef void normalize_rows(const FeatureJob *job, Py_ssize_t r0, Py_ssize_t r1, Py
             c0, c = s0, 0
             while c0 < s1:
                 kt = <int>min(<Py_ssize_t>job.chunk, s1 - c0)
+                at = slot(job, pr, seg, c)
                 for r in range(r0, r1):
                     if job.strip_panels:
                         normalize_piece(job, pr, r, c0, kt, strip_rows + (r - r0) * kt)
                     elif job.bf16_panels:
-                        normalize_piece(job, pr, r, c0, kt,
-                                        <uint16_t *>pr.x + slot(job, pr, seg, c) + r * kt)
+                        normalize_piece(job, pr, r, c0, kt, <uint16_t *>pr.x + at + r * kt)
                     else:
-                        normalize_piece(job, pr, r, c0, kt,
-                                        pr.x + slot(job, pr, seg, c) + r * kt)
+                        normalize_piece(job, pr, r, c0, kt, pr.x + at + r * kt)
                 if job.strip_panels:
                     pack_x_pairs(job.kern, r1 - r0, kt, strip_rows, kt,
-                                 <uint32_t *>(<uint16_t *>pr.x + slot(job, pr, seg, c))
-                                 + r0 * LTX_DOT_PANEL_PAIRS(kt),
-                                 LTX_DOT_PANEL_PAIRS(kt) * LTX_DOT_PANEL_STRIP)
+                                 strip_at(<uint32_t *>(<uint16_t *>pr.x + at),
+                                          strip_stride(kt), r0, 0), strip_stride(kt))
                 c0 += kt
                 c += 1
 
@@ -228,9 +227,8 @@ cdef void run_task(const FeatureJob *job, Py_ssize_t task, Py_ssize_t step,
         kt = <int>min(<Py_ssize_t>job.chunk, s1 - c0)
         if job.strip_panels:
             packed_chunk_wxt(job.kern, mt, ot, kt,
-                             <const uint32_t *>(<uint16_t *>pr.x + slot(job, pr, seg, c))
-                             + (m0 // LTX_DOT_PANEL_STRIP) * LTX_DOT_PANEL_PAIRS(kt)
-                             * LTX_DOT_PANEL_STRIP, LTX_DOT_PANEL_PAIRS(kt) * LTX_DOT_PANEL_STRIP,
+                             strip_at(<uint32_t *>(<uint16_t *>pr.x + slot(job, pr, seg, c)),
+                                      strip_stride(kt), m0, 0), strip_stride(kt),
                              pr.w16 + o0 * job.width + c0, <int>job.width, panel, acc)
             c0 += kt
             c += 1

@@ -118,6 +118,16 @@ cdef inline bint packs_strips(int product, int task_rows) noexcept nogil:
     a time: where every task's first row starts a strip."""
     return product == PRODUCT_DOT_PANEL and task_rows % LTX_DOT_PANEL_STRIP == 0
 
+cdef inline Py_ssize_t strip_stride(Py_ssize_t kt) noexcept nogil:
+    """Elements between the strips of an x of kt elements packed by pack_x_pairs."""
+    return LTX_DOT_PANEL_PAIRS(kt) * LTX_DOT_PANEL_STRIP
+
+cdef inline uint32_t *strip_at(uint32_t *xs, Py_ssize_t lds, Py_ssize_t row,
+                               Py_ssize_t col) noexcept nogil:
+    """Where element col (even) of row row (a strip's first) lies in an x packed by
+    pack_x_pairs with strips lds apart."""
+    return xs + (row // LTX_DOT_PANEL_STRIP) * lds + (col // 2) * LTX_DOT_PANEL_STRIP
+
 cdef void chunk_wxt(const ltx_kernels *kern, int product, int mt, int ot, int kt,
                     const void *x, int ldx, const uint16_t *w16, const float *w32, int ldw,
                     float *panel, float *acc) noexcept nogil

@@ -155,7 +155,7 @@ cdef void chunk_wxt(const ltx_kernels *kern, int product, int mt, int ot, int kt
     elif product == PRODUCT_DOT:
         kern.dot_stream_wxt(mt, ot, kt, <const uint16_t *>x, ldx, w16, ldw, acc, panel)
     elif product == PRODUCT_DOT_PANEL:  # x packed here, for this chunk
-        lds = LTX_DOT_PANEL_PAIRS(kt) * LTX_DOT_PANEL_STRIP
+        lds = strip_stride(kt)
         kern.pack_x_pairs(<const uint16_t *>x, ldx, mt, kt, <uint32_t *>panel, lds)
         kern.dot_panel_wxt(mt, ot, kt, <const uint32_t *>panel, lds, w16, ldw, acc,
                            panel + LTX_DOT_PANEL_PACKED(mt, kt))
@@ -241,8 +241,6 @@ PANEL_CHUNK = LTX_PANEL_CHUNK
 DOT_BLOCK = LTX_DOT_BLOCK
 #: The dot-product panel Linear's chunk, in elements of k: each chunk's sums start from +0.0.
 DOT_PANEL_CHUNK = LTX_DOT_PANEL_CHUNK
-#: Rows of x in one strip of the dot-product panel Linear's packed x.
-DOT_PANEL_STRIP = LTX_DOT_PANEL_STRIP
 #: chunk_wxt's products by the Linear's route name (the f64 route's dgemm panels take the
 #: sgemm route's place).
 PRODUCTS = {"sgemm": PRODUCT_SGEMM, "f64": PRODUCT_SGEMM, "stream": PRODUCT_STREAM,

@@ -17,7 +17,8 @@ from libc.stdlib cimport free, malloc
 
 from ._gemm cimport (LTX_DOT_PANEL_PAIRS, LTX_DOT_PANEL_SCRATCH, LTX_DOT_PANEL_STRIP,
                      PRODUCT_SGEMM, chunk_panel_bytes, chunk_wxt, dgemm_wxt, kernels,
-                     ltx_kernels, pack_x_pairs, packed_chunk_wxt, packs_strips, takes_bf16_x)
+                     ltx_kernels, pack_x_pairs, packed_chunk_wxt, packs_strips, strip_at,
+                     strip_stride, takes_bf16_x)
 from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_alloc,
                         omp_get_thread_num, start_block, up64)
 
@@ -47,13 +48,12 @@ cdef struct LinearJob:
     bint f64
     int product                    # chunk_wxt's product (PRODUCT_*); the streaming and panel
                                    # kernels take f32 x, the dot-product kernels bf16 x
-    uint32_t *xs                   # with packs_x_once: x packed whole for the dot-product
+    uint32_t *xs                   # with takes_packed_x: x packed whole for the dot-product
     Py_ssize_t xs_stride           # panel kernel (strips xs_stride apart), or NULL
     const ltx_kernels *kern
 
 
-cdef inline bint packs_x_once(int product, int task_rows, int chunk,
-                              Py_ssize_t seg_len) noexcept nogil:
+def takes_packed_x(int product, int task_rows, int chunk, Py_ssize_t seg_len):
     """Whether a call packs its bf16 x whole, once, for the dot-product panel kernel, rather
     than every task packing its rows for every chunk (once per block of output features):
     where its tasks' rows start strips (packs_strips) and every chunk starts a pair. The bytes
@@ -62,13 +62,9 @@ cdef inline bint packs_x_once(int product, int task_rows, int chunk,
 
 
 def packed_x_bytes(Py_ssize_t rows, Py_ssize_t cols):
-    """Bytes of x packed whole for the dot-product panel kernel (see packs_x_once)."""
+    """Bytes of x packed whole for the dot-product panel kernel (see takes_packed_x)."""
     return ((rows + LTX_DOT_PANEL_STRIP - 1) // LTX_DOT_PANEL_STRIP * LTX_DOT_PANEL_STRIP
             * LTX_DOT_PANEL_PAIRS(cols) * sizeof(uint32_t))
-
-
-def takes_packed_x(int product, int task_rows, int chunk, Py_ssize_t seg_len):
-    return packs_x_once(product, task_rows, chunk, seg_len)
 
 
 cdef struct TaskBuffers:
@@ -119,9 +115,8 @@ cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) n
             dgemm_wxt(mt, ot, kt, xp64, kt, wp64, kt, 1.0, acc64, mt)
         else:
             if job.xs != NULL:  # packed once, whole
-                packed_chunk_wxt(kern, mt, ot, kt,
-                                 job.xs + (m0 // LTX_DOT_PANEL_STRIP) * job.xs_stride
-                                 + (c0 // 2) * LTX_DOT_PANEL_STRIP, job.xs_stride,
+                packed_chunk_wxt(kern, mt, ot, kt, strip_at(job.xs, job.xs_stride, m0, c0),
+                                 job.xs_stride,
                                  job.w16 + o0 * job.cols + c0, <int>job.cols,
                                  <float *>buf.w_panel, acc32)
                 c0 += kt
@@ -206,8 +201,7 @@ cdef class LinearPlan:
     cdef LinearJob job
     cdef TaskBuffers *per_thread
     cdef char *buffers
-    cdef uint32_t *packed          # x packed whole (in the caller's array), or NULL
-    cdef bint x_packed
+    cdef bint x_packed             # job.xs (the caller's array) filled
     cdef int threads
     cdef readonly Py_ssize_t tasks
     cdef object keep
@@ -215,7 +209,6 @@ cdef class LinearPlan:
     def __cinit__(self):
         self.per_thread = NULL
         self.buffers = NULL
-        self.packed = NULL
 
     def __init__(self, x, w, bias32, bias64, float[:, ::1] y, int task_rows, int task_feats,
                  int chunk, int threads, bint f64, int product, Py_ssize_t seg_len, partial,
@@ -284,7 +277,7 @@ cdef class LinearPlan:
         self.threads = threads
         self.job.xs = NULL
         self.x_packed = False
-        cdef bint packed_x = packs_x_once(self.job.product, task_rows, chunk, seg_len)
+        cdef bint packed_x = takes_packed_x(self.job.product, task_rows, chunk, seg_len)
         if packed_x:
             # A numpy array: numpy asks the kernel for huge pages, without which first touching
             # a fresh buffer this size took longer than packing it.
@@ -292,9 +285,8 @@ cdef class LinearPlan:
                     packed.nbytes != packed_x_bytes(self.job.rows, self.job.cols):
                 raise ValueError("this product packs x once: packed must be a C-contiguous "
                                  "uint32 array of packed_x_bytes(rows, cols) bytes")
-            self.job.xs_stride = LTX_DOT_PANEL_PAIRS(self.job.cols) * LTX_DOT_PANEL_STRIP
-            self.packed = <uint32_t *><size_t>packed.ctypes.data
-            self.job.xs = self.packed
+            self.job.xs_stride = strip_stride(self.job.cols)
+            self.job.xs = <uint32_t *><size_t>packed.ctypes.data
 
         w_len, x_len, acc_len = buffer_layout(task_rows, task_feats, chunk, f64, self.job.product,
                                               self.job.w16 != NULL, self.job.x16 != NULL,
@@ -314,7 +306,7 @@ cdef class LinearPlan:
         free(self.per_thread)
 
     cdef void pack_x(self) noexcept nogil:
-        """x into self.packed, a strip and PACK_PIECE elements at a time, in parallel."""
+        """x into job.xs, a strip and PACK_PIECE elements at a time, in parallel."""
         cdef Py_ssize_t strips = (self.job.rows + LTX_DOT_PANEL_STRIP - 1) // LTX_DOT_PANEL_STRIP
         cdef Py_ssize_t pieces = (self.job.cols + PACK_PIECE - 1) // PACK_PIECE, p, s, k0
         cdef int threads = <int>min(<Py_ssize_t>self.threads, strips * pieces)
@@ -326,7 +318,7 @@ cdef class LinearPlan:
                          min(<Py_ssize_t>PACK_PIECE, self.job.cols - k0),
                          self.job.x16 + s * LTX_DOT_PANEL_STRIP * self.job.cols + k0,
                          self.job.cols,
-                         self.packed + s * self.job.xs_stride + (k0 // 2) * LTX_DOT_PANEL_STRIP,
+                         strip_at(self.job.xs, self.job.xs_stride, s * LTX_DOT_PANEL_STRIP, k0),
                          self.job.xs_stride)
 
     def run(self, Py_ssize_t first, Py_ssize_t stop):
@@ -334,7 +326,7 @@ cdef class LinearPlan:
         cdef int threads = <int>min(<Py_ssize_t>self.threads, stop - first)
         if threads < 1:
             return
-        if self.packed != NULL and not self.x_packed:
+        if self.job.xs != NULL and not self.x_packed:
             with nogil:
                 self.pack_x()
             self.x_packed = True

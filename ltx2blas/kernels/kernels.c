@@ -1193,10 +1193,8 @@ dot_panel_chunk(const int R, ltx_idx mt, ltx_idx len, const uint32_t *ys, ltx_id
     const ltx_idx strips = (mt + NR - 1) / NR, np = strips * NR, kp = len / 2;
     for (ltx_idx s = 0; s < strips; s++) {
         vf c[MR][NRV];
-        if (s == 0)
-            dot_sums(R, kp, (const char *)wb, 2 * ldw, ys, NR, (const char *)next, c);
-        else
-            dot_sums(R, kp, (const char *)wb, 2 * ldw, ys + s * lds, NR, NULL, c);
+        dot_sums(R, kp, (const char *)wb, 2 * ldw, ys + s * lds, NR,
+                 s == 0 ? (const char *)next : NULL, c);
         if (!(len & 1)) {
             add_block_to(R, c, mt - s * NR, acc + s * NR, mt);
             continue;
