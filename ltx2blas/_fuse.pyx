@@ -6,7 +6,9 @@ thread ran it or how many threads there were, so results are identical for any t
 Tiles are numbered row strip by row strip and handed to threads in contiguous runs (long ones
 first, shorter ones as the call nears its end), so a thread rounds and widens each adapter's
 bf16(B * s) rows once per strip it visits, not once per tile: that pass costs several times
-more per element than widening A, which is redone per tile.
+more per element than widening A, which is redone per tile. For the dot-product kernel A is
+packed in pairs once a call, before the tiles, every tile reading its columns' block (packed
+per tile, A was repacked once per row strip: as many times over as there are strips).
 """
 from cython.parallel cimport parallel, prange
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
@@ -57,6 +59,9 @@ cdef struct Adapters:
     int *depth                # [count][4]: verified sgemm depth per tile shape (see fuse_tile)
     bint *pairs               # multiplied by the dot-product kernel on bf16 pairs, no sgemm
     Py_ssize_t *pairs_offset  # where adapter a's bs pairs start in a thread's bs_pairs buffer
+    uint32_t **a_pairs        # with pairs: A's rows in pairs, column tile by column tile (the
+                              # block of the tile at column i0 at ceil(rank / 2) * i0, its
+                              # rows nt pairs long), shared by the threads; else NULL
 
 
 cdef struct FuseJob:
@@ -79,8 +84,8 @@ cdef struct FuseJob:
 cdef struct TileBuffers:
     # One thread's buffers (64-byte aligned) and which row strip its bs rows hold.
     float *bs                 # every adapter's [mt, rank] = f32(bf16(B * s)) for the strip
-    float *panels             # every adapter's [rank, nt] = f32(A[:, tile columns]), or with
-                              # pairs, [ceil(rank / 2), nt] pairs of A's bf16 rows
+    float *panels             # every adapter's without pairs: [rank, nt] = f32(A[:, tile
+                              # columns])
     uint32_t *bs_pairs        # every adapter's with pairs: [mt, ceil(rank / 2)] pairs of the
                               # bs columns
     float *acc                # [mt, nt] product
@@ -127,6 +132,23 @@ cdef inline void load_bs(const FuseJob *job, const Adapters *ad, int a, Py_ssize
             kern.scale_round_widen(src + r * ad.rank[a], ad.scale[a], dst + r * kc, kc)
 
 
+cdef inline const uint32_t *a_pairs_block(const Adapters *ad, int a,
+                                          Py_ssize_t i0) noexcept nogil:
+    """Adapter a's A in pairs for the tile whose columns start at i0 (row stride nt)."""
+    return ad.a_pairs[a] + <Py_ssize_t>((ad.rank[a] + 1) // 2) * i0
+
+
+cdef void pack_a_pairs(const FuseJob *job, const Adapters *ad, Py_ssize_t tj) noexcept nogil:
+    """Every pairs adapter's A, the columns of column tile tj, packed in pairs."""
+    cdef Py_ssize_t i0 = tj * job.tile_cols
+    cdef int nt = <int>min(<Py_ssize_t>job.tile_cols, job.cols - i0)
+    cdef int a
+    for a in range(ad.count):
+        if ad.a_pairs[a] != NULL:
+            job.kern.pack_pairs_rows(ad.a[a] + i0, job.cols, <uint32_t *>a_pairs_block(ad, a, i0),
+                                     ad.rank[a], nt)
+
+
 cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBuffers *buf,
                     int64_t *bad) noexcept nogil:
     cdef Py_ssize_t ti = t // job.tiles_n, tj = t % job.tiles_n
@@ -170,10 +192,9 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
         # only, and goes the way of passes below whatever its depth.
         rank = ad.rank[0]
         if job.pairs:
-            kern.pack_pairs_rows(ad.a[0] + i0, job.cols, <uint32_t *>buf.panels, rank, nt)
             exact_product_fused_pairs(kern, mt, nt, (rank + 1) // 2,
                                       buf.bs_pairs + ad.pairs_offset[0],
-                                      (rank + 1) // 2, <const uint32_t *>buf.panels,
+                                      (rank + 1) // 2, a_pairs_block(ad, 0, i0),
                                       <const uint16_t *>(job.w + origin * esize), job.cols,
                                       <uint16_t *>dst, ldo)
         else:
@@ -200,10 +221,9 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
             rank = ad.rank[a]
             panel = buf.panels + ad.panel_offset[a]
             if ad.pairs[a]:  # two terms per instruction, as the one-adapter fuse above
-                kern.pack_pairs_rows(ad.a[a] + i0, job.cols, <uint32_t *>panel, rank, nt)
                 exact_product_pairs(kern, mt, nt, (rank + 1) // 2,
                                     buf.bs_pairs + ad.pairs_offset[a], (rank + 1) // 2,
-                                    <const uint32_t *>panel, buf.acc)
+                                    a_pairs_block(ad, a, i0), buf.acc)
             elif ad.depth[4 * a + shape] == 0:
                 kern.pack_fuse_panel(ad.a[a] + i0, job.cols, panel, rank, nt)
                 exact_product_panel(kern, mt, nt, rank, buf.bs + ad.bs_offset[a], rank, panel,
@@ -251,14 +271,16 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
 
 
 cdef (size_t, size_t, size_t, size_t, size_t, size_t) buffer_layout(
-        int tile_rows, int tile_cols, Py_ssize_t width, bint several, bint dry_run,
-        Py_ssize_t pair_width) noexcept:
-    """One thread's buffers: bs rows [tile_rows, width], A panels [width, tile_cols], the
-    product tile, the several-adapter total, the dry run's scratch tile, the bs pairs
+        int tile_rows, int tile_cols, Py_ssize_t width, Py_ssize_t panel_width, bint several,
+        bint dry_run, Py_ssize_t pair_width) noexcept:
+    """One thread's buffers: bs rows [tile_rows, width], A panels [panel_width, tile_cols],
+    the product tile, the several-adapter total, the dry run's scratch tile, the bs pairs
     [tile_rows, pair_width]; and their sum.  ``width`` is the sum over LoRAs of
-    min(rank, PASS_DEPTH), ``pair_width`` of ceil(rank / 2) over those taking pairs."""
+    min(rank, PASS_DEPTH), ``panel_width`` the same over those not taking pairs (whose A is
+    shared, see shared_buffer_bytes), ``pair_width`` of ceil(rank / 2) over those taking
+    pairs."""
     cdef size_t bs_len = up64(<size_t>tile_rows * width * sizeof(float))
-    cdef size_t panels_len = up64(<size_t>width * tile_cols * sizeof(float))
+    cdef size_t panels_len = up64(<size_t>panel_width * tile_cols * sizeof(float))
     cdef size_t tile_len = up64(<size_t>tile_rows * tile_cols * sizeof(float))
     cdef size_t scratch_len = up64(<size_t>tile_rows * tile_cols * sizeof(uint16_t))
     cdef size_t pairs_len = up64(<size_t>tile_rows * pair_width * sizeof(uint32_t))
@@ -269,12 +291,24 @@ cdef (size_t, size_t, size_t, size_t, size_t, size_t) buffer_layout(
 def thread_buffer_bytes(int tile_rows, int tile_cols, ranks, bint several, pairs=None,
                         bint dry_run=False):
     """Bytes of one thread's buffers for LoRAs of ``ranks`` (what fuse_tiles allocates per
-    thread); ``pairs[a]``: whether LoRA a takes the dot-product kernel (default none)."""
-    cdef Py_ssize_t width = sum(min(int(r), PASS_DEPTH_C) for r in ranks)
+    thread); ``pairs[a]``: whether LoRA a takes the dot-product kernel (default none), whose A
+    panels are shared (shared_buffer_bytes), not per thread."""
     pairs = [False] * len(ranks) if pairs is None else pairs
+    cdef Py_ssize_t width = sum(min(int(r), PASS_DEPTH_C) for r in ranks)
+    cdef Py_ssize_t panel_width = sum(min(int(r), PASS_DEPTH_C) for r, p in zip(ranks, pairs)
+                                      if not (p and r <= PASS_DEPTH_C))
     cdef Py_ssize_t pair_width = sum((int(r) + 1) // 2 for r, p in zip(ranks, pairs)
                                      if p and r <= PASS_DEPTH_C)
-    return buffer_layout(tile_rows, tile_cols, width, several, dry_run, pair_width)[5]
+    return buffer_layout(tile_rows, tile_cols, width, panel_width, several, dry_run,
+                         pair_width)[5]
+
+
+def shared_buffer_bytes(Py_ssize_t cols, ranks, pairs=None):
+    """Bytes fuse_tiles allocates once a call, shared by its threads: the A of every LoRA
+    taking the dot-product kernel, in pairs (its own size, rounded up to a row of pairs)."""
+    pairs = [False] * len(ranks) if pairs is None else pairs
+    return sum(up64(<size_t>((int(r) + 1) // 2) * cols * sizeof(uint32_t))
+               for r, p in zip(ranks, pairs) if p and r <= PASS_DEPTH_C)
 
 
 def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list lora_a,
@@ -308,13 +342,16 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
     cdef Py_ssize_t tiles_n = (cols + tile_cols - 1) // tile_cols
     cdef Py_ssize_t tiles = tiles_m * tiles_n, t
     cdef int count = len(lora_a), a
-    cdef Py_ssize_t rank_sum = 0, pair_sum = 0
+    cdef Py_ssize_t rank_sum = 0, panel_sum = 0, pair_sum = 0
     cdef const uint16_t[:, ::1] view
     cdef FuseJob job
     cdef Adapters ad
     cdef size_t bs_len, panels_len, tile_len, scratch_len, pairs_len, buffer_len
     cdef char *buffers = NULL
     cdef TileBuffers *buffers_of = NULL
+    cdef char *shared = NULL
+    cdef size_t shared_len = 0
+    cdef Py_ssize_t tj
     cdef char *base
     cdef int s
     cdef bint several = rule != RULE_ONE
@@ -335,11 +372,12 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
     ad.depth = <int *>malloc(count * 4 * sizeof(int))
     ad.pairs = <bint *>malloc(count * sizeof(bint))
     ad.pairs_offset = <Py_ssize_t *>malloc(count * sizeof(Py_ssize_t))
+    ad.a_pairs = <uint32_t **>malloc(count * sizeof(void *))
     bad_array = np.full(tiles, -1, dtype=np.int64)
     cdef int64_t[::1] bad = bad_array
     try:
         if not (ad.kind and ad.a and ad.b and ad.rank and ad.panel_offset and ad.bs_offset
-                and ad.scale and ad.depth and ad.pairs and ad.pairs_offset):
+                and ad.scale and ad.depth and ad.pairs and ad.pairs_offset and ad.a_pairs):
             raise MemoryError()
         job.kern = kernels(allow_fma)
         for a in range(count):
@@ -347,23 +385,28 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
             view = lora_a[a]
             keep.append(view)
             ad.a[a] = &view[0, 0]
-            ad.panel_offset[a] = rank_sum * tile_cols
+            ad.panel_offset[a] = 0
             ad.bs_offset[a] = rank_sum * tile_rows
             ad.scale[a] = scales[a]
             ad.pairs[a] = False
             ad.pairs_offset[a] = pair_sum * tile_rows
+            ad.a_pairs[a] = NULL
             if ad.kind[a] == KIND_DIFF:
                 ad.rank[a] = 0
                 ad.b[a] = NULL
             else:
                 ad.rank[a] = <int>view.shape[0]
-                rank_sum += min(view.shape[0], PASS_DEPTH_C)
                 # One pass holds the whole rank, which the dot-product kernel takes at once.
                 ad.pairs[a] = (pairs is not None and bool(pairs[a])
                                and ad.rank[a] <= PASS_DEPTH_C
                                and job.kern.dot_product_bf16 != NULL)
+                rank_sum += min(view.shape[0], PASS_DEPTH_C)
                 if ad.pairs[a]:
                     pair_sum += (ad.rank[a] + 1) // 2
+                    shared_len += up64(<size_t>((ad.rank[a] + 1) // 2) * cols * sizeof(uint32_t))
+                else:
+                    ad.panel_offset[a] = panel_sum * tile_cols
+                    panel_sum += min(view.shape[0], PASS_DEPTH_C)
                 view = lora_b[a]
                 keep.append(view)
                 ad.b[a] = &view[0, 0]
@@ -384,11 +427,20 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
         # written. Panel offsets are multiples of tile_cols floats; every part is 64-byte
         # aligned.
         bs_len, panels_len, tile_len, scratch_len, pairs_len, buffer_len = buffer_layout(
-            tile_rows, tile_cols, rank_sum, several, dry_run, pair_sum)
+            tile_rows, tile_cols, rank_sum, panel_sum, several, dry_run, pair_sum)
         buffers = <char *>ltx_aligned_alloc(buffer_len * threads)
         buffers_of = <TileBuffers *>malloc(threads * sizeof(TileBuffers))
         if buffers == NULL or buffers_of == NULL:
             raise MemoryError(f"could not allocate {buffer_len * threads} bytes of tile buffers")
+        if shared_len:
+            shared = <char *>ltx_aligned_alloc(shared_len)
+            if shared == NULL:
+                raise MemoryError(f"could not allocate {shared_len} bytes for A in pairs")
+            base = shared
+            for a in range(count):
+                if ad.pairs[a]:
+                    ad.a_pairs[a] = <uint32_t *>base
+                    base += up64(<size_t>((ad.rank[a] + 1) // 2) * cols * sizeof(uint32_t))
         for s in range(threads):
             base = buffers + buffer_len * s
             buffers_of[s].bs = <float *>base
@@ -402,12 +454,17 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
         # Guided: each thread starts on a long run of neighbouring tiles, as with a static
         # split, and the rest is shared out as threads come free, so that a thread that starts
         # late (an idle worker waking, a core busy with file I/O) does not hold up the call.
+        if shared_len:  # a region of its own: every block is packed before any tile reads it
+            with nogil, parallel(num_threads=threads):
+                for tj in prange(tiles_n, schedule="static"):
+                    pack_a_pairs(&job, &ad, tj)
         with nogil, parallel(num_threads=threads):
             for t in prange(tiles, schedule="guided"):
                 fuse_tile(&job, &ad, t, &buffers_of[omp_get_thread_num()], &bad[0])
     finally:
         free(buffers)
         free(buffers_of)
+        free(shared)
         free(ad.kind)
         free(ad.a)
         free(ad.b)
@@ -418,5 +475,6 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
         free(ad.depth)
         free(ad.pairs)
         free(ad.pairs_offset)
+        free(ad.a_pairs)
     hits = bad_array[bad_array >= 0]
     return int(hits.min()) if hits.size else -1

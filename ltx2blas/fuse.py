@@ -280,18 +280,26 @@ def fuse_dora(weight, lora_a, lora_b, magnitude, *, scale=1.0, strength=1.0, sty
     return result if given_out else as_kind(result, weight)
 
 
-def buffer_bytes(ranks, threads=1, tile=None, several=None):
+def buffer_bytes(ranks, threads=1, tile=None, several=None, cols=None):
     """Bytes of panel buffers a fuse allocates at most (its extra memory, beyond the output
     when not in place): per thread, the f32 bf16(B*s) rows [tile_rows x width], A panels
     [width x tile_cols] and the product tile (twice for several adapters), width the sum of
     min(rank, PASS_DEPTH) -- a larger rank runs in passes -- and for each adapter of rank up
-    to PASS_DEPTH its rows in bf16 pairs, should the dot-product kernel take it.  The driver's
-    own count (_fuse.thread_buffer_bytes).  With no tile given, DEFAULT_TILE: the most that
-    any default tile (:func:`default_tile`) takes."""
+    to PASS_DEPTH its rows in bf16 pairs, should the dot-product kernel take it; that kernel's
+    adapters take no A panels but share one copy of A in pairs, ceil(rank / 2) x cols x 4
+    bytes (about A's own size), counted when the weight's ``cols`` are given.  The driver's own
+    count (_fuse.thread_buffer_bytes, _fuse.shared_buffer_bytes), the larger of the two ways.
+    With no tile given, DEFAULT_TILE: the most that any default tile (:func:`default_tile`)
+    takes."""
     tile = _tile(tile)
+    ranks = list(ranks)
     several = len(ranks) > 1 if several is None else several
     pairs = [True] * len(ranks)
-    return _fuse.thread_buffer_bytes(tile.rows, tile.cols, list(ranks), several, pairs) * threads
+    with_pairs = _fuse.thread_buffer_bytes(tile.rows, tile.cols, ranks, several, pairs) * threads
+    if cols is not None:
+        with_pairs += _fuse.shared_buffer_bytes(cols, ranks, pairs)
+    without = _fuse.thread_buffer_bytes(tile.rows, tile.cols, ranks, several) * threads
+    return max(with_pairs, without)
 
 
 class _Magnitudes:

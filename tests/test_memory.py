@@ -2,7 +2,8 @@
 
 Bound per thread (ltx2blas.fuse.buffer_bytes): 4 bytes x (tile_rows x rank + rank x tile_cols
 + tile_rows x tile_cols), plus, up to rank 4096 (PASS_DEPTH), tile_rows x ceil(rank / 2) x 4 bytes of pairs for
-the dot-product kernel, plus small fixed costs. Measured as the growth of the process's peak
+the dot-product kernel, whose adapters share one copy of A in pairs (ceil(rank / 2) x cols x 4
+bytes) in place of the A panels, plus small fixed costs. Measured as the growth of the process's peak
 resident memory (VmHWM, reset just before the call) over its resident memory before the call, in
 a fresh subprocess."""
 import json
@@ -37,7 +38,7 @@ with open('/proc/self/clear_refs', 'w') as f:
 before = status('VmRSS')
 ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.5, threads=threads, out=weight)
 print(json.dumps({{"growth": status('VmHWM') - before, "weight": weight.nbytes,
-                  "buffers": buffer_bytes([rank], threads=threads)}}))
+                  "buffers": buffer_bytes([rank], threads=threads, cols=cols)}}))
 """
 
 
