@@ -132,8 +132,12 @@ cdef inline void load_bs(const FuseJob *job, const Adapters *ad, int a, Py_ssize
             kern.scale_round_widen(src + r * ad.rank[a], ad.scale[a], dst + r * kc, kc)
 
 
-cdef inline const uint32_t *a_pairs_block(const Adapters *ad, int a,
-                                          Py_ssize_t i0) noexcept nogil:
+cdef inline size_t a_pairs_bytes(Py_ssize_t rank, Py_ssize_t cols) noexcept nogil:
+    """Bytes of one adapter's A in pairs, rank rows of cols (a_pairs), 64-byte rounded."""
+    return up64(<size_t>((rank + 1) // 2) * cols * sizeof(uint32_t))
+
+
+cdef inline uint32_t *a_pairs_block(const Adapters *ad, int a, Py_ssize_t i0) noexcept nogil:
     """Adapter a's A in pairs for the tile whose columns start at i0 (row stride nt)."""
     return ad.a_pairs[a] + <Py_ssize_t>((ad.rank[a] + 1) // 2) * i0
 
@@ -145,7 +149,7 @@ cdef void pack_a_pairs(const FuseJob *job, const Adapters *ad, Py_ssize_t tj) no
     cdef int a
     for a in range(ad.count):
         if ad.a_pairs[a] != NULL:
-            job.kern.pack_pairs_rows(ad.a[a] + i0, job.cols, <uint32_t *>a_pairs_block(ad, a, i0),
+            job.kern.pack_pairs_rows(ad.a[a] + i0, job.cols, a_pairs_block(ad, a, i0),
                                      ad.rank[a], nt)
 
 
@@ -288,17 +292,23 @@ cdef (size_t, size_t, size_t, size_t, size_t, size_t) buffer_layout(
             bs_len + panels_len + tile_len * (1 + several) + scratch_len * dry_run + pairs_len)
 
 
+def takes_pairs(ranks, pairs):
+    """Per LoRA, whether it takes the dot-product kernel where the kernel table has one:
+    asked for (``pairs[a]``, default none) and one pass deep, as fuse_tiles decides."""
+    pairs = [False] * len(ranks) if pairs is None else pairs
+    return [bool(p) and int(r) <= PASS_DEPTH_C for r, p in zip(ranks, pairs)]
+
+
 def thread_buffer_bytes(int tile_rows, int tile_cols, ranks, bint several, pairs=None,
                         bint dry_run=False):
     """Bytes of one thread's buffers for LoRAs of ``ranks`` (what fuse_tiles allocates per
     thread); ``pairs[a]``: whether LoRA a takes the dot-product kernel (default none), whose A
     panels are shared (shared_buffer_bytes), not per thread."""
-    pairs = [False] * len(ranks) if pairs is None else pairs
+    takes = takes_pairs(ranks, pairs)
     cdef Py_ssize_t width = sum(min(int(r), PASS_DEPTH_C) for r in ranks)
-    cdef Py_ssize_t panel_width = sum(min(int(r), PASS_DEPTH_C) for r, p in zip(ranks, pairs)
-                                      if not (p and r <= PASS_DEPTH_C))
-    cdef Py_ssize_t pair_width = sum((int(r) + 1) // 2 for r, p in zip(ranks, pairs)
-                                     if p and r <= PASS_DEPTH_C)
+    cdef Py_ssize_t panel_width = sum(min(int(r), PASS_DEPTH_C)
+                                      for r, p in zip(ranks, takes) if not p)
+    cdef Py_ssize_t pair_width = sum((int(r) + 1) // 2 for r, p in zip(ranks, takes) if p)
     return buffer_layout(tile_rows, tile_cols, width, panel_width, several, dry_run,
                          pair_width)[5]
 
@@ -306,9 +316,8 @@ def thread_buffer_bytes(int tile_rows, int tile_cols, ranks, bint several, pairs
 def shared_buffer_bytes(Py_ssize_t cols, ranks, pairs=None):
     """Bytes fuse_tiles allocates once a call, shared by its threads: the A of every LoRA
     taking the dot-product kernel, in pairs (its own size, rounded up to a row of pairs)."""
-    pairs = [False] * len(ranks) if pairs is None else pairs
-    return sum(up64(<size_t>((int(r) + 1) // 2) * cols * sizeof(uint32_t))
-               for r, p in zip(ranks, pairs) if p and r <= PASS_DEPTH_C)
+    return sum(a_pairs_bytes(int(r), cols) for r, p in zip(ranks, takes_pairs(ranks, pairs))
+               if p)
 
 
 def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list lora_a,
@@ -385,7 +394,7 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
             view = lora_a[a]
             keep.append(view)
             ad.a[a] = &view[0, 0]
-            ad.panel_offset[a] = 0
+            ad.panel_offset[a] = 0    # set below for a LoRA that takes A panels
             ad.bs_offset[a] = rank_sum * tile_rows
             ad.scale[a] = scales[a]
             ad.pairs[a] = False
@@ -403,7 +412,7 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
                 rank_sum += min(view.shape[0], PASS_DEPTH_C)
                 if ad.pairs[a]:
                     pair_sum += (ad.rank[a] + 1) // 2
-                    shared_len += up64(<size_t>((ad.rank[a] + 1) // 2) * cols * sizeof(uint32_t))
+                    shared_len += a_pairs_bytes(ad.rank[a], cols)
                 else:
                     ad.panel_offset[a] = panel_sum * tile_cols
                     panel_sum += min(view.shape[0], PASS_DEPTH_C)
@@ -440,7 +449,7 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
             for a in range(count):
                 if ad.pairs[a]:
                     ad.a_pairs[a] = <uint32_t *>base
-                    base += up64(<size_t>((ad.rank[a] + 1) // 2) * cols * sizeof(uint32_t))
+                    base += a_pairs_bytes(ad.rank[a], cols)
         for s in range(threads):
             base = buffers + buffer_len * s
             buffers_of[s].bs = <float *>base
@@ -451,13 +460,13 @@ def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, li
             buffers_of[s].bs_pairs = <uint32_t *>(base + buffer_len - pairs_len)
             buffers_of[s].strip = -1
 
-        # Guided: each thread starts on a long run of neighbouring tiles, as with a static
-        # split, and the rest is shared out as threads come free, so that a thread that starts
-        # late (an idle worker waking, a core busy with file I/O) does not hold up the call.
         if shared_len:  # a region of its own: every block is packed before any tile reads it
             with nogil, parallel(num_threads=threads):
                 for tj in prange(tiles_n, schedule="static"):
                     pack_a_pairs(&job, &ad, tj)
+        # Guided: each thread starts on a long run of neighbouring tiles, as with a static
+        # split, and the rest is shared out as threads come free, so that a thread that starts
+        # late (an idle worker waking, a core busy with file I/O) does not hold up the call.
         with nogil, parallel(num_threads=threads):
             for t in prange(tiles, schedule="guided"):
                 fuse_tile(&job, &ad, t, &buffers_of[omp_get_thread_num()], &bad[0])

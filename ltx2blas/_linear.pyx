@@ -15,7 +15,7 @@ from cython.parallel cimport parallel, prange
 from libc.stdint cimport uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
 
-from ._gemm cimport (LTX_DOT_PANEL_PAIRS, LTX_DOT_PANEL_SCRATCH, LTX_DOT_PANEL_STRIP,
+from ._gemm cimport (LTX_DOT_PANEL_SCRATCH, LTX_DOT_PANEL_STRIP,
                      PRODUCT_SGEMM, chunk_panel_bytes, chunk_wxt, dgemm_wxt, kernels,
                      ltx_kernels, pack_x_pairs, packed_chunk_wxt, packs_strips, strip_at,
                      strip_stride, takes_bf16_x)
@@ -63,8 +63,8 @@ def takes_packed_x(int product, int task_rows, int chunk, Py_ssize_t seg_len):
 
 def packed_x_bytes(Py_ssize_t rows, Py_ssize_t cols):
     """Bytes of x packed whole for the dot-product panel kernel (see takes_packed_x)."""
-    return ((rows + LTX_DOT_PANEL_STRIP - 1) // LTX_DOT_PANEL_STRIP * LTX_DOT_PANEL_STRIP
-            * LTX_DOT_PANEL_PAIRS(cols) * sizeof(uint32_t))
+    return ((rows + LTX_DOT_PANEL_STRIP - 1) // LTX_DOT_PANEL_STRIP * strip_stride(cols)
+            * sizeof(uint32_t))
 
 
 cdef struct TaskBuffers:
