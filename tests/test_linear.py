@@ -278,6 +278,62 @@ def test_dot_route_on_bf16_x_within_its_bound_and_thread_independent(rng, rows):
     assert y.tobytes() == ltx2blas.linear(x, w, b, threads=2).tobytes()
 
 
+def dot_route_model(x, w, bias, seg_len):
+    """The dot-product route's stated order, in numpy f32 (each operation one rounding), for
+    bf16 x and weight whose products and sums stay normal: per segment of seg_len in-features,
+    16 lanes, lane j of each vector of 32 elements adding the product of element 2j + 1, then
+    of 2j; the lanes' sums restarting every DOT_BLOCK elements, each block's sums added to the
+    lanes; the halving tree over the lanes; the last elements in order; that sum added to the
+    segment's start (the bias in the first, +0.0 after); the segments added in order."""
+    xf, wf = reference.bf16_widen(x), reference.bf16_widen(w)
+    rows, cols = xf.shape
+    y = None
+    for s0 in range(0, cols, seg_len):
+        xs, ws = xf[:, s0:s0 + seg_len], wf[:, s0:s0 + seg_len]
+        kt = xs.shape[1]
+        kv = kt - kt % 32
+        lanes = np.zeros((rows, ws.shape[0], 16), np.float32)
+        for b0 in range(0, kv, _gemm.DOT_BLOCK):
+            block = np.zeros_like(lanes)
+            for v in range(b0, min(kv, b0 + _gemm.DOT_BLOCK), 32):
+                xv, wv = xs[:, None, v:v + 32], ws[None, :, v:v + 32]
+                block = block + xv[..., 1::2] * wv[..., 1::2]
+                block = block + xv[..., 0::2] * wv[..., 0::2]
+            lanes = lanes + block
+        h = 8
+        while h >= 1:
+            lanes = lanes[..., :h] + lanes[..., h:2 * h]
+            h //= 2
+        total = lanes[..., 0]
+        for k in range(kv, kt):
+            total = total + xs[:, None, k] * ws[None, :, k]
+        start = (np.broadcast_to(bias, total.shape).astype(np.float32) if s0 == 0 and bias is not None
+                 else np.zeros_like(total))
+        seg = start + total
+        y = seg if y is None else y + seg
+    return y
+
+
+@needs_dot
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 12, 17, 31])
+def test_dot_route_bytes_are_its_stated_order(rng, rows):
+    """Byte for byte, the dot-product route equals its order written out in numpy (one rounding
+    an operation): whatever its tiles -- 8 weight rows by up to 4 rows of x over whole rows, or
+    4 by 4 over spans of blocks -- each lane adds its pairs in k order. 47 outputs leave weight
+    rows past the last whole tile; the in-dimension leaves a partial block, a tail of 5 and,
+    above 4 rows, segments of 12288."""
+    cols = 2 * 12288 + 4096 + 37
+    x, w, b = case(rng, rows, cols, 47, True, True, "f32")
+    route, blocks = plan(rows, w.dtype, x_dtype=x.dtype)
+    seg_len = 3 * 4096 if rows > 4 else cols
+    assert route == "dot" and segments(rows, 47, cols, route, blocks)[1] == seg_len
+    want = dot_route_model(x, w, b, seg_len)
+    assert ltx2blas.linear(x, w, b, threads=2).tobytes() == want.tobytes()
+    # the task's rows fix the tiles, not the order
+    for other in ((2, 5, blocks[2]), (8, 47, blocks[2]), (16, 9, blocks[2])):
+        assert ltx2blas.linear(x, w, b, blocks=other).tobytes() == want.tobytes(), other
+
+
 @needs_dot
 @pytest.mark.parametrize("rows", [33, 70, 130])
 def test_dot_panel_bytes_do_not_depend_on_where_x_is_packed(rng, rows):
