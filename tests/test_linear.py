@@ -268,8 +268,8 @@ needs_dot = pytest.mark.skipif(
 @pytest.mark.parametrize("rows", [1, 5, 8, 17, 64, 70, 130])
 def test_dot_route_on_bf16_x_within_its_bound_and_thread_independent(rng, rows):
     """bf16 x and weight take a dot-product route at every row count (the panel one from 32
-    rows), with in-dimensions that leave partial vectors, blocks, chunks and segments; within the derived bound, the same bytes for 1
-    and 2 threads and from run to run."""
+    rows), with in-dimensions that leave partial vectors, blocks, chunks and segments; within
+    the derived bound, the same bytes for 1 and 2 threads and from run to run."""
     x, w, b = case(rng, rows, 2 * 12288 + 4096 + 37, 45, True, True, "f32")
     assert plan(rows, w.dtype, x_dtype=x.dtype)[0] == ("dot_panel" if rows >= 32 else "dot")
     y = ltx2blas.linear(x, w, b, threads=2)
@@ -307,9 +307,9 @@ def dot_route_model(x, w, bias, seg_len):
         total = lanes[..., 0]
         for k in range(kv, kt):
             total = total + xs[:, None, k] * ws[None, :, k]
-        start = (np.broadcast_to(bias, total.shape).astype(np.float32) if s0 == 0 and bias is not None
-                 else np.zeros_like(total))
-        seg = start + total
+        first = s0 == 0 and bias is not None
+        start = np.broadcast_to(bias, total.shape) if first else np.zeros_like(total)
+        seg = start.astype(np.float32) + total
         y = seg if y is None else y + seg
     return y
 
