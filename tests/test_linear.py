@@ -9,8 +9,9 @@ import pytest
 
 import ltx2blas
 from ltx2blas import _gemm, linear_layer, reference
-from ltx2blas.linear_layer import (BLOCKS, STREAM_FEW_BLOCKS, STREAM_SEGMENT, STREAM_WIDE_BLOCKS,
-                                   error_bound, gamma, plan, segments, task_count)
+from ltx2blas.linear_layer import (BLOCKS, STREAM_FEW_BLOCKS, STREAM_FEW_ROWS, STREAM_SEGMENT,
+                                   STREAM_WIDE_BLOCKS, error_bound, gamma, plan, segments,
+                                   task_count)
 
 from helpers import random_bf16
 
@@ -284,7 +285,7 @@ def dot_route_model(x, w, bias, seg_len):
     16 lanes, lane j of each vector of 32 elements adding the product of element 2j + 1, then
     of 2j; the lanes' sums restarting every DOT_BLOCK elements, each block's sums added to the
     lanes; the halving tree over the lanes; the last elements in order; that sum added to the
-    segment's start (the bias in the first, +0.0 after); the segments added in order."""
+    segment's start (the f32 bias in the first, +0.0 after); the segments added in order."""
     xf, wf = reference.bf16_widen(x), reference.bf16_widen(w)
     rows, cols = xf.shape
     y = None
@@ -307,9 +308,7 @@ def dot_route_model(x, w, bias, seg_len):
         total = lanes[..., 0]
         for k in range(kv, kt):
             total = total + xs[:, None, k] * ws[None, :, k]
-        first = s0 == 0 and bias is not None
-        start = np.broadcast_to(bias, total.shape) if first else np.zeros_like(total)
-        seg = start.astype(np.float32) + total
+        seg = (bias if s0 == 0 and bias is not None else np.float32(0.0)) + total
         y = seg if y is None else y + seg
     return y
 
@@ -325,7 +324,7 @@ def test_dot_route_bytes_are_its_stated_order(rng, rows):
     cols = 2 * 12288 + 4096 + 37
     x, w, b = case(rng, rows, cols, 47, True, True, "f32")
     route, blocks = plan(rows, w.dtype, x_dtype=x.dtype)
-    seg_len = 3 * 4096 if rows > 4 else cols
+    seg_len = STREAM_SEGMENT if rows > STREAM_FEW_ROWS else cols
     assert route == "dot" and segments(rows, 47, cols, route, blocks)[1] == seg_len
     want = dot_route_model(x, w, b, seg_len)
     assert ltx2blas.linear(x, w, b, threads=2).tobytes() == want.tobytes()
