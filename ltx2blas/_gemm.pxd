@@ -100,7 +100,7 @@ cdef void continue_product(const ltx_kernels *kern, int m, int n, int k, const f
 
 # How a Linear's chunk is multiplied (chunk_wxt): sgemm on a widened weight panel, or straight
 # from the bf16 weight rows by the streaming or the panel kernel, or, on bf16 x, by the
-# dot-product kernels (streaming, or on x packed a chunk at a time).
+# dot-product kernels (streaming, or on x packed into pairs).
 cdef enum:
     PRODUCT_SGEMM = 0
     PRODUCT_STREAM = 1

@@ -187,5 +187,5 @@ def format_info(info):
         lines.append("  on bf16 x (what text_features multiplies), two products per instruction "
                      "(VDPBF16PS): " + ", ".join(f"M {m}: {r}" for m, r in bf16_x.items()) +
                      f" (dot streams both operands' rows; from {DOT_PANEL_ROWS} rows dot_panel "
-                     "packs x a chunk at a time)")
+                     "packs x into pairs)")
     return "\n".join(lines)

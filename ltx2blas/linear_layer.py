@@ -58,7 +58,7 @@ KERNEL_ROUTES = F32_X_ROUTES + DOT_ROUTES
 #: the products are exact, only the additions round, as on the other routes, and no operand
 #: is widened. They treat subnormal inputs, products and sums as zero, which error_bound
 #: counts. "dot" streams both operands' rows (lane sums, as the streaming kernel); from
-#: DOT_PANEL_ROWS rows "dot_panel" packs x a chunk at a time and broadcasts the weight, as the
+#: DOT_PANEL_ROWS rows "dot_panel" packs x into pairs and broadcasts the weight, as the
 #: fuse does, where a vector of each operand a product would outrun L2. "dot" takes a whole
 #: segment a call, as the streaming route, for long runs of each weight row; "dot_panel"
 #: takes 2048 in-features, so that text_features, which holds a call's features of each
