@@ -62,6 +62,24 @@ def test_info_shows_the_route_of_each_rank_and_row_count():
     assert "rank   384: " in text and "M     1: stream" in text
 
 
+
+def test_info_shows_the_bf16_x_routes_the_linear_takes():
+    """On bf16 x the routes info reports are plan's, and on a table with the dot-product
+    Linear its text names each row count's route and how dot_panel takes x."""
+    import numpy as np
+    from ltx2blas import _gemm
+    from ltx2blas.linear_layer import plan
+    info = json.loads(run("info", "--json").stdout)
+    bf16 = np.dtype(np.uint16)
+    routes = info["linear_routes_bf16_x"]
+    assert routes == {m: plan(int(m), bf16, x_dtype=bf16)[0] for m in routes}
+    text = run("info").stdout
+    if _gemm.has_dot_linear():
+        assert routes["1"] == "dot" and routes["1024"] == "dot_panel"
+        assert "M 64: " + routes["64"] in text and "dot_panel packs x into pairs" in text
+    else:
+        assert "on bf16 x" not in text
+
 def test_demo_checks_and_times():
     out = run("demo", "--rows", "256", "--cols", "512", "--rank", "64", "--threads", "2")
     assert out.returncode == 0, out.stdout + out.stderr
