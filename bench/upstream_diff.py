@@ -2,10 +2,11 @@
 
 Needs torch (``pip install torch==2.13.0``).  For LTX-2-shaped weights and adapters it fuses
 with ltx2blas and with the owners' rules (tests/upstream_rules.py: upstream LTX-2's
-aggregation and quantisation policies, ComfyUI's per-tensor fp8), and counts the elements that
-differ -- once with the owners' whole arithmetic (their delta from torch's bf16 matmul, whose
-order of additions is not the textbook's), once with the layout rule alone given ltx2blas's
-delta (which must be 0).  Then the text feature extractor: upstream's normalisation in bf16
+aggregation and quantisation policies, ComfyUI's fp8, nvfp4, mxfp8 and int8), and counts the
+elements that differ -- once with the owners' whole arithmetic (upstream's delta from torch's
+bf16 matmul, whose order of additions is not the textbook's; ComfyUI's f32 products added
+unrounded, rounded to nearest where ComfyUI adds noise), once with the layout rule alone given
+ltx2blas's delta (which must be 0).  Then the text feature extractor: upstream's normalisation in bf16
 against ltx2blas's (statistics summed exactly in f64), on synthetic Gemma-like hidden states.
 
     python bench/upstream_diff.py [--rows 4096 --cols 4096] [--out FILE.json]
@@ -80,17 +81,44 @@ def layouts(rng, rows, cols, ads):
     packed, block, s2 = nvfp4_weight(rng, rows, cols)
     cases["nvfp4"] = (packed, {"scale": block, "scale_2": s2},
                       lambda agg: up.fuse_nvfp4(packed, block, s2, agg))
+    # ComfyUI's formats: its whole arithmetic is its own deltas (f32 products added to the f32
+    # weight in turn), not upstream's bf16 aggregate
+    comfy = up.comfy_deltas(ads)
+    cases["comfy_nvfp4"] = (packed, {"scale": block, "scale_2": s2},
+                            lambda agg: up.comfy_nvfp4(packed, block, s2, agg))
+    mcodes, mscales = mxfp8_weight(rng, rows, cols)
+    cases["comfy_mxfp8"] = (mcodes, {"scale": mscales},
+                            lambda agg: up.comfy_mxfp8(mcodes, mscales, agg))
+    iscale = np.array(np.abs(w).max() / 127, np.float32)
+    icodes = np.clip(np.rint(w / iscale), -128, 127).astype(np.int8)
+    cases["comfy_int8"] = (icodes, {"scale": iscale}, lambda agg: up.comfy_int8(icodes, iscale, agg))
     out = {}
     for name, (weight, kw, theirs_of) in cases.items():
         ours = quantized.fuse_quantized(name, weight, ads, **kw)
-        full, same_delta = theirs_of(agg_theirs), theirs_of(agg_ours_t)
+        full = theirs_of(comfy if name.startswith("comfy") else agg_theirs)
+        same_delta = theirs_of(agg_ours_t)
+        owner = "ComfyUI" if name.startswith("comfy") else "upstream"
         out[name] = {
-            "codes, upstream's whole arithmetic": fraction(ours.weight, full[0]),
-            "scales, upstream's whole arithmetic": fraction(ours.scale, full[1]),
+            f"codes, {owner}'s whole arithmetic": fraction(ours.weight, full[0]),
+            f"scales, {owner}'s whole arithmetic": fraction(ours.scale, full[1]),
             "codes, same delta": fraction(ours.weight, same_delta[0]),
             "scales, same delta": fraction(ours.scale, same_delta[1]),
+            "codes differing, same delta (count)": int(np.sum(
+                np.asarray(ours.weight).view(np.uint8) != np.asarray(same_delta[0]).view(np.uint8))),
+            "codes differing, whole arithmetic (count)": int(np.sum(
+                np.asarray(ours.weight).view(np.uint8) != np.asarray(full[0]).view(np.uint8))),
+            "codes": int(np.asarray(ours.weight).size),
         }
     return out
+
+
+def mxfp8_weight(rng, rows, cols):
+    """A bf16 weight quantised by comfy-kitchen's mxfp8 rule (through ComfyUI's, with a zero
+    delta, from zero codes: every group merges to the weight itself)."""
+    w = up.bf16_tensor(bf16(rng, (rows, cols), 0.02))
+    zero = np.zeros((rows, cols), np.uint8)
+    padded = quantized.tiled_shape("comfy_mxfp8", rows, cols)
+    return up.comfy_mxfp8(zero, np.zeros(padded, np.uint8), w)
 
 
 def quantized_codes(x, fmt):

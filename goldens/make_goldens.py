@@ -81,7 +81,18 @@ def quantized_cases(ref):
     cases = {}
     specs = [("fp8_scaled", "F8_E4M3", 128, 256), ("comfy_fp8", "F8_E5M2", 40, 72),
              ("fp8_block", "F8_E4M3", 256, 128), ("fp6_block", None, 128, 256),
-             ("nvfp4", None, 130, 96)]
+             ("nvfp4", None, 130, 96), ("comfy_nvfp4", None, 130, 96),
+             ("comfy_mxfp8", "F8_E4M3", 130, 96), ("comfy_int8", None, 40, 72),
+             ("comfy_int8", "rows", 40, 72)]
+
+    def tiled(rows, groups, low, high):
+        padded = (-(-rows // 128) * 128, -(-groups // 4) * 4)
+        block = np.zeros(padded, np.uint8)
+        r, c = np.meshgrid(np.arange(rows), np.arange(groups), indexing="ij")
+        block.reshape(-1)[ref.nvfp4_scale_offset(r, c, padded[1])] = rng.integers(
+            low, high, (rows, groups))
+        return block
+
     for layout, fmt, rows, cols in specs:
         w = rng.standard_normal((rows, cols)).astype(np.float32)
         if layout in ("fp8_scaled", "comfy_fp8"):
@@ -94,13 +105,15 @@ def quantized_cases(ref):
             scales = (rng.uniform(0.05, 0.2, (rows // 128, cols // 128)).astype(np.float32),)
             codes = ref.fp8_round(np.clip(w * np.float32(0.03), -0.117, 0.117), "F8_E4M3")
             weight = ref.fp6_pack(codes)
+        elif layout == "comfy_mxfp8":
+            scales = (tiled(rows, cols // 32, 112, 121),)
+            weight = ref.fp8_round(w * np.float32(100), "F8_E4M3")
+        elif layout == "comfy_int8":
+            scales = ((rng.uniform(1e-4, 3e-4, (rows, 1)) if fmt == "rows" else
+                       np.array(0.0002)).astype(np.float32),)
+            weight = np.clip(np.rint(w * np.float32(60)), -128, 127).astype(np.int8)
         else:
-            padded = (-(-rows // 128) * 128, -(-(cols // 16) // 4) * 4)
-            block = np.zeros(padded, np.uint8)
-            r, c = np.meshgrid(np.arange(rows), np.arange(cols // 16), indexing="ij")
-            block.reshape(-1)[ref.nvfp4_scale_offset(r, c, padded[1])] = rng.integers(
-                0x28, 0x60, (rows, cols // 16))
-            scales = (block, np.array(0.0007, np.float32))
+            scales = (tiled(rows, cols // 16, 0x28, 0x60), np.array(0.0007, np.float32))
             weight = rng.integers(0, 256, (rows, cols // 2)).astype(np.uint8)
         case = {"layout": np.array(layout), "fmt": np.array(fmt or "F8_E4M3"), "weight": weight}
         for i, s in enumerate(scales):
@@ -115,7 +128,7 @@ def quantized_cases(ref):
         case["expected"] = out[0]
         for i, s in enumerate(out[1:]):
             case[f"expected_scale{i}"] = np.asarray(s)
-        cases[f"quant_{layout}"] = case
+        cases[f"quant_{layout}" + ("_rows" if fmt == "rows" else "")] = case
     return cases
 
 

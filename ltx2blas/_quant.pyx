@@ -6,7 +6,7 @@ inputs alone, so the bytes are the same for any thread count.  Validation happen
 :mod:`ltx2blas.quantized`; these trust shapes, dtypes and contiguity.
 """
 from cython.parallel cimport prange
-from libc.stdint cimport uint8_t, uint16_t, uint64_t
+from libc.stdint cimport int8_t, uint8_t, uint16_t, uint64_t
 from libc.string cimport strncmp
 
 from ._gemm cimport kernels
@@ -31,6 +31,27 @@ cdef extern from "quant.h" nogil:
     void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed,
                                  uint8_t *scales, ltx_idx padded_cols, ltx_idx cols, ltx_idx r0,
                                  ltx_idx r1, int avx512)
+
+    float ltx_comfy_nvfp4_max_rows(const uint8_t *packed, const uint8_t *scales,
+                                   ltx_idx padded_cols, float scale_2, const uint16_t *delta,
+                                   ltx_idx cols, ltx_idx r0, ltx_idx r1)
+    void ltx_comfy_nvfp4_quantize_rows(uint8_t *packed, const uint8_t *old_scales,
+                                       uint8_t *scales, ltx_idx padded_cols, float scale_2,
+                                       const uint16_t *delta, float t, ltx_idx cols, ltx_idx r0,
+                                       ltx_idx r1)
+    float ltx_comfy_mxfp8_max_rows(const uint8_t *codes, const uint8_t *scales,
+                                   ltx_idx padded_cols, const uint16_t *delta, ltx_idx cols,
+                                   ltx_idx r0, ltx_idx r1)
+    void ltx_comfy_mxfp8_quantize_rows(uint8_t *codes, const uint8_t *old_scales,
+                                       uint8_t *scales, ltx_idx padded_cols,
+                                       const uint16_t *delta, ltx_idx cols, ltx_idx r0,
+                                       ltx_idx r1)
+    float ltx_comfy_int8_max_rows(const int8_t *codes, const float *scale, int per_row,
+                                  const uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                                  float *row_top)
+    void ltx_comfy_int8_quantize_rows(int8_t *codes, const float *scale, const float *new_scale,
+                                      int per_row, const uint16_t *delta, ltx_idx cols,
+                                      ltx_idx r0, ltx_idx r1)
 
     void ltx_round_bf16(const float *src, uint16_t *dst, ltx_idx n)
     void ltx_dora_merge_rows(const uint16_t *w, uint16_t *delta, ltx_idx cols, ltx_idx r0,
@@ -151,6 +172,103 @@ def nvfp4_quantize(const uint16_t[:, ::1] merged, float t, uint8_t[:, ::1] packe
             r0 = task * ROWS_PER_TASK
             ltx_nvfp4_quantize_rows(&merged[0, 0], t, &packed[0, 0], &scales[0, 0], padded,
                                     cols, r0, min(r0 + ROWS_PER_TASK, rows), vec)
+
+
+def comfy_nvfp4_max(const uint8_t[:, ::1] packed, const uint8_t[:, ::1] scales, float scale_2,
+                    const uint16_t[:, ::1] delta, int threads):
+    """max |f32(e2m1 * f32(scale_2 * block scale)) + f32(delta)| (NaN if one is NaN)."""
+    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0
+    cdef Py_ssize_t padded = scales.shape[1]
+    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
+    with nogil:
+        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+            r0 = t * ROWS_PER_TASK
+            tops[t] = ltx_comfy_nvfp4_max_rows(&packed[0, 0], &scales[0, 0], padded, scale_2,
+                                               &delta[0, 0], cols, r0,
+                                               min(r0 + ROWS_PER_TASK, rows))
+    return _max(tops)
+
+
+def comfy_nvfp4_quantize(uint8_t[:, ::1] packed, uint8_t[:, ::1] scales, float scale_2,
+                         const uint16_t[:, ::1] delta, float t, int threads):
+    """packed and scales (read as the weight's, and holding scale_2) requantised in place with
+    the new scale_2 ``t`` > 0; the scales' padding zeroed."""
+    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], task, r0
+    cdef Py_ssize_t padded = scales.shape[1]
+    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    cdef uint8_t[:, ::1] old = np.array(scales, copy=True)
+    scales[:, :] = 0
+    with nogil:
+        for task in prange(tasks, num_threads=threads, schedule="dynamic"):
+            r0 = task * ROWS_PER_TASK
+            ltx_comfy_nvfp4_quantize_rows(&packed[0, 0], &old[0, 0], &scales[0, 0], padded,
+                                          scale_2, &delta[0, 0], t, cols, r0,
+                                          min(r0 + ROWS_PER_TASK, rows))
+
+
+def comfy_mxfp8_max(const uint8_t[:, ::1] codes, const uint8_t[:, ::1] scales,
+                    const uint16_t[:, ::1] delta, int threads):
+    """max |f32(f32(code) * 2^(e - 127)) + f32(delta)| (NaN if one is NaN)."""
+    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0
+    cdef Py_ssize_t padded = scales.shape[1]
+    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
+    with nogil:
+        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+            r0 = t * ROWS_PER_TASK
+            tops[t] = ltx_comfy_mxfp8_max_rows(&codes[0, 0], &scales[0, 0], padded, &delta[0, 0],
+                                               cols, r0, min(r0 + ROWS_PER_TASK, rows))
+    return _max(tops)
+
+
+def comfy_mxfp8_quantize(uint8_t[:, ::1] codes, uint8_t[:, ::1] scales,
+                         const uint16_t[:, ::1] delta, int threads):
+    """codes and E8M0 scales requantised in place; the scales' padding zeroed."""
+    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], task, r0
+    cdef Py_ssize_t padded = scales.shape[1]
+    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    cdef uint8_t[:, ::1] old = np.array(scales, copy=True)
+    scales[:, :] = 0
+    with nogil:
+        for task in prange(tasks, num_threads=threads, schedule="dynamic"):
+            r0 = task * ROWS_PER_TASK
+            ltx_comfy_mxfp8_quantize_rows(&codes[0, 0], &old[0, 0], &scales[0, 0], padded,
+                                          &delta[0, 0], cols, r0, min(r0 + ROWS_PER_TASK, rows))
+
+
+def comfy_int8_max(const int8_t[:, ::1] codes, const float[::1] scale, bint per_row,
+                   const uint16_t[:, ::1] delta, int threads):
+    """(max |f32(f32(code) * scale) + f32(delta)| over the tensor, the same per row); one
+    scale, or one a row with ``per_row``."""
+    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0
+    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
+    row_tops = np.zeros(rows, np.float32)
+    cdef float[::1] rt = row_tops
+    if rows == 0:
+        return 0.0, row_tops
+    with nogil:
+        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+            r0 = t * ROWS_PER_TASK
+            tops[t] = ltx_comfy_int8_max_rows(&codes[0, 0], &scale[0], per_row, &delta[0, 0],
+                                              cols, r0, min(r0 + ROWS_PER_TASK, rows), &rt[0])
+    return _max(tops), row_tops
+
+
+def comfy_int8_quantize(int8_t[:, ::1] codes, const float[::1] scale,
+                        const float[::1] new_scale, bint per_row, const uint16_t[:, ::1] delta,
+                        int threads):
+    """codes requantised in place with the new scale(s), one a row with ``per_row``."""
+    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], task, r0
+    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    if rows == 0:
+        return
+    with nogil:
+        for task in prange(tasks, num_threads=threads, schedule="dynamic"):
+            r0 = task * ROWS_PER_TASK
+            ltx_comfy_int8_quantize_rows(&codes[0, 0], &scale[0], &new_scale[0], per_row,
+                                         &delta[0, 0], cols, r0, min(r0 + ROWS_PER_TASK, rows))
 
 
 def fp8_values(bint e5m2):

@@ -56,9 +56,15 @@ def default_threads():
     return max(1, min(available_cpus(), _gemm.omp_max_threads()))
 
 
+#: The most threads a call may be asked for: far above any machine's CPU count, and within
+#: the C int that OpenMP and the BLAS take.
+MAX_THREADS = 1 << 16
+
+
 def resolve_threads(threads):
     """The thread count a call runs with: None means default_threads(); an int is used as
-    given (values above the CPU count are allowed, for benchmarking oversubscription)."""
+    given (values above the CPU count are allowed, for benchmarking oversubscription), up to
+    MAX_THREADS."""
     if threads is None:
         return default_threads()
     if isinstance(threads, bool):
@@ -67,8 +73,8 @@ def resolve_threads(threads):
         threads = operator.index(threads)
     except TypeError:
         raise ArgumentTypeError(f"threads must be None or a positive int, got {threads!r}") from None
-    if threads < 1:
-        raise ArgumentError(f"threads must be >= 1, got {threads}")
+    if not 1 <= threads <= MAX_THREADS:
+        raise ArgumentError(f"threads must be between 1 and {MAX_THREADS}, got {threads}")
     return threads if _gemm.have_openmp() else 1
 
 

@@ -6,11 +6,13 @@ bf16 arrays come in two kinds, uint16 bit patterns and ``ml_dtypes.bfloat16``: t
 fp8 arrays are uint8 codes or the ml_dtypes fp8 dtypes.  Results come back as the kind the
 weight came in.
 """
+import numbers
 from typing import NamedTuple
 
 import numpy as np
 
-from .errors import ArgumentError, DTypeError, LayoutError, ShapeError
+from .errors import (ArgumentError, ArgumentTypeError, DTypeError, LayoutError,
+                     NonFiniteInputError, ShapeError)
 
 
 class Fp8Format(NamedTuple):
@@ -148,3 +150,36 @@ def first_nonfinite_fp8(codes, fmt):
     bad = (codes & 0x7F) == 0x7F if fmt == "F8_E4M3" else (codes & 0x7C) == 0x7C
     hits = np.flatnonzero(bad)
     return int(hits[0]) if hits.size else -1
+
+
+def number_text(value):
+    """A number as a message shows it: an integer of many digits shortened."""
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
+
+
+def strength_f32(strength, what):
+    """A strength (or any scale the caller names ``what``) as the f32 the arithmetic uses:
+    ArgumentTypeError for what is not a real number, NonFiniteInputError for a value that is
+    not finite as f32 (inf, NaN, and magnitudes past f32's range, 1e40 or 10**400 alike)."""
+    if isinstance(strength, (bool, np.bool_)) or not isinstance(strength, numbers.Real):
+        raise ArgumentTypeError(f"{what} must be a real number, got {strength!r}")
+    try:
+        with np.errstate(over="ignore"):
+            s = np.float32(strength)
+    except OverflowError:  # an int past float's range
+        s = np.float32(np.inf)
+    if not np.isfinite(s):
+        raise NonFiniteInputError(f"{what} {number_text(strength)} is not finite as f32")
+    return s
+
+
+def first_nonfinite(array):
+    """Flat index of the first inf or NaN of a bf16 (uint16 bits), float16 or float32 array,
+    or -1: one pass, without the GIL for bf16."""
+    if array.dtype == _BITS:
+        from ._gemm import scan_bf16
+
+        return scan_bf16(np.ascontiguousarray(array).reshape(-1))[2]
+    bad = np.flatnonzero(~np.isfinite(array.reshape(-1)))
+    return int(bad[0]) if bad.size else -1

@@ -1,14 +1,23 @@
-"""The ``ltx2blas`` command.
+"""The ltx2blas command: fuse adapter files into a checkpoint, show what this machine runs,
+and time a demonstration.
 
-Exit codes: 0 success; 1 a check failed (``demo``); 2 bad arguments or inputs that do not fit
-(shapes, dtypes, keys, an already fused checkpoint); 3 a malformed file; 4 an I/O failure;
-5 non-finite values; 130 interrupted.
+Exit codes: 0 success; 1 a check failed (demo); 2 bad arguments or inputs that do not fit
+(shapes, dtypes, keys, an already fused checkpoint); 3 a malformed file; 4 an I/O failure or
+memory exhausted; 5 non-finite values; 130 interrupted (Ctrl-C); 143 and 129 terminated by
+SIGTERM and SIGHUP.
 """
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 
+#: The library's keyword spellings in its messages, as this command spells them.
+_FLAGS = (("force=True", "--force"), ("allow_unmatched=True", "--allow-unmatched"),
+          ("check_finite=True", "--check-finite"), ("alpha='ignore'", "--alpha ignore"),
+          ("alpha='scale'", "--alpha scale"), ("fp8_rounding='stochastic'",
+                                                "--fp8-rounding stochastic"))
 
 
 def _cmd_info(args):
@@ -29,7 +38,7 @@ def _cmd_demo(args):
 def _lora_arg(text):
     """PATH or PATH:STRENGTH: the strength after the colon that ends an existing file's name
     (or after the last colon, when no prefix names a file).  Raises ArgumentError for a
-    strength that is not a number."""
+    strength that is not a finite number, and for PATH=STRENGTH."""
     if os.path.isfile(text):
         return text, 1.0
     colon = text.find(":")
@@ -38,25 +47,42 @@ def _lora_arg(text):
         if head and os.path.isfile(head):
             return head, _strength(tail, text)
         colon = text.find(":", colon + 1)
+    head, sep, tail = text.rpartition("=")
+    if sep and head and os.path.isfile(head):
+        raise _argument_error(f"--lora {text}: no such file; a strength follows a colon "
+                              f"(--lora {head}:{tail})")
     head, sep, tail = text.rpartition(":")
     if sep and head:
         try:
-            return head, float(tail)
+            float(tail)
         except ValueError:
-            pass
+            return text, 1.0  # a missing file whose name has a colon: reported as missing
+        return head, _strength(tail, text)
     return text, 1.0
 
 
-def _strength(tail, text):
+def _argument_error(message):
     from .errors import ArgumentError
+
+    return ArgumentError(message)
+
+
+def _strength(tail, text):
+    """The strength after PATH: as a float, or ArgumentError (exit 2) for anything that is not
+    a number finite as f32, however it is spelled (inf, nan, 1e40)."""
+    from .errors import NonFiniteInputError
+    from ._validate import strength_f32
 
     try:
         value = float(tail)
     except ValueError:
-        raise ArgumentError(f"--lora {text}: the strength {tail!r} is not a number (PATH or "
-                            "PATH:STRENGTH)") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ArgumentError(f"--lora {text}: the strength {tail!r} is not finite")
+        raise _argument_error(f"--lora {text}: the strength {tail!r} is not a number (PATH or "
+                              "PATH:STRENGTH)") from None
+    try:
+        strength_f32(value, "strength")
+    except NonFiniteInputError:
+        raise _argument_error(f"--lora {text}: the strength {tail!r} is not finite as f32 (its "
+                              "magnitude must be below 3.4e38)") from None
     return value
 
 
@@ -97,23 +123,34 @@ def _duration(seconds):
 
 
 def _cmd_fuse(args):
-    from .errors import ArgumentError
     from .files.checkpoint import fuse_checkpoint
 
     if args.output is None and not args.dry_run:
-        raise ArgumentError("-o/--output is required (unless --dry-run)")
+        raise _argument_error("-o/--output is required (unless --dry-run)")
+    if args.output is not None and not args.output:
+        raise _argument_error("-o/--output is empty; name the file to write")
+    if args.seed is not None and args.fp8_rounding != "stochastic":
+        raise _argument_error("--seed seeds --fp8-rounding stochastic; without it nothing is "
+                              "random")
     loras = [_lora_arg(item) for item in args.lora]
     report = fuse_checkpoint(
-        args.model, loras, args.output or os.devnull, rule=args.rule, alpha=args.alpha,
+        args.model, loras, args.output, rule=args.rule, alpha=args.alpha,
         allow_unmatched=args.allow_unmatched, threads=args.threads,
         progress=None if (args.dry_run or args.quiet) else _ProgressPrinter(),
         check_finite=args.check_finite, force=args.force, fp8_rounding=args.fp8_rounding,
-        seed=args.seed, dry_run=args.dry_run)
-    lines = [report.summary()]
-    if args.dry_run and args.verbose:
+        seed=args.seed or 0, dry_run=args.dry_run)
+    lines = [_cli_words(report.summary())]
+    if args.verbose:
         lines += [f"  {name}  <- adapters {adapters}" for name, adapters in report.fused]
     _print("\n".join(lines))
     return 0
+
+
+def _cli_words(text):
+    """A library message with its keyword arguments spelled as this command's options."""
+    for keyword, flag in _FLAGS:
+        text = text.replace(keyword, flag)
+    return text
 
 
 def _print(text, stream=None):
@@ -134,12 +171,30 @@ def _positive_int(text):
     return value
 
 
+def _thread_count(text):
+    from ._threads import MAX_THREADS
+
+    value = _positive_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_THREADS} threads, got {text}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake told in one line (and where to read more) instead of the
+    whole usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser():
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="ltx2blas", description=__doc__)
+    parser = _Parser(prog="ltx2blas", description=__doc__.split("\n\n")[0].replace("\n", " "),
+                     epilog="Exit codes: " + __doc__.split("Exit codes: ")[1].replace("\n", " "))
     parser.add_argument("--version", action="version", version=f"ltx2blas {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("info", help="versions, BLAS, threads, CPU features, sgemm exact depth")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -162,7 +217,7 @@ def build_parser():
     p.add_argument("--allow-unmatched", action="store_true",
                    help="fuse what matches when some adapter modules match no weight, and list "
                         "them (by default that is an error and nothing is written)")
-    p.add_argument("--threads", type=_positive_int, default=None,
+    p.add_argument("--threads", type=_thread_count, default=None,
                    help="threads (default: every CPU this process may use)")
     p.add_argument("--dry-run", action="store_true",
                    help="validate and match, report what would be fused, write nothing")
@@ -172,14 +227,17 @@ def build_parser():
                    help="fuse even into a checkpoint whose metadata says it already holds a fused adapter")
     p.add_argument("--fp8-rounding", choices=("nearest", "stochastic"), default="nearest",
                    help="rounding into fp8 weights (default nearest-even, upstream's CPU rule)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of --fp8-rounding stochastic (bits differ per tensor name)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of --fp8-rounding stochastic (default 0; bits differ per tensor "
+                        "name)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
-    p.add_argument("-v", "--verbose", action="store_true", help="with --dry-run, list every match")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="list every weight fused (or, with --dry-run, to be fused) and its "
+                        "adapters")
     p.set_defaults(func=_cmd_fuse)
 
     p = sub.add_parser("demo", help="fuse an LTX-2-shaped adapter in memory, check it, time it")
-    p.add_argument("--threads", type=_positive_int, default=None,
+    p.add_argument("--threads", type=_thread_count, default=None,
                    help="threads (default: every CPU this process may use)")
     p.add_argument("--rank", type=_positive_int, default=384, help="adapter rank (default 384)")
     p.add_argument("--rows", type=_positive_int, default=4096, help="weight rows (default 4096)")
@@ -199,32 +257,70 @@ def exit_code(exc):
         return 5
     if isinstance(exc, FormatError):
         return 3
-    if isinstance(exc, OSError):
+    if isinstance(exc, (OSError, MemoryError)):
         return 4
     return 2
 
 
 def _message(exc):
     """One line for an error: its own message, without the [Errno N] an OSError prefixes."""
+    if isinstance(exc, MemoryError):
+        return "out of memory" + (f" ({exc})" if str(exc) else "")
     text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    return (text.splitlines() or [type(exc).__name__])[0]
+    return _cli_words((text.splitlines() or [type(exc).__name__])[0])
+
+
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that
+    the same clean-up runs (the temporary output removed) on the way out."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_SIGNALS = ("SIGTERM", "SIGHUP")
+
+
+def _raise_terminated(signum, frame):
+    for name in _SIGNALS:  # a second signal must not interrupt the clean-up the first started
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    raise _Terminated(signum)
+
+
+def _handle_signals():
+    """Handlers for SIGTERM and SIGHUP (timeout, systemd, docker stop, a closed terminal);
+    returns the previous ones.  Only the main thread may set them."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _raise_terminated)
+            for sig in (getattr(signal, name) for name in _SIGNALS if hasattr(signal, name))}
 
 
 def main(argv=None):
+    previous = _handle_signals()
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt:
         print("ltx2blas: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:
+    except _Terminated as exc:
+        print(f"ltx2blas: terminated by {signal.Signals(exc.signum).name}", file=sys.stderr)
+        return 128 + exc.signum
+    except (Exception, MemoryError) as exc:
         from .errors import Ltx2BlasError
 
-        if not isinstance(exc, (Ltx2BlasError, OSError, ValueError, TypeError)) or (
-                not isinstance(exc, (Ltx2BlasError, OSError)) and os.environ.get("LTX2BLAS_DEBUG")):
+        known = (Ltx2BlasError, OSError, ValueError, TypeError, MemoryError)
+        if not isinstance(exc, known) or (
+                not isinstance(exc, (Ltx2BlasError, OSError, MemoryError))
+                and os.environ.get("LTX2BLAS_DEBUG")):
             raise
         _print(f"ltx2blas: error: {_message(exc)}", sys.stderr)
         return exit_code(exc)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

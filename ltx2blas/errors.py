@@ -50,7 +50,15 @@ class AlreadyFusedError(Ltx2BlasError, ValueError):
 
 
 class NumericsError(Ltx2BlasError, ValueError):
-    """Non-finite values where finite ones are required."""
+    """Non-finite values where finite ones are required.
+
+    Where an adapter's tensor is at fault, ``adapter`` is its position in the call's adapters
+    and ``tensor`` which of its tensors ("lora_a", "lora_b", "diff"), so that a caller that
+    knows their names (the file layer: a file and a key) can say them."""
+
+    def __init__(self, message, *, adapter=None, tensor=None):
+        super().__init__(message)
+        self.adapter, self.tensor = adapter, tensor
 
 
 class NonFiniteInputError(NumericsError):

@@ -3,7 +3,6 @@
 The arithmetic is docs/arithmetic.md §1 (see :mod:`ltx2blas.reference`), and the result is byte-identical to
 that loop for every shape, rank, strength and thread count.  How: :mod:`ltx2blas._gemm`.
 """
-import numbers
 import operator
 from typing import NamedTuple
 
@@ -12,7 +11,7 @@ import numpy as np
 from . import _fuse, _gemm, _probe, _quant
 from ._validate import (BLAS_INT_MAX, FP8, FP8_ROUNDINGS, RULES, as_kind, bf16_bits, bf16_to_f32,
                         choice, contiguous, first_nonfinite_fp8, is_bf16, ml_fp8_format, ndarray,
-                        output, where)
+                        output, strength_f32, where)
 from ._threads import blas_single_threaded, resolve_threads
 from .errors import (
     ArgumentError,
@@ -338,14 +337,7 @@ def _bf16_value(bits):
 
 
 def _strength_f32(strength, index):
-    if isinstance(strength, (bool, np.bool_)) or not isinstance(strength, numbers.Real):
-        raise ArgumentTypeError(f"adapter {index}: strength must be a real number, got {strength!r}")
-    with np.errstate(over="ignore"):
-        s = np.float32(strength)
-    if not np.isfinite(s):
-        raise NonFiniteInputError(
-            f"adapter {index}: strength {strength!r} is not finite as f32")
-    return s
+    return strength_f32(strength, f"adapter {index}: strength")
 
 
 # "delta": the bare bf16 aggregate delta, for the layouts whose rule needs all of it first.
@@ -389,10 +381,11 @@ def _first_nonfinite(bits, fmt):
 
 class _Adapter:
     """One validated adapter: a LoRA pair (``a`` = A, ``b`` = B) or a full-weight difference
-    (``a`` = the difference, ``b`` None), with its f32 strength."""
+    (``a`` = the difference, ``b`` None), with its f32 strength and its ``index`` among the
+    adapters given (rank-0 ones are left out, so it may differ from its place here)."""
 
-    def __init__(self, kind, a, b, s):
-        self.kind, self.a, self.b, self.s = kind, a, b, s
+    def __init__(self, kind, a, b, s, index):
+        self.kind, self.a, self.b, self.s, self.index = kind, a, b, s, index
         self.rank = a.shape[0] if kind == "lora" else 0
 
 
@@ -407,7 +400,7 @@ def _prepare_adapters(adapters, rows, cols):
                 raise ShapeError(f"adapter {i}: diff {diff.shape} does not fit weight "
                                  f"({rows}, {cols})")
             contiguous(diff, f"adapter {i} diff")
-            prepared.append(_Adapter("diff", diff, None, s))
+            prepared.append(_Adapter("diff", diff, None, s, i))
             continue
         lora_a, lora_b, strength = item
         a = bf16_bits(lora_a, f"adapter {i} lora_a")
@@ -430,7 +423,7 @@ def _prepare_adapters(adapters, rows, cols):
         contiguous(b, f"adapter {i} lora_b")
         s = _strength_f32(strength, i)
         if a.shape[0] > 0:
-            prepared.append(_Adapter("lora", a, b, s))
+            prepared.append(_Adapter("lora", a, b, s, i))
     return prepared
 
 
@@ -439,9 +432,9 @@ def _output(out, w, fmt, prepared):
     if out is None:
         return np.empty_like(w), False
     inputs = {}
-    for i, ad in enumerate(prepared):
-        inputs[f"adapter {i}"] = ad.a
-        inputs[f"adapter {i} lora_b"] = ad.b
+    for ad in prepared:
+        inputs[f"adapter {ad.index}"] = ad.a
+        inputs[f"adapter {ad.index} lora_b"] = ad.b
     return output(_weight_bits(out, fmt, "out")[1], w.shape, inputs, same_as=w), True
 
 
@@ -478,7 +471,8 @@ def _choose_route(prepared, fmt, rule, check_finite):
             if check_finite and mag.first_nonfinite >= 0:
                 at = where(mag.first_nonfinite, ad.a.shape)
                 raise NonFiniteInputError(
-                    f"adapter {i} diff is non-finite at {at} (value {_bf16_value(ad.a[at])!r})")
+                    f"adapter {ad.index} diff is non-finite at {at} (value "
+                    f"{_bf16_value(ad.a[at])!r})", adapter=ad.index, tensor="diff")
             route.bound += abs(float(ad.s)) * mag.max * 1.01
             continue
         amag, bmag = _Magnitudes(ad.a), _Magnitudes(ad.b)
@@ -487,7 +481,8 @@ def _choose_route(prepared, fmt, rule, check_finite):
                 if mag.first_nonfinite >= 0:
                     at = where(mag.first_nonfinite, arr.shape)
                     raise NonFiniteInputError(
-                        f"adapter {i} {what} is non-finite at {at} (value {_bf16_value(arr[at])!r})")
+                        f"adapter {ad.index} {what} is non-finite at {at} (value "
+                        f"{_bf16_value(arr[at])!r})", adapter=ad.index, tensor=what)
         # bs = bf16(B*s): bounds on its magnitudes, one bf16 rounding step of slack each way;
         # addmm multiplies later adapters' B unscaled and scales their products.
         prescaled = route.rule != "addmm" or i == 0
@@ -501,7 +496,8 @@ def _choose_route(prepared, fmt, rule, check_finite):
             if bad >= 0:
                 at = where(bad, ad.b.shape)
                 raise NonFiniteResultError(
-                    f"adapter {i}: lora_b{at} x strength {float(ad.s)!r} overflows bf16")
+                    f"adapter {ad.index}: lora_b{at} x strength {float(ad.s)!r} overflows bf16",
+                    adapter=ad.index, tensor="lora_b")
         # Products bs*A are exact in f32 (so FMA and BLAS are exact too) unless they could
         # leave the normal range.
         if bs_max * amag.max >= 2.0**127 or (

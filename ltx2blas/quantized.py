@@ -20,6 +20,13 @@ Layouts:
 ``nvfp4``       packed E2M1 [out, in/2], E4M3 block scales ``scale`` in the cuBLAS 128 x 4
                 tiled layout [roundup(out, 128), roundup(in/16, 4)] and one f32 ``scale_2``:
                 upstream's NVFP4 rule (new block scales and scale_2).
+``comfy_nvfp4`` stored as ``nvfp4``: ComfyUI's nvfp4 rule (merged in f32, new block scales
+                and scale_2).
+``comfy_mxfp8`` F8_E4M3 codes [out, in] and E8M0 exponent bytes ``scale``, one per 32
+                elements of a row, in the tiled layout [roundup(out, 128), roundup(in/32, 4)]:
+                ComfyUI's mxfp8 rule (new exponents).
+``comfy_int8``  int8 codes [out, in] and an f32 ``scale`` of one value (0-d) or one per row
+                ([out, 1]): ComfyUI's int8_tensorwise rule (new scale, or scales per row).
 
 The rules need every value of the merged weight before they requantise (its largest magnitude
 sets the scale), so the delta is held whole: 2 bytes per weight element of extra memory.
@@ -44,10 +51,14 @@ from .fuse import aggregate_delta
 
 __all__ = ["fuse_quantized", "QuantizedWeight", "LAYOUTS", "logical_shape"]
 
-LAYOUTS = ("fp8_scaled", "comfy_fp8", "fp8_block", "fp6_block", "nvfp4")
+LAYOUTS = ("fp8_scaled", "comfy_fp8", "fp8_block", "fp6_block", "nvfp4", "comfy_nvfp4",
+           "comfy_mxfp8", "comfy_int8")
 
 BLOCK = 128
 NVFP4_GROUP = 16
+MXFP8_GROUP = 32
+#: The layouts whose block scales lie in the cuBLAS tiled layout, and their group sizes.
+TILED = {"nvfp4": NVFP4_GROUP, "comfy_nvfp4": NVFP4_GROUP, "comfy_mxfp8": MXFP8_GROUP}
 
 
 class QuantizedWeight(NamedTuple):
@@ -62,9 +73,15 @@ def logical_shape(layout, stored_shape):
     rows, cols = stored_shape
     if layout == "fp6_block":
         return rows, cols * 4 // 3
-    if layout == "nvfp4":
+    if layout in ("nvfp4", "comfy_nvfp4"):
         return rows, cols * 2
     return rows, cols
+
+
+def tiled_shape(layout, rows, cols):
+    """The shape of a tiled layout's block scales for a [rows, cols] weight: [roundup(rows,
+    128), roundup(cols / group, 4)]."""
+    return _round_up(rows, 128), _round_up(cols // TILED[layout], 4)
 
 
 def _round_up(n, to):
@@ -78,10 +95,16 @@ def _array(x, name):
 def _codes(weight, layout, fmt):
     """(uint8 view of the weight's codes, fp8 format)."""
     w = _array(weight, "weight")
+    if w.ndim != 2:
+        raise ShapeError(f"weight must be 2-D, got shape {w.shape}")
+    if layout == "comfy_int8":
+        if w.dtype != np.int8:
+            raise DTypeError(f"a comfy_int8 weight holds int8 codes, got {w.dtype}")
+        return w, None
     inferred = ml_fp8_format(w.dtype)
     if inferred is None and w.dtype != np.uint8:
         raise DTypeError(f"weight must hold uint8 codes (or an ml_dtypes fp8 dtype), got {w.dtype}")
-    if layout in ("fp6_block", "nvfp4"):
+    if layout in ("fp6_block", "nvfp4", "comfy_nvfp4"):
         if inferred:
             raise DTypeError(f"a {layout} weight is packed uint8, got {w.dtype}")
         fmt = None
@@ -92,8 +115,6 @@ def _codes(weight, layout, fmt):
         allowed = ("F8_E4M3", "F8_E5M2") if layout == "comfy_fp8" else ("F8_E4M3",)
         if fmt not in allowed:
             raise DTypeError(f"a {layout} weight holds {' or '.join(allowed)} codes, not {fmt}")
-    if w.ndim != 2:
-        raise ShapeError(f"weight must be 2-D, got shape {w.shape}")
     return w.view(np.uint8), fmt
 
 
@@ -115,8 +136,9 @@ def _check_shapes(layout, w, rows, cols):
         raise ShapeError(f"a {layout} weight of [{rows}, {cols}] is not made of 128 x 128 blocks")
     if layout == "fp6_block" and w.shape[1] * 4 != cols * 3:
         raise ShapeError(f"packed fp6 weight {w.shape}: columns not a multiple of 3")
-    if layout == "nvfp4" and cols % NVFP4_GROUP:
-        raise ShapeError(f"an nvfp4 weight of {cols} columns is not made of 16-element blocks")
+    if layout in TILED and cols % TILED[layout]:
+        raise ShapeError(f"a {layout} weight of {cols} columns is not made of "
+                         f"{TILED[layout]}-element blocks")
 
 
 def _delta(rows, cols, adapters, rule, threads, tile, out):
@@ -129,9 +151,66 @@ def _delta(rows, cols, adapters, rule, threads, tile, out):
             _, _, bad = _gemm.scan_bf16(np.ascontiguousarray(factor).view(np.uint16).reshape(-1))
             if bad >= 0:
                 at = where(bad, np.shape(factor))
-                raise NonFiniteInputError(f"adapter {i} {what} is non-finite at {at}")
+                raise NonFiniteInputError(f"adapter {i} {what} is non-finite at {at}",
+                                          adapter=i, tensor=what)
     at = where(first, (rows, cols))
     raise NonFiniteResultError(f"the adapters' delta overflows bf16 at {at}")
+
+
+def _operands(layout, weight, scale, scale_2, fmt):
+    """(codes, fp8 format, scale, scale_2, rows, cols) of a quantised weight, every one checked:
+    dtypes, shapes, and NaN or inf in the codes and scales (which the rules cannot fuse)."""
+    if layout not in LAYOUTS:
+        raise ArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    codes, fmt = _codes(weight, layout, fmt)
+    rows, cols = logical_shape(layout, codes.shape)
+    _check_shapes(layout, codes, rows, cols)
+    second = None
+    if layout in TILED:
+        what = "E8M0 exponents" if layout == "comfy_mxfp8" else "E4M3 codes"
+        block = _array(scale, "scale")
+        if block.dtype.itemsize != 1 or block.dtype.kind not in "uVf":
+            raise DTypeError(f"{layout} block scales are {what} (uint8), got {block.dtype}")
+        block = block.view(np.uint8)
+        want = tiled_shape(layout, rows, cols)
+        if block.shape != want:
+            raise ShapeError(f"{layout} block scales have shape {block.shape}; the tiled layout "
+                             f"of a [{rows}, {cols}] weight is {want}")
+        bad = (np.flatnonzero(block.reshape(-1) == 0xFF) if layout == "comfy_mxfp8" else
+               [i for i in [first_nonfinite_fp8(block.reshape(-1), "F8_E4M3")] if i >= 0])
+        if len(bad):
+            raise NonFiniteWeightError(f"{layout} block scales hold a NaN code at flat index "
+                                       f"{int(bad[0])}")
+        if layout != "comfy_mxfp8":
+            if scale_2 is None:
+                raise ArgumentError(f"{layout} needs scale_2, the per-tensor f32 scale")
+            second = _f32(scale_2, "scale_2")
+    elif layout == "comfy_int8":
+        block = _array(scale, "scale")
+        if block.shape not in ((), (rows, 1)):
+            raise ShapeError(
+                f"a comfy_int8 scale is one f32 value of shape () or one per row, [{rows}, 1]; got "
+                f"{list(block.shape)}" + (" (ComfyUI requantises a scale with dimensions as one "
+                                          "per row, a different shape)" if block.size == 1 else ""))
+        block = _f32(block, "scale", block.shape)
+    else:
+        block = _f32(scale, "scale", (rows // BLOCK, cols // BLOCK) if layout.endswith("_block")
+                     else None)
+    if scale_2 is not None and second is None:
+        raise ArgumentError(f"scale_2 belongs to the nvfp4 layouts, not {layout}")
+    if fmt is not None:
+        first = first_nonfinite_fp8(codes.reshape(-1), fmt)
+        if first >= 0:
+            at = where(first, codes.shape)
+            raise NonFiniteWeightError(f"weight ({fmt}) is inf or NaN at {at} (code "
+                                       f"{int(codes[at]):#x}) before fusing")
+    return codes, fmt, block, second, rows, cols
+
+
+def check_weight(layout, weight, *, scale, scale_2=None, fmt=None):
+    """Raise what :func:`fuse_quantized` raises for the weight and scales alone (dtypes, shapes,
+    NaN or inf codes and scales), computing nothing: a dry run's check."""
+    _operands(layout, weight, scale, scale_2, fmt)
 
 
 def fuse_quantized(layout, weight, adapters, *, scale, scale_2=None, fmt=None, rule="addmm",
@@ -143,11 +222,12 @@ def fuse_quantized(layout, weight, adapters, *, scale, scale_2=None, fmt=None, r
     layout : str
         One of ``LAYOUTS`` (see the module docstring).
     weight : uint8 array
-        The stored codes (an ml_dtypes fp8 array is taken as its codes).
+        The stored codes (an ml_dtypes fp8 array is taken as its codes; int8 for comfy_int8).
     adapters : sequence of (lora_a, lora_b, strength)
         bf16 factors as for :func:`ltx2blas.fuse_loras`; ``rule`` names how several combine.
     scale, scale_2 : arrays
-        The layout's scales (f32; nvfp4's block scales uint8 E4M3 codes, its ``scale_2`` f32).
+        The layout's scales (f32; the nvfp4 layouts' block scales uint8 E4M3 codes, their
+        ``scale_2`` f32; comfy_mxfp8's uint8 E8M0 exponents).
     fmt : "F8_E4M3" or "F8_E5M2", optional
         The codes' fp8 format (``comfy_fp8`` takes both; default F8_E4M3 or the dtype's).
     in_place : bool
@@ -166,37 +246,7 @@ def fuse_quantized(layout, weight, adapters, *, scale, scale_2=None, fmt=None, r
         inf or NaN in the codes, scales or delta, or a merged weight that overflows: the scales
         derive from the values, so these cannot be fused.  Nothing is written then.
     """
-    if layout not in LAYOUTS:
-        raise ArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    codes, fmt = _codes(weight, layout, fmt)
-    rows, cols = logical_shape(layout, codes.shape)
-    _check_shapes(layout, codes, rows, cols)
-    if layout == "nvfp4":
-        block = _array(scale, "scale")
-        if block.dtype.itemsize != 1 or block.dtype.kind not in "uV":
-            raise DTypeError(f"nvfp4 block scales are E4M3 codes (uint8), got {block.dtype}")
-        block = block.view(np.uint8)
-        want = (_round_up(rows, 128), _round_up(cols // NVFP4_GROUP, 4))
-        if block.shape != want:
-            raise ShapeError(f"nvfp4 block scales have shape {block.shape}; the tiled layout of a "
-                             f"[{rows}, {cols}] weight is {want}")
-        if first_nonfinite_fp8(block.reshape(-1), "F8_E4M3") >= 0:
-            raise NonFiniteWeightError("nvfp4 block scales hold a NaN code")
-        if scale_2 is None:
-            raise ArgumentError("nvfp4 needs scale_2, the per-tensor f32 scale")
-        second = _f32(scale_2, "scale_2")
-    else:
-        block = _f32(scale, "scale", (rows // BLOCK, cols // BLOCK) if layout.endswith("_block")
-                     else None)
-        second = None
-        if scale_2 is not None:
-            raise ArgumentError(f"scale_2 belongs to nvfp4, not {layout}")
-    if fmt is not None:
-        first = first_nonfinite_fp8(codes.reshape(-1), fmt)
-        if first >= 0:
-            at = where(first, codes.shape)
-            raise NonFiniteWeightError(f"weight ({fmt}) is inf or NaN at {at} (code "
-                                       f"{int(codes[at]):#x}) before fusing")
+    codes, fmt, block, second, rows, cols = _operands(layout, weight, scale, scale_2, fmt)
     if in_place and not (codes.flags.writeable and block.flags.writeable and
                          (second is None or second.flags.writeable)):
         raise LayoutError("in_place needs writeable weight and scales")
@@ -231,13 +281,36 @@ def fuse_quantized(layout, weight, adapters, *, scale, scale_2=None, fmt=None, r
             fp6 = layout == "fp6_block"
             _check_merged(np.float32(_quant.block_merge(codes, fp6, block, delta, threads)))
             _quant.block_quantize(delta, fp6, out_codes, out_scale, threads)
-        else:
+        elif layout == "nvfp4":
             top = np.float32(_quant.nvfp4_merge(codes, block, np.float32(second.reshape(-1)[0]),
                                                 delta, threads))
             _check_merged(top)
             t = np.float32(top * np.float32(1.0 / 2688.0))
             _quant.nvfp4_quantize(delta, t, out_codes, out_scale, threads)
             out_second.reshape(-1)[0] = t
+        elif layout == "comfy_nvfp4":    # ComfyUI: scale_2 = amax / (448 * 6), a division
+            s2 = np.float32(second.reshape(-1)[0])
+            top = np.float32(_quant.comfy_nvfp4_max(codes, block, s2, delta, threads))
+            _check_merged(top)
+            t = np.float32(top / np.float32(2688.0))
+            if t > 0:
+                _quant.comfy_nvfp4_quantize(out_codes, out_scale, s2, delta, t, threads)
+            else:  # all zero: the owner's 0 / 0 would make NaN scales
+                out_codes[...] = 0
+                out_scale[...] = 0
+            out_second.reshape(-1)[0] = t
+        elif layout == "comfy_mxfp8":
+            _check_merged(np.float32(_quant.comfy_mxfp8_max(codes, block, delta, threads)))
+            _quant.comfy_mxfp8_quantize(out_codes, out_scale, delta, threads)
+        else:                             # ComfyUI: scale = max(amax / 127, 1e-30)
+            per_row = block.ndim == 2
+            top, row_tops = _quant.comfy_int8_max(codes, block.reshape(-1), per_row, delta,
+                                                  threads)
+            _check_merged(np.float32(top))
+            tops = row_tops if per_row else np.array([top], np.float32)
+            new = np.maximum(tops / np.float32(127.0), np.float32(1e-30)).astype(np.float32)
+            _quant.comfy_int8_quantize(out_codes, block.reshape(-1), new, per_row, delta, threads)
+            out_scale.reshape(-1)[:] = new
     weight_out = out_codes if weight.dtype == np.uint8 else out_codes.view(weight.dtype)
     scale_out = out_scale if scale.dtype == out_scale.dtype else out_scale.view(scale.dtype)
     return QuantizedWeight(weight_out, scale_out, out_second)

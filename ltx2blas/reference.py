@@ -447,14 +447,135 @@ def fuse_nvfp4(packed, block_scales, scale_2, delta):
     return nvfp4_pack(codes), out_scales.reshape(block_scales.shape), t
 
 
+# --------------------------------------------------------------------------------------------
+# ComfyUI's per-layer layouts beyond per-tensor fp8 (a ``comfy_quant`` marker naming nvfp4,
+# mxfp8 or int8_tensorwise), fused as ComfyUI fuses them on the CPU: comfy-kitchen dequantises
+# into f32 (its eager arithmetic, every step one f32 operation), the delta is added in f32, and
+# the sum is requantised with new scales by comfy-kitchen's quantiser.  ComfyUI's LoRA path adds
+# noise before rounding (stochastic rounding from torch's generator); the rules here round to
+# nearest, as that quantiser does without the noise.  As above, where the owner's rule would
+# divide by a zero maximum, the codes are zeros and the scale zero.
+# --------------------------------------------------------------------------------------------
+
+MXFP8_GROUP = 32      # MXFP8: 32 consecutive elements of a row per E8M0 exponent
+INT8_MAX = np.float32(127.0)
+INT8_SCALE_MIN = np.float32(1e-30)   # comfy-kitchen's floor on an int8 scale
+
+
+def _tiled(swizzled, rows, groups):
+    """[rows, groups] of a scale array in the cuBLAS 128 x 4 tiled layout (bytes)."""
+    flat = bits(swizzled, np.uint8).reshape(-1)
+    r, c = np.meshgrid(np.arange(rows), np.arange(groups), indexing="ij")
+    return flat[nvfp4_scale_offset(r, c, swizzled.shape[1])]
+
+
+def _untiled(values, shape):
+    """[rows, groups] bytes placed in a tiled array of ``shape``, zeros in its padding."""
+    out = np.zeros(int(np.prod(shape)), np.uint8)
+    rows, groups = values.shape
+    r, c = np.meshgrid(np.arange(rows), np.arange(groups), indexing="ij")
+    out[nvfp4_scale_offset(r, c, shape[1])] = values
+    return out.reshape(shape)
+
+
+def fuse_comfy_nvfp4(packed, block_scales, scale_2, delta):
+    """ComfyUI's nvfp4 (the same storage as upstream's: packed E2M1, E4M3 block scales of 16
+    in the tiled layout, one f32 ``scale_2``); returns (packed, block scales, scale_2).
+
+        w      = f32(e2m1 * f32(scale_2 * f32(block scale)))
+        n      = f32(w + f32(delta))
+        t      = f32(max|n| / 2688)                                   # the new scale_2
+        block: s = e4m3(min(f32(f32(max|block| / 6) / t), 448));  total = f32(t * f32(s))
+        code   = e2m1(f32(n / total)), or +0 where total is 0
+    Upstream's rule differs: it rounds w and n to bf16, and multiplies by f32(1 / 2688) and by
+    f32(1 / total) where ComfyUI divides."""
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    groups = cols // NVFP4_GROUP
+    bs = fp8_widen(_tiled(block_scales, rows, groups), "F8_E4M3")
+    w = e2m1_widen(nvfp4_unpack(packed)) * np.repeat(np.float32(scale_2) * bs, NVFP4_GROUP, 1)
+    n = w + bf16_widen(delta)
+    t = np.float32(_max_abs(n) / np.float32(2688.0))
+    g = n.reshape(rows, groups, NVFP4_GROUP)
+    if t == 0:   # all zero: the owner's 0 / 0 would make NaN scales
+        return nvfp4_pack(np.zeros((rows, cols), np.uint8)), np.zeros_like(
+            bits(block_scales, np.uint8)), t
+    s = np.minimum((np.max(np.abs(g), axis=2) / np.float32(6.0)) / t, E4M3_MAX)
+    s_codes = fp8_round(s, "F8_E4M3")
+    total = t * fp8_widen(s_codes, "F8_E4M3")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(total[:, :, None] > 0, g / total[:, :, None], np.float32(0.0))
+    codes = e2m1_round(q.astype(np.float32)).reshape(rows, cols)
+    return nvfp4_pack(codes), _untiled(s_codes, block_scales.shape), t
+
+
+def e8m0_widen(codes):
+    """E8M0 exponent bytes -> f32 scales 2^(e - 127), byte 0 read as 0 (comfy-kitchen's
+    decoding) and 255 as NaN."""
+    e = bits(codes, np.uint8).astype(np.int64)
+    v = np.ldexp(np.float32(1.0), np.clip(e, 1, 254) - 127).astype(np.float32)
+    return np.where(e == 0, np.float32(0.0), np.where(e == 255, np.float32(np.nan), v))
+
+
+def e8m0_for(top):
+    """The E8M0 exponent of a block of largest magnitude ``top`` (f32, > 0):
+    ceil(log2(max(f32(top / 448), 2^-127))) + 127, clamped to 0 .. 254, with the log2 rounded
+    to f32 as comfy-kitchen computes it (correctly rounded here), so that a quotient a few f32
+    steps above a power of two takes the power's exponent."""
+    needed = np.maximum(np.asarray(top, np.float32) / E4M3_MAX, np.float32(2.0 ** -127))
+    log2 = np.log2(needed.astype(np.float64)).astype(np.float32)
+    return np.clip(np.ceil(log2).astype(np.int64) + 127, 0, 254)
+
+
+def fuse_comfy_mxfp8(codes, block_scales, delta):
+    """ComfyUI's mxfp8: e4m3 codes [out, in] and an E8M0 exponent per 32 elements of a row in
+    the tiled layout; returns (codes, block scales).
+
+        w     = f32(f32(code) * 2^(e - 127))
+        n     = f32(w + f32(delta))
+        block: e' = e8m0_for(max|block|);  code' = e4m3(clamp(f32(n / 2^(e' - 127)), -448, 448))
+    A block whose maximum is 0, or below 448 * 2^-127 (so that e' is 0, a zero scale), is
+    written as zero codes with e' = 0; the owner's rule divides by that zero."""
+    rows, cols = codes.shape
+    groups = cols // MXFP8_GROUP
+    scale = e8m0_widen(_tiled(block_scales, rows, groups))
+    w = fp8_widen(codes, "F8_E4M3") * np.repeat(scale, MXFP8_GROUP, 1)
+    n = (w + bf16_widen(delta)).reshape(rows, groups, MXFP8_GROUP)
+    top = np.max(np.abs(n), axis=2)
+    e = np.where(top > 0, e8m0_for(np.where(top > 0, top, 1)), 0)
+    zero = e == 0
+    e = np.where(zero, 0, e)
+    step = np.ldexp(np.float32(1.0), np.where(zero, 127, e) - 127).astype(np.float32)
+    q = np.clip(n / step[:, :, None], -E4M3_MAX, E4M3_MAX)
+    out = np.where(zero[:, :, None], np.uint8(0), fp8_round(q, "F8_E4M3"))
+    return out.reshape(rows, cols), _untiled(e.astype(np.uint8), block_scales.shape)
+
+
+def fuse_comfy_int8(codes, scale, delta):
+    """ComfyUI's int8_tensorwise: int8 codes [out, in] with one f32 scale (0-d), or one per
+    row ([out, 1], as ComfyUI requantises a weight whose scale has dimensions); returns
+    (codes, scale).
+
+        w      = f32(f32(code) * scale)
+        n      = f32(w + f32(delta))
+        scale' = max(f32(max|n| / 127), 1e-30)       (the tensor's maximum, or the row's)
+        code'  = clamp(round_half_even(f32(n / scale')), -128, 127)"""
+    s = np.asarray(scale, np.float32)
+    n = bits(codes, np.int8).astype(np.float32) * s + bf16_widen(delta)
+    top = np.max(np.abs(n), axis=1, keepdims=True) if s.ndim == 2 else _max_abs(n)
+    new = np.maximum(np.asarray(top, np.float32) / INT8_MAX, INT8_SCALE_MIN)
+    q = np.clip(np.rint(n / new), -128, 127).astype(np.int8)
+    return q, new.reshape(s.shape)
+
+
 #: Layout name -> the rule above that fuses it.
-LAYOUTS = ("fp8_scaled", "comfy_fp8", "fp8_block", "fp6_block", "nvfp4")
+LAYOUTS = ("fp8_scaled", "comfy_fp8", "fp8_block", "fp6_block", "nvfp4", "comfy_nvfp4",
+           "comfy_mxfp8", "comfy_int8")
 
 
 def fuse_quantized(layout, weight, scales, adapters, rule="addmm", fmt="F8_E4M3"):
     """One of LAYOUTS fused with adapters [(A, B, strength)]: the aggregate delta of
     aggregate_delta (one adapter: lora_delta), then the layout's rule.  ``scales`` is (scale,)
-    or, for nvfp4, (block scales, scale_2); returns (weight, *scales)."""
+    or, for the nvfp4 layouts, (block scales, scale_2); returns (weight, *scales)."""
     agg = adapter_delta(adapters[0]) if len(adapters) == 1 else aggregate_delta(adapters, rule)
     if layout == "fp8_scaled":
         return fuse_scaled_fp8(weight, scales[0], agg, fmt, "ltx")
@@ -466,6 +587,12 @@ def fuse_quantized(layout, weight, scales, adapters, rule="addmm", fmt="F8_E4M3"
         return fuse_block_fp6(weight, scales[0], agg)
     if layout == "nvfp4":
         return fuse_nvfp4(weight, scales[0], scales[1], agg)
+    if layout == "comfy_nvfp4":
+        return fuse_comfy_nvfp4(weight, scales[0], scales[1], agg)
+    if layout == "comfy_mxfp8":
+        return fuse_comfy_mxfp8(weight, scales[0], agg)
+    if layout == "comfy_int8":
+        return fuse_comfy_int8(weight, scales[0], agg)
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 

@@ -172,19 +172,20 @@ def test_unmatched_pairs_are_an_error_unless_allowed(files, tmp_path, rng):
     extra["diffusion_model.elsewhere.lora_B.weight"] = ("BF16", np.zeros((8, 2), np.uint16))
     extra["lora_te_text_model_layer_0_q_proj.lora_down.weight"] = ("BF16", np.zeros((2, 8), np.uint16))
     extra["lora_te_text_model_layer_0_q_proj.lora_up.weight"] = ("BF16", np.zeros((8, 2), np.uint16))
-    extra["notes.something"] = ("F32", np.zeros(3, np.float32))
+    extra["notes"] = ("F32", np.zeros(3, np.float32))
     path = ck.write(tmp_path / "extra.safetensors", extra)
     with pytest.raises(errors.KeyMatchError) as err:
         ltx2blas.fuse_checkpoint(paths["model"], [(path, 1.0)], paths["out"])
     text = str(err.value)
     assert "2 adapter modules match no weight" in text and "diffusion_model.elsewhere" in text
     assert "lora_te_text_model_layer_0_q_proj (text encoder)" in text
-    assert "1 keys of no known role" in text and "nothing was written" in text
+    assert "1 keys are not tensors of any adapter kind ltx2blas knows" in text
+    assert "'notes'" in text and "nothing was written" in text
     assert not paths["out"].exists()
     report = ltx2blas.fuse_checkpoint(paths["model"], [(path, 1.0)], paths["out"],
                                       allow_unmatched=True)
     a = report.adapters[0]
-    assert a.unused_keys == ["notes.something"]
+    assert a.unused_keys == ["notes"]
     assert sorted(a.unmatched_modules) == ["diffusion_model.elsewhere",
                                            "lora_te_text_model_layer_0_q_proj"]
     assert a.unmatched_components == {"lora_te_text_model_layer_0_q_proj": "text encoder"}
@@ -359,3 +360,99 @@ def test_reader_reads_small_weights_ahead_while_a_large_one_is_written(tmp_path,
     finally:
         reader.close()
         ckpt.close()
+
+
+# ---- an IC-LoRA's own module; non-finite values named by file and tensor ----
+
+SLOT = {"frequencies": (16,), "net.0.weight": (256, 33), "net.0.bias": (256,),
+        "net.2.weight": (128, 256), "net.2.bias": (128,)}
+
+
+def test_tensors_of_a_module_the_model_lacks_are_reported_and_left_out(files, tmp_path, rng):
+    """Upstream's trainer saves an IC-LoRA's reference slot embedding (F32 tensors of a module
+    of its own) beside the LoRA pairs. They change no weight of the model, a fused checkpoint
+    holds only the model's tensors, and upstream's loader skips them too: they are left out and
+    named, in the summary and in the output's record, and the pairs are fused."""
+    paths, model, a1, _ = files
+    ic = dict(a1)
+    for name, shape in SLOT.items():
+        ic["diffusion_model.reference_slot_embedding." + name] = (
+            "F32", rng.standard_normal(shape).astype(np.float32))
+    path = ck.write(tmp_path / "ic.safetensors", ic)
+    report = ltx2blas.fuse_checkpoint(paths["model"], [(path, 1.0)], paths["out"])
+    plain = ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 1.0)],
+                                     tmp_path / "plain.safetensors")
+    assert report.modules_fused == plain.modules_fused == 2
+    out, meta, order = read_all(paths["out"])
+    assert order == read_all(tmp_path / "plain.safetensors")[2]
+    assert all(np.array_equal(v[1], read_all(tmp_path / "plain.safetensors")[0][n][1])
+               for n, v in out.items())
+    assert sorted(report.adapters[0].extra_tensors) == sorted(
+        "diffusion_model.reference_slot_embedding." + n for n in SLOT)
+    assert ("5 tensors of modules the model does not have were not fused "
+            "(reference_slot_embedding)") in report.summary()
+    (record,) = json.loads(meta["ltx2blas.fused"])
+    assert len(record["not_fused"]) == 5
+
+
+def test_keys_that_are_no_adapter_tensor_say_so(files, tmp_path):
+    """A key of no adapter role that names one of the model's own modules (a full weight, an
+    unknown role) is not skipped: it is refused, the message naming the keys plainly."""
+    paths, model, a1, _ = files
+    bad = dict(a1)
+    bad["diffusion_model.transformer_blocks.0.attn1.to_q.weight"] = ("F32", np.zeros(3, np.float32))
+    path = ck.write(tmp_path / "bad.safetensors", bad)
+    with pytest.raises(errors.KeyMatchError) as err:
+        ltx2blas.fuse_checkpoint(paths["model"], [(path, 1.0)], paths["out"])
+    text = str(err.value)
+    assert text.startswith(str(path) + ": 1 keys are not tensors of any adapter kind")
+    assert "'diffusion_model.transformer_blocks.0.attn1.to_q.weight'" in text
+    assert "match no weight" not in text and ": ;" not in text
+
+
+@pytest.mark.parametrize("where", ["lora_A", "lora_B", "alpha"])
+def test_non_finite_adapter_values_name_file_and_tensor(files, tmp_path, where):
+    """An adapter tensor holding NaN or inf is refused as it is read, with or without
+    check_finite, by a dry run too, naming the file, the tensor and the element; nothing is
+    written."""
+    paths, model, a1, _ = files
+    bad = {k: (d, v.copy()) for k, (d, v) in a1.items()}
+    key = "diffusion_model.transformer_blocks.0.ff.net.0.proj." + where + (
+        "" if where == "alpha" else ".weight")
+    if where == "alpha":
+        bad[key] = ("F32", np.array(np.nan, np.float32))
+    else:
+        bad[key][1][1, 2] = 0x7F80  # +inf
+    path = ck.write(tmp_path / "bad.safetensors", bad)
+    for dry_run in (True, False):
+        with pytest.raises(errors.NonFiniteInputError) as err:
+            ltx2blas.fuse_checkpoint(paths["model"], [(path, 1.0)], paths["out"],
+                                     dry_run=dry_run)
+        text = str(err.value)
+        assert text.startswith(f"{path}: ") and repr(key) in text
+        assert ("is nan" in text) if where == "alpha" else ("holds inf at (1, 2)" in text)
+        assert not paths["out"].exists()
+
+
+def test_non_finite_weight_and_overflow_name_file_and_tensor(files, tmp_path):
+    """Under check_finite a weight already non-finite names the model file and the tensor, in
+    the real run and in a dry run; an overflowing result names both files and keys."""
+    paths, model, a1, _ = files
+    q = M + "transformer_blocks.0.attn1.to_q.weight"
+    broken = {k: (d, v.copy()) for k, (d, v) in model.items()}
+    broken[q][1][3, 5] = 0x7FC0
+    base = ck.write(tmp_path / "broken.safetensors", broken)
+    for dry_run in (True, False):
+        with pytest.raises(errors.NonFiniteWeightError) as err:
+            ltx2blas.fuse_checkpoint(base, [(paths["a1"], 1.0)], paths["out"], dry_run=dry_run,
+                                     check_finite=True)
+        assert str(err.value).startswith(f"{base}: {q}: weight (bf16) is already non-finite "
+                                         "at (3, 5)")
+    big = {k: (d, np.full_like(v, 0x7F00) if "lora_B" in k else v) for k, (d, v) in a1.items()}
+    path = ck.write(tmp_path / "big.safetensors", big)
+    with pytest.raises(errors.NonFiniteResultError) as err:
+        ltx2blas.fuse_checkpoint(paths["model"], [(path, 100.0)], paths["out"], check_finite=True)
+    text = str(err.value)
+    assert text.startswith(f"{paths['model']}: {q}, adapter {path}: "
+                           "diffusion_model.transformer_blocks.0.attn1.to_q.lora_B.weight: ")
+    assert not paths["out"].exists()

@@ -13,7 +13,7 @@ from ltx2blas.files.safetensors import SafetensorsFile
 
 import ckpt_helpers as ck
 from helpers import random_bf16
-from test_quantized import block_case, nvfp4_case, per_tensor_case
+from test_quantized import block_case, int8_case, mxfp8_case, nvfp4_case, per_tensor_case
 
 pytest.importorskip("safetensors")
 pytest.importorskip("ml_dtypes")
@@ -174,14 +174,111 @@ def _refused(tmp_path, model, ad, match, error=errors.DTypeError, **kwargs):
         sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "m.safetensors"]
 
 
-def test_comfy_formats_not_handled_are_refused(tmp_path, rng):
+def marker(conf):
+    return ("U8", np.frombuffer(json.dumps(conf).encode(), np.uint8).copy())
+
+
+def write_entries(path, tensors, metadata=None):
+    """Write with the library's writer, which takes every safetensors dtype name (F8_E8M0 too)."""
+    from ltx2blas.files.safetensors import SafetensorsWriter
+
+    entries = [(n, d, np.shape(v), np.asarray(v).nbytes) for n, (d, v) in tensors.items()]
+    with SafetensorsWriter(path, entries, metadata) as w:
+        for n, (_, v) in tensors.items():
+            w.write(n, np.ascontiguousarray(v))
+        w.commit()
+    return path
+
+
+def comfy_quantised_model(rng):
+    """A ComfyUI checkpoint with one layer in each format its comfy_quant markers name beyond
+    per-tensor fp8: nvfp4, mxfp8 (E8M0 scales as F8_E8M0), int8 with one scale and per row."""
+    t = {}
     packed, block, s2 = nvfp4_case(rng)
-    model = {M + B0 + "ff.net.2.weight": ("U8", packed),
-             M + B0 + "ff.net.2.weight_scale": ("F8_E4M3", block),
-             M + B0 + "ff.net.2.weight_scale_2": ("F32", s2),
-             M + B0 + "ff.net.2.comfy_quant": ("U8", np.frombuffer(b'{"format": "nvfp4"}', np.uint8).copy())}
+    t[M + B0 + "ff.net.2.weight"] = ("U8", packed)
+    t[M + B0 + "ff.net.2.weight_scale"] = ("F8_E4M3", block)
+    t[M + B0 + "ff.net.2.weight_scale_2"] = ("F32", s2.reshape(()))
+    t[M + B0 + "ff.net.2.input_scale"] = ("F32", np.array(2.0, np.float32))
+    t[M + B0 + "ff.net.2.comfy_quant"] = marker({"format": "nvfp4"})
+    codes, mx = mxfp8_case(rng)
+    t[M + B0 + "attn1.to_q.weight"] = ("F8_E4M3", codes)
+    t[M + B0 + "attn1.to_q.weight_scale"] = ("F8_E8M0", mx)
+    t[M + B0 + "attn1.to_q.comfy_quant"] = marker({"format": "mxfp8"})
+    for m, per_row in (("attn1.to_k", False), ("attn1.to_v", True)):
+        q, scale = int8_case(rng, per_row)
+        t[M + B0 + m + ".weight"] = ("I8", q)
+        t[M + B0 + m + ".weight_scale"] = ("F32", scale)
+        t[M + B0 + m + ".comfy_quant"] = marker({"format": "int8_tensorwise"})
+    return t
+
+
+COMFY_EXPECT = {"ff.net.2": ("comfy_nvfp4", ["weight_scale", "weight_scale_2"]),
+                "attn1.to_q": ("comfy_mxfp8", ["weight_scale"]),
+                "attn1.to_k": ("comfy_int8", ["weight_scale"]),
+                "attn1.to_v": ("comfy_int8", ["weight_scale"])}
+
+
+def test_comfy_quantised_formats(tmp_path, rng):
+    """nvfp4, mxfp8 and int8_tensorwise layers of a ComfyUI checkpoint fused by ComfyUI's rules
+    (reference.fuse_comfy_*), two adapters, their scales rewritten in their shapes and dtypes,
+    the markers and input scales copied; fuse_state_dict the same in place."""
+    model = comfy_quantised_model(rng)
+    modules = [B0 + m for m in COMFY_EXPECT]
+    a1, a2 = lora(rng, modules, 8), lora(rng, modules, 24)
+    write_entries(tmp_path / "m.safetensors", model)
+    ck.write(tmp_path / "a1.safetensors", a1)
+    ck.write(tmp_path / "a2.safetensors", a2)
+    loras = [(tmp_path / "a1.safetensors", 0.7), (tmp_path / "a2.safetensors", -1.1)]
+    report = ltx2blas.fuse_checkpoint(tmp_path / "m.safetensors", loras,
+                                      tmp_path / "out.safetensors", threads=2)
+    assert report.layouts == {"comfy_nvfp4": 1, "comfy_mxfp8": 1, "comfy_int8": 2}
+    with SafetensorsFile(tmp_path / "out.safetensors") as f:
+        dtypes = {n: (i.dtype, i.shape) for n, i in f.tensors.items()}
+    assert dtypes == {n: (d, tuple(np.shape(v))) for n, (d, v) in model.items()}
+    out, _, _ = read_all(tmp_path / "out.safetensors")
+    import ml_dtypes
+
+    state = {n: np.array(v, copy=True) for n, (_, v) in model.items()}
+    state[M + B0 + "attn1.to_q.weight"] = state[M + B0 + "attn1.to_q.weight"].view(
+        ml_dtypes.float8_e4m3fn)                     # as a loader's float8 tensor comes
+    ltx2blas.fuse_state_dict(state, [(str(p), s) for p, s in loras], threads=3)
+    for short, (layout, scale_names) in COMFY_EXPECT.items():
+        m = B0 + short
+        ads = [factors(a1, m, 0.7), factors(a2, m, -1.1)]
+        scales = tuple(model[M + m + "." + n][1] for n in scale_names)
+        expected = reference.fuse_quantized(layout, model[M + m + ".weight"][1], scales, ads)
+        for got in (out, state):
+            assert np.array_equal(got[M + m + ".weight"].view(np.uint8), expected[0].view(np.uint8)), m
+            for n, want in zip(scale_names, expected[1:]):
+                assert np.array_equal(got[M + m + "." + n].reshape(-1).view(np.uint8),
+                                      np.asarray(want, got[M + m + "." + n].dtype)
+                                      .reshape(-1).view(np.uint8)), (m, n)
+    for name in model:
+        if name.endswith((".comfy_quant", ".input_scale")):
+            assert np.array_equal(out[name], model[name][1])
+
+
+@pytest.mark.parametrize("conf, extra, match", [
+    ({"format": "convrot_w4a4"}, None, "'convrot_w4a4' is not one ltx2blas fuses"),
+    ({"format": "awq_w4a16"}, None, "'awq_w4a16' is not one ltx2blas fuses"),
+    ({"format": "int8_tensorwise", "convrot": True}, None, "convrot"),
+    ({"format": "int8_tensorwise"}, "one_scale", r"per row"),
+    ({"format": "int8_tensorwise"}, "pre_quant_scale", "AWQ"),
+    ({"format": "mxfp8"}, None, "whose weight is F8_E4M3"),
+])
+def test_comfy_formats_not_handled_are_refused(tmp_path, rng, conf, extra, match):
+    """A format ComfyUI lists that ltx2blas does not fuse is refused naming it, before anything
+    is written, as is a layer whose stored weight the rule cannot take."""
+    q, scale = int8_case(rng)
+    w = M + B0 + "ff.net.2"
+    model = {w + ".weight": ("I8", q), w + ".weight_scale": ("F32", scale),
+             w + ".comfy_quant": marker(conf)}
+    if extra == "one_scale":
+        model[w + ".weight_scale"] = ("F32", scale.reshape(1))
+    if extra == "pre_quant_scale":
+        model[w + ".pre_quant_scale"] = ("F32", np.ones(384, np.float32))
     _refused(tmp_path, model, lora(rng, [B0 + "ff.net.2"], 4, (256, 384)),
-             r"ff\.net\.2\.weight.*ComfyUI quantisation format 'nvfp4'")
+             r"ff\.net\.2\.weight.*" + match)
 
 
 @pytest.mark.parametrize("what", ["scale_shape", "scale_dtype", "bf16_with_scale", "scale_weight_alone",

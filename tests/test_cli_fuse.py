@@ -3,6 +3,7 @@ and an exit code per kind of error."""
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import ckpt_helpers as ck
@@ -110,3 +111,85 @@ def test_rule_option(paths, tmp_path, rng):
         assert np.array_equal(got[rule], ltx2blas.fuse_loras(w, ads, rule=rule))
     r = run("fuse", model, "--lora", lora, "-o", tmp_path / "x.safetensors", "--rule", "stack")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+# ---- messages and exit codes a user meets in the first hour ----
+
+def test_summary_says_what_happened(paths, tmp_path, rng):
+    """One adapter is not reported as combined by a rule; a dry run would copy, not copied;
+    -v lists the fused weights in a real run too."""
+    model, lora, out = paths
+    r = run("fuse", model, "--lora", lora, "-o", out, "-q", "-v")
+    assert r.returncode == 0, r.stderr
+    assert "rule" not in r.stdout.splitlines()[0] and "copied 9 other tensors" in r.stdout
+    assert "transformer_blocks.0.attn1.to_q.weight  <- adapters [0]" in r.stdout
+    r = run("fuse", model, "--lora", lora, "--dry-run")
+    assert r.returncode == 0 and "would copy 9 other tensors" in r.stdout and "copied" not in r.stdout
+
+
+@pytest.mark.parametrize("args, code, text", [
+    (("--lora", "{lora}=0.8", "-o", "{out}"), 2, "a strength follows a colon (--lora {lora}:0.8)"),
+    (("--lora", "{lora}:inf", "-o", "{out}"), 2, "the strength 'inf' is not finite as f32"),
+    (("--lora", "{lora}:1e40", "-o", "{out}"), 2, "the strength '1e40' is not finite as f32"),
+    (("--lora", "{lora}", "-o", ""), 2, "-o/--output is empty"),
+    (("--lora", "{lora}", "-o", "/dev/stdout"), 4, "output /dev/stdout is a FIFO (a pipe)"),
+    (("--lora", "{lora}", "-o", "{out}", "--seed", "3"), 2,
+     "--seed seeds --fp8-rounding stochastic"),
+    (("--lora", "{lora}", "-o", "{out}", "--threads", str(2**64)), 2, "at most 65536 threads"),
+    (("-o", "{out}"), 2, "the following arguments are required: --lora (see ltx2blas fuse --help)"),
+])
+def test_mistakes_are_one_line_with_their_code(paths, args, code, text):
+    model, lora, out = paths
+    args = [a.format(lora=lora, out=out) for a in args]
+    r = subprocess.run([sys.executable, "-m", "ltx2blas", "fuse", str(model), *args],
+                       capture_output=True, text=True, cwd="/", timeout=300)  # stdout a pipe
+    assert r.returncode == code, r.stderr
+    assert text.format(lora=lora) in r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and "usage:" not in r.stderr
+    assert not out.exists()
+
+
+def test_library_words_become_the_command_s(paths, tmp_path):
+    """The library says force=True; the command says --force."""
+    model, lora, out = paths
+    assert run("fuse", model, "--lora", lora, "-o", out, "-q").returncode == 0
+    r = run("fuse", out, "--lora", lora, "-o", tmp_path / "again.safetensors")
+    assert r.returncode == 2 and "pass --force to fuse again" in r.stderr
+    assert "force=True" not in r.stderr
+
+
+def test_top_level_help_is_plain_text():
+    r = run("--help")
+    assert r.returncode == 0 and "``" not in r.stdout and "Exit codes:" in r.stdout
+
+
+@pytest.mark.parametrize("name, code", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_termination_removes_the_temporary_output(tmp_path, rng, name, code):
+    """timeout, systemd and docker stop send SIGTERM, a closed terminal SIGHUP: the fuse stops
+    as Ctrl-C stops it, the temporary file removed, one line, exit 128 + the signal."""
+    import signal
+    import time
+
+    modules = {f"transformer_blocks.{i}.attn1.to_q": (1024, 1024) for i in range(48)}
+    base = {"model.diffusion_model." + m + ".weight": ("BF16", np.zeros(s, np.uint16))
+            for m, s in modules.items()}
+    ad = {}
+    for m, (o, i) in modules.items():
+        ad["diffusion_model." + m + ".lora_A.weight"] = ("BF16", np.full((256, i), 0x3C00, np.uint16))
+        ad["diffusion_model." + m + ".lora_B.weight"] = ("BF16", np.full((o, 256), 0x3C00, np.uint16))
+    model = ck.write(tmp_path / "big.safetensors", base)
+    lora = ck.write(tmp_path / "big-lora.safetensors", ad)
+    out = tmp_path / "out.safetensors"
+    proc = subprocess.Popen([sys.executable, "-m", "ltx2blas", "fuse", str(model), "--lora",
+                             str(lora), "-o", str(out), "--threads", "1"], cwd="/", text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while not any(".ltx2blas-tmp-" in p.name for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(getattr(signal, name))
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code, stderr
+    assert stderr.strip().splitlines()[-1] == f"ltx2blas: terminated by {name}"
+    assert "Traceback" not in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big-lora.safetensors", "big.safetensors"]

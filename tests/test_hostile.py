@@ -504,3 +504,127 @@ def test_peer_benchmark_leaves_no_compiled_loops_behind(tmp_path):
     if "no compiler" in r.stdout:
         pytest.skip("no C compiler to build the scalar peer with")
     assert os.listdir(tmp_path) == []
+
+
+# ---- 16. round 3: what an attack found ----
+
+def _open_fds():
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("fault", ["buffers", "header"])
+def test_a_failure_while_the_writer_sets_up_leaves_no_file_or_descriptor(tmp_path, monkeypatch,
+                                                                          fault):
+    """Once the temporary file exists, a MemoryError allocating the direct writer's buffers or
+    ENOSPC writing the header removes it and closes it, as a failure later does."""
+    import errno
+
+    if fault == "buffers":
+        def no_memory(nbytes, alignment=4096):
+            raise MemoryError
+        monkeypatch.setattr(st, "page_aligned", no_memory)
+        expected = MemoryError
+    else:
+        def disk_full(self, data):
+            raise errors.Ltx2IOError(errno.ENOSPC, "writing failed: No space left on device")
+        monkeypatch.setattr(st._BufferedSink, "append", disk_full)
+        expected = errors.Ltx2IOError
+    size = st._DirectSink.CHUNK
+    before = _open_fds()
+    with pytest.raises(expected):
+        SafetensorsWriter(tmp_path / "out.safetensors", [("t", "U8", [size], size)],
+                          direct=fault == "buffers")
+    assert list(tmp_path.iterdir()) == []
+    assert _open_fds() == before
+
+
+def test_out_of_memory_is_one_line_and_exit_4(tmp_path, rng):
+    model, lora = small_fuse(tmp_path, rng)
+    code = ("import sys\n"
+            "from ltx2blas.files import checkpoint\n"
+            "def fail(*a, **k):\n    raise MemoryError\n"
+            "checkpoint._fuse_one = fail\n"
+            "from ltx2blas import cli\n"
+            "sys.exit(cli.main(sys.argv[1:]))\n")
+    r = subprocess.run([sys.executable, "-c", code, "fuse", str(model), "--lora", str(lora),
+                        "-o", str(tmp_path / "o.safetensors"), "-q"], capture_output=True,
+                       text=True, cwd="/", timeout=120)
+    assert r.returncode == 4 and r.stderr == "ltx2blas: error: out of memory\n", r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lora.safetensors", "model.safetensors"]
+
+
+def test_tied_and_overlapping_weights_are_refused_naming_both(rng):
+    """Two keys of one array (tied weights) would each take the delta (W + 2 delta); partly
+    overlapping views and an adapter tensor that is a weight being written likewise."""
+    base = {k: v.copy() for k, (_, v) in ck.model(rng).items()}
+    ad = {k: v for k, (_, v) in ck.adapter(rng, [Q, "transformer_blocks.0.attn1.to_k"], rank=2).items()}
+    q, k = M + Q + ".weight", M + "transformer_blocks.0.attn1.to_k.weight"
+    tied = dict(base, **{k: base[q]})
+    with pytest.raises(errors.LayoutError, match=f"'{q}'.*'{k}'.*share memory"):
+        ltx2blas.fuse_state_dict(tied, [(ad, 1.0)])
+    flat = np.zeros(64 * 48 + 7, np.uint16)
+    overlapping = dict(base, **{q: flat[:64 * 48].reshape(64, 48), k: flat[7:].reshape(64, 48)})
+    with pytest.raises(errors.LayoutError, match="share memory"):
+        ltx2blas.fuse_state_dict(overlapping, [(ad, 1.0)])
+    before = {n: v.copy() for n, v in base.items()}
+    reading_itself = dict(ad)
+    reading_itself["diffusion_model." + Q + ".lora_A.weight"] = base[k][:2]
+    with pytest.raises(errors.LayoutError, match="adapter 0's tensor"):
+        ltx2blas.fuse_state_dict(base, [(reading_itself, 1.0)])
+    assert all(np.array_equal(base[n], before[n]) for n in base)   # nothing fused
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda p: ltx2blas.linear(np.zeros((1, 4), np.float32), np.zeros((2, 4), np.uint16),
+                               threads=2**31), errors.ArgumentError),
+    (lambda p: ltx2blas.fuse_lora(np.zeros((4, 4), np.uint16), np.zeros((1, 4), np.uint16),
+                                  np.zeros((4, 1), np.uint16), 10**400), errors.NonFiniteInputError),
+    (lambda p: ltx2blas.fuse_checkpoint(p["model"], [(p["lora"], 10**400)], p["out"]),
+     errors.NonFiniteInputError),
+    (lambda p: ltx2blas.fuse_state_dict({}, [(p["lora"], 10**400)]), errors.NonFiniteInputError),
+    (lambda p: ltx2blas.fuse_checkpoint(p["model"], [(p["lora"], 1.0)], p["out"], progress=5),
+     errors.ArgumentTypeError),
+    (lambda p: ltx2blas.fuse_checkpoint(None, [(p["lora"], 1.0)], p["out"]),
+     errors.ArgumentTypeError),
+    (lambda p: ltx2blas.fuse_checkpoint(3, [(p["lora"], 1.0)], p["out"]), errors.ArgumentTypeError),
+    (lambda p: ltx2blas.fuse_checkpoint(p["model"], [(None, 1.0)], p["out"]),
+     errors.ArgumentTypeError),
+    (lambda p: ltx2blas.fuse_checkpoint(p["model"], [(p["lora"], 1.0)], None),
+     errors.ArgumentTypeError),
+    (lambda p: ltx2blas.fuse_checkpoint(p["model"], [(p["lora"], 1.0)], ""), errors.ArgumentError),
+    (lambda p: ltx2blas.fuse_state_dict({1: np.zeros((4, 4), np.uint16)}, [(p["lora"], 1.0)]),
+     errors.ArgumentTypeError),
+])
+def test_every_bad_argument_is_a_library_error(tmp_path, rng, call, error):
+    """Each raised a plain OverflowError, TypeError or AttributeError before, or ran on."""
+    model, lora = small_fuse(tmp_path, rng)
+    with pytest.raises(error):
+        call({"model": model, "lora": lora, "out": tmp_path / "o.safetensors"})
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_bytes_paths_are_taken(tmp_path, rng):
+    model, lora = small_fuse(tmp_path, rng)
+    out = tmp_path / "o.safetensors"
+    report = ltx2blas.fuse_checkpoint(os.fsencode(model), [(os.fsencode(lora), 1.0)],
+                                      os.fsencode(out))
+    assert report.modules_fused == 1 and out.exists()
+
+
+def test_demo_threads_past_any_machine_is_an_argument_error():
+    r = cli("demo", "--threads", 2**64)
+    assert r.returncode == 2 and "at most 65536 threads" in r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_an_empty_adapter_of_huge_rank_is_refused_naming_the_file(tmp_path):
+    """A rank no BLAS integer holds, in tensors of no bytes, is refused by the plan, naming the
+    file and the module, before numpy is asked for an array it cannot make."""
+    model = header_file(tmp_path / "m.safetensors",
+                        '{"x.weight":{"dtype":"BF16","shape":[0,0],"data_offsets":[0,0]}}')
+    for rank in (2**62, 2**40):
+        lora = header_file(tmp_path / "a.safetensors", json.dumps({
+            "x.lora_A.weight": {"dtype": "BF16", "shape": [rank, 0], "data_offsets": [0, 0]},
+            "x.lora_B.weight": {"dtype": "BF16", "shape": [0, rank], "data_offsets": [0, 0]}}))
+        with pytest.raises(errors.ShapeError, match=f"a.safetensors: x: rank {rank} exceeds"):
+            ltx2blas.fuse_checkpoint(model, [(lora, 1.0)], tmp_path / "o.safetensors")

@@ -41,20 +41,51 @@ def nvfp4_case(rng, rows=ROWS, cols=COLS):
     return packed, scales, np.array(0.0007, np.float32)
 
 
+def tiled_scales(rng, rows, groups, low, high):
+    """Block scale bytes drawn from [low, high) in the tiled layout, zeros in its padding."""
+    padded = (-(-rows // 128) * 128, -(-groups // 4) * 4)
+    scales = np.zeros(padded, np.uint8)
+    r, c = np.meshgrid(np.arange(rows), np.arange(groups), indexing="ij")
+    scales.reshape(-1)[reference.nvfp4_scale_offset(r, c, padded[1])] = rng.integers(
+        low, high, (rows, groups))
+    return scales
+
+
+def mxfp8_case(rng, rows=ROWS, cols=COLS):
+    """e4m3 codes of every finite value and E8M0 exponents around 2^-10 (weights of 0.02)."""
+    finite = np.array([c for c in range(256) if (c & 0x7F) != 0x7F], np.uint8)
+    return finite[rng.integers(0, finite.size, (rows, cols))], tiled_scales(
+        rng, rows, cols // 32, 112, 121)
+
+
+def int8_case(rng, per_row=False, rows=ROWS, cols=COLS):
+    codes = rng.integers(-128, 128, (rows, cols)).astype(np.int8)
+    if per_row:
+        return codes, rng.uniform(1e-4, 3e-4, (rows, 1)).astype(np.float32)
+    return codes, np.array(0.0002, np.float32)
+
+
 def case(rng, layout, fmt="F8_E4M3"):
-    """(weight, scales tuple, keyword arguments) of a random weight in ``layout``."""
+    """(weight, scales tuple, keyword arguments) of a random weight in ``layout`` (fmt "rows"
+    for comfy_int8: one scale per row)."""
     if layout in ("fp8_scaled", "comfy_fp8"):
         w, s = per_tensor_case(rng, fmt)
         return w, (s,), {"scale": s, "fmt": fmt}
     if layout in ("fp8_block", "fp6_block"):
         w, s = block_case(rng, layout == "fp6_block")
         return w, (s,), {"scale": s}
+    if layout == "comfy_mxfp8":
+        w, s = mxfp8_case(rng)
+        return w, (s,), {"scale": s}
+    if layout == "comfy_int8":
+        w, s = int8_case(rng, fmt == "rows")
+        return w, (s,), {"scale": s}
     w, s, s2 = nvfp4_case(rng)
     return w, (s, s2), {"scale": s, "scale_2": s2}
 
 
 def same(got, expected):
-    assert np.array_equal(np.asarray(got.weight).view(np.uint8), expected[0])
+    assert np.array_equal(np.asarray(got.weight).view(np.uint8), expected[0].view(np.uint8))
     assert np.array_equal(np.asarray(got.scale).reshape(-1).view(np.uint8),
                           np.asarray(expected[1], got.scale.dtype).reshape(-1).view(np.uint8))
     if len(expected) > 2:
@@ -63,7 +94,9 @@ def same(got, expected):
 
 
 LAYOUT_FORMATS = [("fp8_scaled", "F8_E4M3"), ("comfy_fp8", "F8_E4M3"), ("comfy_fp8", "F8_E5M2"),
-                  ("fp8_block", "F8_E4M3"), ("fp6_block", None), ("nvfp4", None)]
+                  ("fp8_block", "F8_E4M3"), ("fp6_block", None), ("nvfp4", None),
+                  ("comfy_nvfp4", None), ("comfy_mxfp8", "F8_E4M3"), ("comfy_int8", None),
+                  ("comfy_int8", "rows")]
 
 
 @pytest.mark.parametrize("layout, fmt", LAYOUT_FORMATS)
@@ -197,17 +230,86 @@ def test_non_finite_inputs_are_refused_before_writing(rng, layout, fmt):
     with pytest.raises(errors.NonFiniteInputError, match="adapter 0 lora_b"):
         quantized.fuse_quantized(layout, weight, ads, in_place=True, **kwargs)
     assert np.array_equal(weight, before)
-    if layout in ("fp8_scaled", "comfy_fp8", "fp8_block"):
+    if layout in ("fp8_scaled", "comfy_fp8", "fp8_block", "comfy_mxfp8"):
         weight[1, 2] = 0x7F if fmt == "F8_E4M3" else 0x7E  # NaN codes
         with pytest.raises(errors.NonFiniteWeightError, match=r"\(1, 2\)"):
             quantized.fuse_quantized(layout, weight, adapters(rng, ROWS, COLS)[:1], **kwargs)
     bad = dict(kwargs)
-    if layout == "nvfp4":
+    if layout in ("nvfp4", "comfy_nvfp4"):
         bad["scale_2"] = np.array(np.inf, np.float32)
+    elif layout == "comfy_mxfp8":
+        bad["scale"] = kwargs["scale"].copy()
+        bad["scale"][0, 0] = 0xFF                          # E8M0's NaN
     else:
         bad["scale"] = np.full_like(kwargs["scale"], np.nan)
     with pytest.raises(errors.NonFiniteWeightError):
         quantized.fuse_quantized(layout, before, adapters(rng, ROWS, COLS)[:1], **bad)
+
+
+def test_comfy_passes_every_code(rng):
+    """ComfyUI's nvfp4, mxfp8 and int8 passes on every code (every byte of packed E2M1, every
+    finite e4m3 code, every int8) beside deltas of every size from far below a code's step to
+    past it, exact ties among them, and a group (nvfp4: 16, mxfp8: 32 elements) that merges to
+    zero."""
+    exponents = rng.integers(-30, -3, (ROWS, COLS)).astype(np.float32)
+    diff = reference.bf16_round(rng.choice(np.float32([1.0, 1.5, 1.25, 1.75]), (ROWS, COLS))
+                                * np.exp2(exponents) * rng.choice(np.float32([-1, 1]), (ROWS, COLS)))
+    diff[5, :32] = 0
+    packed, scales, scale_2 = nvfp4_case(rng)
+    packed[5, :8] = 0
+    codes, mx = mxfp8_case(rng)
+    codes[5, :32] = 0
+    q, s = int8_case(rng)
+    for layout, weight, all_scales in (("comfy_nvfp4", packed, (scales, scale_2)),
+                                       ("comfy_mxfp8", codes, (mx,)), ("comfy_int8", q, (s,))):
+        expected = reference.fuse_quantized(layout, weight, all_scales, [(diff, 1.0)])
+        kwargs = dict(zip(("scale", "scale_2"), all_scales))
+        got = quantized.fuse_quantized(layout, weight, [(diff, 1.0)], **kwargs)
+        same(got, expected)
+    assert expected[0].min() == -128 or expected[0].max() == 127  # the int8 range reached
+
+
+def test_comfy_zero_tensors_and_groups():
+    """An all-zero nvfp4 tensor (the owner's 0 / 0 would make NaN scales): zero codes, zero
+    scales and scale_2; an mxfp8 group of zeros: zero codes and exponent 0, as the owner
+    writes; an mxfp8 group too small for any exponent (max below 448 * 2^-127, where the
+    owner divides by a zero scale): zeros too; an int8 zero tensor: the owner's 1e-30 scale."""
+    rows, cols = 128, 64
+    zero = [(np.zeros((2, cols), np.uint16), np.zeros((rows, 2), np.uint16), 1.0)]
+    packed = np.zeros((rows, cols // 2), np.uint8)
+    scales = np.full(quantized.tiled_shape("comfy_nvfp4", rows, cols), 0x38, np.uint8)
+    got = quantized.fuse_quantized("comfy_nvfp4", packed, zero, scale=scales,
+                                   scale_2=np.array(0.5, np.float32))
+    assert not got.weight.any() and not got.scale.any() and got.scale_2 == 0
+    same(got, reference.fuse_quantized("comfy_nvfp4", packed, (scales, np.float32(0.5)), zero))
+    codes = np.full((rows, cols), 0x38, np.uint8)                  # 1.0
+    mx = np.full(quantized.tiled_shape("comfy_mxfp8", rows, cols), 127, np.uint8)
+    mx.reshape(-1)[reference.nvfp4_scale_offset(0, 0, mx.shape[1])] = 0   # a zero scale
+    mx.reshape(-1)[reference.nvfp4_scale_offset(1, 1, mx.shape[1])] = 1   # 2^-126: tiny values
+    got = quantized.fuse_quantized("comfy_mxfp8", codes, zero, scale=mx)
+    assert not got.weight[0, :32].any() and not got.weight[1, 32:].any()
+    assert got.scale.reshape(-1)[reference.nvfp4_scale_offset(1, 1, mx.shape[1])] == 0
+    # the other groups of 1.0 requantise to exponent ceil(log2(1 / 448)) = -8: codes of 256
+    assert np.all(reference.fp8_widen(got.weight[2:], "F8_E4M3") == 256)
+    assert got.scale.reshape(-1)[reference.nvfp4_scale_offset(2, 0, mx.shape[1])] == 127 - 8
+    same(got, reference.fuse_quantized("comfy_mxfp8", codes, (mx,), zero))
+    q = np.zeros((rows, cols), np.int8)
+    got = quantized.fuse_quantized("comfy_int8", q, zero, scale=np.array(0.1, np.float32))
+    assert not got.weight.any() and got.scale == np.float32(1e-30)
+
+
+def test_comfy_int8_scale_shapes(rng):
+    """One scale (shape []) or one per row ([rows, 1]) are ComfyUI's shapes, kept; [1] is
+    refused, as ComfyUI would requantise it per row into another shape."""
+    q, _ = int8_case(rng)
+    ads = adapters(rng, ROWS, COLS)[:1]
+    with pytest.raises(errors.ShapeError, match="per row"):
+        quantized.fuse_quantized("comfy_int8", q, ads, scale=np.ones(1, np.float32))
+    with pytest.raises(errors.DTypeError, match="int8"):
+        quantized.fuse_quantized("comfy_int8", q.view(np.uint8), ads,
+                                 scale=np.array(0.1, np.float32))
+    got = quantized.fuse_quantized("comfy_int8", q, ads, scale=np.full((ROWS, 1), 2e-4, np.float32))
+    assert got.scale.shape == (ROWS, 1) and got.weight.dtype == np.int8
 
 
 def test_overflowing_merge_is_refused(rng):

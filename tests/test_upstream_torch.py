@@ -19,7 +19,8 @@ from ltx2blas import quantized, reference  # noqa: E402
 
 import upstream_rules as up  # noqa: E402
 from helpers import random_bf16  # noqa: E402
-from test_quantized import block_case, nvfp4_case, per_tensor_case  # noqa: E402
+from test_quantized import (block_case, int8_case, mxfp8_case, nvfp4_case,  # noqa: E402
+                            per_tensor_case)
 
 ROWS, COLS = 256, 384
 
@@ -149,6 +150,54 @@ def test_nvfp4_rule(rng):
     assert np.array_equal(fused.weight, want_packed)
     assert np.array_equal(fused.scale, want_block)
     assert fused.scale_2.view(np.uint32) == want_t.view(np.uint32)
+
+
+def test_comfy_nvfp4_rule(rng):
+    """ComfyUI's nvfp4 in torch (comfy-kitchen's eager arithmetic, f32) given the same delta:
+    the same codes, block scales and scale_2; and not upstream's rule, which rounds to bf16."""
+    packed, block, scale_2 = nvfp4_case(rng)
+    ads, agg, agg_t = _agg(rng)
+    want = up.comfy_nvfp4(packed, block, scale_2, agg_t)
+    fused = quantized.fuse_quantized("comfy_nvfp4", packed, ads, scale=block, scale_2=scale_2)
+    assert np.array_equal(fused.weight, want[0])
+    assert np.array_equal(fused.scale, want[1])
+    assert fused.scale_2.view(np.uint32) == want[2].view(np.uint32)
+    upstream = quantized.fuse_quantized("nvfp4", packed, ads, scale=block, scale_2=scale_2)
+    assert not np.array_equal(upstream.weight, fused.weight)
+
+
+def test_comfy_mxfp8_rule(rng):
+    codes, block = mxfp8_case(rng)
+    ads, agg, agg_t = _agg(rng)
+    want = up.comfy_mxfp8(codes, block, agg_t)
+    fused = quantized.fuse_quantized("comfy_mxfp8", codes, ads, scale=block)
+    assert np.array_equal(fused.weight, want[0])
+    assert np.array_equal(fused.scale, want[1])
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_comfy_int8_rule(rng, per_row):
+    codes, scale = int8_case(rng, per_row)
+    ads, agg, agg_t = _agg(rng)
+    want = up.comfy_int8(codes, scale, agg_t)
+    fused = quantized.fuse_quantized("comfy_int8", codes, ads, scale=scale)
+    assert np.array_equal(fused.weight, want[0])
+    assert np.array_equal(fused.scale.view(np.uint32), want[1].view(np.uint32))
+
+
+def test_comfy_mxfp8_tiny_group_is_the_stated_exception():
+    """A group whose maximum is below 448 * 2^-127 takes exponent 0, a zero scale: the owner
+    divides by it (its codes become +-448, or NaN for zeros), ltx2blas writes zeros."""
+    rows, cols = 128, 64
+    codes = np.full((rows, cols), 0x38, np.uint8)
+    block = np.full(quantized.tiled_shape("comfy_mxfp8", rows, cols), 127, np.uint8)
+    block.reshape(-1)[reference.nvfp4_scale_offset(0, 0, block.shape[1])] = 1  # 2^-126
+    zero = [(np.zeros((1, cols), np.uint16), np.zeros((rows, 1), np.uint16), 1.0)]
+    want = up.comfy_mxfp8(codes, block, up.bf16_tensor(reference.lora_delta(*zero[0])))
+    fused = quantized.fuse_quantized("comfy_mxfp8", codes, zero, scale=block)
+    assert np.all(want[0][0, :32] == 0x7E) and want[1].reshape(-1)[0] == 0   # +448, exponent 0
+    assert np.all(fused.weight[0, :32] == 0) and fused.scale.reshape(-1)[0] == 0
+    assert np.array_equal(fused.weight[1:], want[0][1:])
 
 
 def test_fp8_casts_agree_with_torch():

@@ -190,11 +190,103 @@ def fuse_nvfp4(packed, block_scales, scale_2, agg):
 def fuse_comfy_fp8(codes, scale, agg, fmt="F8_E4M3"):
     dtype = E4M3 if fmt == "F8_E4M3" else torch.float8_e5m2
     w = fp8_tensor(codes, fmt).to(torch.float32) * torch.from_numpy(np.asarray(scale, np.float32))
-    w += agg.to(torch.float32)
+    w = _added(w, agg)
     new_scale = torch.amax(w.abs()).to(torch.float32) / torch.finfo(dtype).max
     lp = torch.finfo(dtype).max
     q = torch.clamp(w * (1 / new_scale).to(w.dtype), min=-lp, max=lp).to(dtype)
     return bits(q), bits(new_scale)
+
+
+# ---- ComfyUI's nvfp4, mxfp8 and int8_tensorwise, on the CPU: comfy-kitchen's eager
+# dequantisers into f32, the delta added in f32, its eager quantisers (the rounding ComfyUI's
+# own quantize() uses without the stochastic noise), every step a torch f32 operation ----
+
+def _added(w, deltas):
+    """w plus a delta (a tensor), or plus each of several in turn (a list), in f32."""
+    for d in deltas if isinstance(deltas, (list, tuple)) else [deltas]:
+        w = w + d.to(torch.float32)
+    return w
+
+
+def comfy_deltas(adapters):
+    """ComfyUI's deltas on the CPU: each adapter's product in f32 times its strength, added to
+    the f32 weight in turn (none rounded to bf16)."""
+    return [(s * torch.mm(bf16_tensor(b).float(), bf16_tensor(a).float())) for a, b, s in adapters]
+
+
+def _tiled_index(rows, groups, padded_cols):
+    """For each [rows, groups] block scale, its place in the flat tiled array (comfy-kitchen's
+    to_blocked: 128-row x 4-column tiles, each stored as 32 x 16)."""
+    return _swizzled(rows, groups, padded_cols)
+
+
+def _untile(scales, rows, groups):
+    flat = torch.from_numpy(np.ascontiguousarray(scales).reshape(-1).copy())
+    return flat[_tiled_index(rows, groups, scales.shape[1])]
+
+
+def _tile(values_u8, shape):
+    out = torch.zeros(int(np.prod(shape)), dtype=torch.uint8)
+    rows, groups = values_u8.shape
+    out[_tiled_index(rows, groups, shape[1]).reshape(-1)] = values_u8.reshape(-1)
+    return out.numpy().reshape(shape)
+
+
+def comfy_nvfp4(packed, block_scales, scale_2, agg):
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    groups = cols // 16
+    p = torch.from_numpy(packed).to(torch.int64)
+    nib = torch.stack([p >> 4, p & 0xF], dim=-1).view(rows, cols)
+    lut = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    values = lut[nib].view(rows, groups, 16)
+    bs = _untile(block_scales, rows, groups).view(E4M3).to(torch.float32)
+    pts = torch.tensor(float(np.float32(scale_2)), dtype=torch.float32)
+    w = (values * (pts * bs).unsqueeze(-1)).view(rows, cols)          # dequantise, f32 out
+    x = _added(w, agg)
+    t = torch.amax(x.abs()) / (448.0 * 6.0)                            # ComfyUI's new scale_2
+    blocks = x.view(rows, groups, 16)
+    top = torch.amax(blocks.abs(), dim=-1)
+    s = torch.clamp((top / 6.0) / t, max=448.0).to(E4M3)
+    total = t * s.to(torch.float32)
+    zero = total == 0
+    scaled = blocks / torch.where(zero, torch.ones_like(total), total).unsqueeze(-1)
+    scaled = torch.where(zero.unsqueeze(-1), torch.zeros_like(scaled), scaled)
+    codes = _e2m1_rne(torch.clamp(scaled, -6.0, 6.0)).view(rows, cols)
+    out = ((codes[:, 0::2] << 4) | codes[:, 1::2]).to(torch.uint8)
+    return bits(out), _tile(s.view(torch.uint8), block_scales.shape), bits(t)
+
+
+def comfy_mxfp8(codes, block_scales, agg):
+    rows, cols = codes.shape
+    groups = cols // 32
+    e = _untile(block_scales, rows, groups).to(torch.int32)
+    scale = torch.where(e == 0, torch.zeros_like(e), e << 23).view(torch.float32)
+    q = fp8_tensor(codes).to(torch.float32).view(rows, groups, 32)
+    w = (q * scale.unsqueeze(-1)).view(rows, cols)                     # dequantise, f32 out
+    x = _added(w, agg).view(rows, groups, 32)
+    top = torch.amax(x.abs(), dim=-1)
+    needed = torch.clamp(top / 448.0, min=2.0 ** -127)
+    e_new = torch.clamp(torch.ceil(torch.log2(needed)).to(torch.int32) + 127, 0, 254)
+    step = torch.where(e_new == 0, torch.zeros_like(e_new), e_new << 23).view(torch.float32)
+    zero = top == 0
+    step = torch.where(zero, torch.ones_like(step), step)
+    scaled = torch.where(zero.unsqueeze(-1), torch.zeros_like(x), x / step.unsqueeze(-1))
+    out = torch.clamp(scaled, -448.0, 448.0).view(rows, cols).to(E4M3)
+    e_new = torch.where(zero, torch.zeros_like(e_new), e_new)
+    return bits(out), _tile(e_new.to(torch.uint8), block_scales.shape)
+
+
+def comfy_int8(codes, scale, agg):
+    s = torch.from_numpy(np.asarray(scale, np.float32).copy())
+    w = torch.from_numpy(codes.copy()).float() * s                     # dequantise, f32 out
+    x = _added(w, agg)
+    if s.dim() > 0:   # ComfyUI requantises a scale with dimensions per row
+        top = x.abs().amax(dim=-1, keepdim=True)
+    else:
+        top = x.abs().max()
+    new = (top.float() / 127.0).clamp(min=1e-30)
+    q = (x / new.to(x.dtype)).round().clamp(-128.0, 127.0).to(torch.int8)
+    return q.numpy().copy(), new.numpy().copy()
 
 
 # ---- the text feature extractor (text_encoders/gemma/feature_extractor.py), in the hidden

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._validate import FP8_BY_NAME, bf16_to_f32, choice, is_bf16, ml_fp8_format
-from ..errors import DTypeError, KeyMatchError, ShapeError
+from .._validate import (BLAS_INT_MAX, FP8_BY_NAME, bf16_to_f32, choice, first_nonfinite, is_bf16,
+                         ml_fp8_format, strength_f32, where)
+from ..errors import DTypeError, FormatError, KeyMatchError, NonFiniteInputError, ShapeError
 from . import keys as keymatch
+from . import peft
 from .safetensors import SafetensorsFile
 
 ALPHA_MODES = ("scale", "ignore")
@@ -29,11 +31,13 @@ class AdapterReport:
     pairs_used: int = 0
     keys_used: int = 0
     unused_keys: list = field(default_factory=list)        # keys of no known role
+    extra_tensors: list = field(default_factory=list)      # of modules the model lacks
     unmatched_modules: list = field(default_factory=list)  # modules that match no weight
     unmatched_components: dict = field(default_factory=dict)  # module -> component named
     alpha_mode: str = "scale"
     alpha_scaled: int = 0                                  # pairs scaled by alpha/rank
     alpha_ignored: int = 0                                 # pairs whose alpha was not applied
+    alpha_source: str = ""                                 # where the applied alphas came from
     rounded_to_bf16: list = field(default_factory=list)    # factors stored as F32/F16
     kinds: dict = field(default_factory=dict)              # kind -> count
 
@@ -73,11 +77,13 @@ class Source:
             self.file = SafetensorsFile(source)
             self.name = self.file.path
             self.keys = list(self.file.tensors)
+            self.metadata = self.file.metadata
         else:
             self.file = None
             self.mapping = source
             self.name = "<state dict>"
             self.keys = list(source)
+            self.metadata = {}
 
     def shape(self, key):
         return self.file.tensors[key].shape if self.file else tuple(as_numpy(self.mapping[key]).shape)
@@ -148,10 +154,15 @@ def _alpha_value(source, key):
         raise ShapeError(f"{source.name}: alpha {key!r} has {value.size} elements, not one")
     dtype = source.dtype(key)
     if dtype == "BF16":
-        return float(bf16_to_f32(value).reshape(-1)[0])
-    if dtype not in FLOATS + ("F64",) + INTEGERS:
+        number = float(bf16_to_f32(value).reshape(-1)[0])
+    elif dtype in FLOATS + ("F64",) + INTEGERS:
+        number = float(value.reshape(-1)[0])
+    else:
         raise DTypeError(f"{source.name}: alpha {key!r} is {dtype}, expected a number")
-    return float(value.reshape(-1)[0])
+    if not math.isfinite(number):
+        raise NonFiniteInputError(f"{source.name}: alpha {key!r} is {number}; the pair's scale "
+                                  "alpha / rank would not be finite")
+    return number
 
 
 def _check(source, key, shape, dtypes, what):
@@ -166,19 +177,29 @@ def _check(source, key, shape, dtypes, what):
 
 def _unmatched_error(source, matched):
     parts = []
-    for pair in matched.unmatched[:5]:
-        parts.append(pair.module + (f" ({pair.component})" if pair.component else ""))
-    named = sorted({p.component for p in matched.unmatched if p.component})
-    text = (f"{source.name}: {len(matched.unmatched)} adapter modules match no weight of the "
-            f"model: {', '.join(parts)}{', ...' if len(matched.unmatched) > 5 else ''}")
-    if named:
-        text += (f"; the names point to the {' and '.join(named)}, which this checkpoint does "
-                 "not hold")
+    if matched.unmatched:
+        named = [p.module + (f" ({p.component})" if p.component else "")
+                 for p in matched.unmatched[:5]]
+        text = (f"{len(matched.unmatched)} adapter modules match no weight of the model: "
+                f"{', '.join(named)}{', ...' if len(matched.unmatched) > 5 else ''}")
+        components = sorted({p.component for p in matched.unmatched if p.component})
+        if components:
+            text += (f" (the names point to the {' and '.join(components)}, which this "
+                     "checkpoint does not hold)")
+        parts.append(text)
     if matched.unused:
-        text += (f"; and {len(matched.unused)} keys of no known role (e.g. "
-                 f"{matched.unused[0]!r})")
-    return KeyMatchError(text + "; nothing was written (allow_unmatched=True, --allow-unmatched, "
-                         "fuses the rest)")
+        shown = ", ".join(repr(k) for k in matched.unused[:3])
+        parts.append(f"{len(matched.unused)} keys are not tensors of any adapter kind ltx2blas "
+                     "knows (LoRA factors, alpha, DoRA magnitudes, bias terms, differences): "
+                     f"{shown}{', ...' if len(matched.unused) > 3 else ''}")
+    return KeyMatchError(f"{source.name}: {'; and '.join(parts)}; nothing was written "
+                         "(allow_unmatched=True fuses the rest and lists these)")
+
+
+def module_of_tensor(key):
+    """The module a tensor key belongs to (the key without its last name), prefix stripped."""
+    name, _ = keymatch.strip_prefix(key)
+    return name.rpartition(".")[0] or name
 
 
 def make_plan(model_entries, layout_of, sources, strengths, alpha="scale",
@@ -189,8 +210,11 @@ def make_plan(model_entries, layout_of, sources, strengths, alpha="scale",
     plan = Plan({}, {}, [])
     for index, (source, strength) in enumerate(zip(sources, strengths)):
         report = AdapterReport(path=source.name, strength=strength, alpha_mode=alpha)
+        # upstream LTX-2 (alpha="ignore") reads no alpha, from tensors or from PEFT's metadata
+        configs = peft.read_configs(source.metadata, source.name) if alpha == "scale" else {}
         matched = keymatch.match(source.keys, model_entries, adapter_name=source.name)
         report.unused_keys = matched.unused
+        report.extra_tensors = matched.extra
         report.unmatched_modules = [p.module for p in matched.unmatched]
         report.unmatched_components = {p.module: p.component for p in matched.unmatched
                                        if p.component}
@@ -198,7 +222,7 @@ def make_plan(model_entries, layout_of, sources, strengths, alpha="scale",
             raise _unmatched_error(source, matched)
         for pair in matched.pairs:
             _plan_pair(plan, index, source, strength, pair, layout_of, model_entries, report,
-                       alpha)
+                       alpha, configs)
         plan.reports.append(report)
     for target, items in plan.weights.items():
         if any(item.kind == "dora" for item in items) and len(items) > 1:
@@ -208,7 +232,8 @@ def make_plan(model_entries, layout_of, sources, strengths, alpha="scale",
     return plan
 
 
-def _plan_pair(plan, index, source, strength, pair, layout_of, model_entries, report, alpha):
+def _plan_pair(plan, index, source, strength, pair, layout_of, model_entries, report, alpha,
+               configs):
     layout = layout_of(pair.target)
     out_f, in_f = layout.shape
     where = f"weight {pair.target} [{out_f}, {in_f}]" + (
@@ -222,15 +247,13 @@ def _plan_pair(plan, index, source, strength, pair, layout_of, model_entries, re
             raise ShapeError(f"{source.name}: {pair.module}: lora_A {a_shape} and lora_B "
                              f"{b_shape} do not fit {where}")
         rank = a_shape[0]
+        if rank > BLAS_INT_MAX:
+            raise ShapeError(f"{source.name}: {pair.module}: rank {rank} exceeds the BLAS "
+                             f"integer range ({BLAS_INT_MAX})")
     elif pair.kind == "diff":
         _check(source, keys["diff"], (out_f, in_f), FLOATS, "diff")
-    lora_scale = 1.0
-    if pair.alpha is not None:
-        if alpha == "scale" and rank:
-            lora_scale = _alpha_value(source, pair.alpha) / rank
-            report.alpha_scaled += 1
-        else:
-            report.alpha_ignored += 1
+    scale_at = _scale_rule(configs, source, pair, rank, alpha, report) if \
+        pair.kind == "lora" else (lambda w: w)
     kind = pair.kind
     if pair.kind == "lora" and ({"magnitude", "dora_scale"} & set(keys)):
         kind = "dora"
@@ -245,13 +268,16 @@ def _plan_pair(plan, index, source, strength, pair, layout_of, model_entries, re
             raise DTypeError(f"{source.name}: {pair.module} is a DoRA adapter; ltx2blas fuses "
                              f"DoRA into bf16 weights, and {pair.target} is {layout.kind}")
     if pair.kind in ("lora", "diff"):
-        # a LoRA's delta scales by strength x alpha/rank; DoRA applies alpha/rank inside and
-        # blends by strength; a difference has no alpha
-        scale = {"lora": strength * lora_scale, "dora": lora_scale, "diff": strength}[kind]
+        # a LoRA's delta scales by its scale at the strength; DoRA applies its scale at 1
+        # (alpha/rank) inside and blends by strength; a difference has no alpha
+        scale = scale_at(1.0) if kind == "dora" else scale_at(strength)
+        if kind != "diff":
+            strength_f32(scale, f"{source.name}: {pair.module}: the scale (strength x alpha / "
+                                f"rank, strength {strength:g})")
         plan.weights.setdefault(pair.target, []).append(Item(index, pair, kind, scale, strength))
         report.pairs_used += 1
         report.kinds[kind] = report.kinds.get(kind, 0) + 1
-    for role, bias_scale in (("up_bias", strength * lora_scale), ("diff_b", strength)):
+    for role, bias_scale in (("up_bias", scale_at(strength)), ("diff_b", strength)):
         if role not in keys:
             continue
         if pair.bias_target is None:
@@ -268,6 +294,47 @@ def _plan_pair(plan, index, source, strength, pair, layout_of, model_entries, re
         if pair.kind == "bias":
             report.pairs_used += 1
     report.keys_used += len(keys)
+
+
+def _scale_rule(configs, source, pair, rank, alpha, report):
+    """A LoRA pair's scale at adapter weight w, as the file says it: PEFT's (w x alpha_m) / r_m
+    from the lora_adapter_metadata diffusers writes, once the tensors are found to agree with
+    it; w x (alpha / rank) from a .alpha tensor (ComfyUI, kohya); w alone without either, or
+    with alpha="ignore" (upstream LTX-2)."""
+    config, component = peft.config_of(configs, pair.a, source.name)
+    if config is None:
+        said = pair.alpha is not None or peft.METADATA_KEY in source.metadata
+        if alpha != "scale" or not rank or pair.alpha is None:
+            report.alpha_ignored += said
+            return lambda w: w
+        lora_scale = _alpha_value(source, pair.alpha) / rank
+        report.alpha_scaled += 1
+        _alpha_source(report, "its .alpha tensors")
+        return lambda w: w * lora_scale
+    name = keymatch.to_diffusers(keymatch.strip_prefix(pair.module[len(component):])[0])
+    r_m, alpha_m = config.rank_and_alpha(name)
+    where = f"{source.name}: {pair.module}: its {peft.METADATA_KEY} ({config.describe()})"
+    if r_m != rank:
+        raise FormatError(f"{where} gives rank {r_m}, but its lora_A has {rank} rows; the "
+                          "metadata does not describe these tensors")
+    dora = bool({"magnitude", "dora_scale"} & set(pair.keys))
+    if dora != config.use_dora:
+        raise FormatError(f"{where} says use_dora {str(config.use_dora).lower()}, but the module "
+                          f"{'has' if dora else 'has no'} DoRA magnitudes")
+    if "up_bias" in pair.keys and not config.lora_bias:
+        raise FormatError(f"{where} says lora_bias false, but the file holds "
+                          f"{pair.keys['up_bias']!r}, which PEFT would then not load")
+    if pair.alpha is not None and _alpha_value(source, pair.alpha) != alpha_m:
+        raise FormatError(f"{where} gives alpha {alpha_m:g}, but {pair.alpha!r} holds "
+                          f"{_alpha_value(source, pair.alpha):g}")
+    report.alpha_scaled += 1
+    _alpha_source(report, f"its {peft.METADATA_KEY} ({config.describe()})")
+    return lambda w: config.scale(w, rank, alpha_m)
+
+
+def _alpha_source(report, text):
+    if text not in report.alpha_source.split("; "):
+        report.alpha_source = f"{report.alpha_source}; {text}" if report.alpha_source else text
 
 
 # ---- factors ----
@@ -296,16 +363,40 @@ def factor_bf16(source, key, report, space=None):
     dtype = source.dtype(key)
     if dtype == "BF16" and source.file is not None and space is not None:
         shape = source.shape(key)
-        return source.file.read(key, space[:2 * math.prod(shape)].view(np.uint16).reshape(shape))
+        bits = source.file.read(key, space[:2 * math.prod(shape)].view(np.uint16).reshape(shape))
+        return refuse_nonfinite(source, key, bits)
     array = source.array(key)
     if dtype == "BF16":
-        return np.ascontiguousarray(array.view(np.uint16) if array.dtype != np.uint16 else array)
+        bits = np.ascontiguousarray(array.view(np.uint16) if array.dtype != np.uint16 else array)
+        return refuse_nonfinite(source, key, bits)
     if dtype in ("F32", "F16"):
         report.rounded_to_bf16.append(key)
         values = np.ascontiguousarray(array, dtype=np.float32)
-        return _quant.round_bf16(values.reshape(-1)).reshape(values.shape)
+        bits = _quant.round_bf16(values.reshape(-1)).reshape(values.shape)
+        refuse_nonfinite(source, key, bits, values)
+        return bits
     raise DTypeError(f"{source.name}: adapter tensor {key!r} is {dtype}; expected BF16 (or "
                      "F32/F16)")
+
+
+def refuse_nonfinite(source, key, array, stored=None):
+    """``array`` (bf16 bits, f16 or f32), or NonFiniteInputError naming the file, the tensor and
+    the element where it holds inf or NaN.  An adapter tensor is always checked as it is read:
+    a scan of bytes just read, whereas one NaN would spread through a whole row and column of
+    the fused weight.  ``stored``: the values as the file holds them, when ``array`` is their
+    rounding to bf16 (a finite f32 past bf16's range rounds to inf)."""
+    first = first_nonfinite(array)
+    if first < 0:
+        return array
+    at = where(first, array.shape)
+    shown = stored if stored is not None else (bf16_to_f32(array) if array.dtype == np.uint16
+                                               else array)
+    value = float(shown[at])
+    rounds = f" (rounds to {float(bf16_to_f32(array)[at])} in bf16)" if stored is not None and \
+        math.isfinite(value) else ""
+    raise NonFiniteInputError(f"{source.name}: adapter tensor {key!r} holds {value} at "
+                              f"{at}{rounds}; a non-finite adapter makes every value it touches "
+                              "non-finite, so nothing is fused")
 
 
 @dataclass
@@ -333,6 +424,7 @@ def factors(items, sources, reports, space=None):
             magnitude = np.ascontiguousarray(sources[it.source].array(mkey))
             if sources[it.source].dtype(mkey) == "BF16":
                 magnitude = magnitude.view(np.uint16)
+            refuse_nonfinite(sources[it.source], mkey, magnitude)
             if "magnitude" in keys:
                 magnitude = magnitude.reshape(-1)
         out.append(Loaded(it, tuple(arrays), magnitude))
@@ -346,6 +438,7 @@ def bias_terms(items, sources):
         b = np.ascontiguousarray(sources[it.source].array(it.key))
         if sources[it.source].dtype(it.key) == "BF16":
             b = b.view(np.uint16)
+        refuse_nonfinite(sources[it.source], it.key, b)
         terms.append((b.reshape(-1), it.scale))
     return terms
 

@@ -7,7 +7,6 @@ tensor with its adapter factors (the reader's two buffers), whatever the checkpo
 """
 import collections.abc
 import functools
-import numbers
 import hashlib
 import json
 import os
@@ -24,12 +23,14 @@ from ..errors import (
     ArgumentTypeError,
     DTypeError,
     FormatError,
+    LayoutError,
     Ltx2IOError,
+    NumericsError,
 )
 from .._threads import resolve_threads
-from .._validate import FP8_ROUNDINGS, RULES, choice
+from .._validate import FP8, FP8_ROUNDINGS, RULES, choice, strength_f32
 from ..fuse import fuse_bias, fuse_dora, fuse_loras
-from ..quantized import fuse_quantized
+from ..quantized import check_weight, fuse_quantized
 from . import adapters as plans
 from . import layouts as layoutmod
 from .adapters import FP8View, Source, as_numpy, dtype_name
@@ -74,10 +75,14 @@ class FuseReport:
     def summary(self):
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.layouts.items()))
         biases = f" and {self.biases_fused} biases" if self.biases_fused else ""
+        several = sum(len(adapters) > 1 for _, adapters in self.fused)
+        rule = (f"; {several} with several adapters, combined by the {self.rule} rule"
+                if several else "")
         lines = [("would fuse" if self.dry_run else "fused") +
-                 f" {self.modules_fused} modules{biases} ({kinds or 'none'}; several adapters by "
-                 f"the {self.rule} rule), copied {self.tensors_copied} other tensors"
-                 f" ({self.tensors_total} in all); {self.gflop:.1f} GFLOP"]
+                 f" {self.modules_fused} modules{biases} ({kinds or 'none'}{rule}), " +
+                 ("would copy" if self.dry_run else "copied") +
+                 f" {self.tensors_copied} other tensors ({self.tensors_total} in all); "
+                 f"{self.gflop:.1f} GFLOP"]
         if not self.dry_run:
             lines.append(f"{self.seconds:.1f} s, {self.gflops:.1f} GFLOP/s, peak memory "
                          f"{self.peak_rss_mib:.0f} MiB -> {self.output}")
@@ -86,21 +91,35 @@ class FuseReport:
             text = (f"adapter {i}: {a.path} x {a.strength:g}: {a.pairs_used} modules "
                     f"({kinds or 'none'}; {a.keys_used} keys) used")
             if a.alpha_scaled:
-                text += f"; alpha: {a.alpha_scaled} scaled by alpha/rank"
+                text += (f"; {a.alpha_scaled} scaled by alpha / rank from "
+                         f"{a.alpha_source or 'the file'}")
             if a.alpha_ignored:
-                text += (f"; alpha: {a.alpha_ignored} ignored" +
-                         (" (--alpha ignore)" if a.alpha_mode == "ignore" else ""))
+                text += (f"; alpha of {a.alpha_ignored} not applied" +
+                         (" (alpha='ignore')" if a.alpha_mode == "ignore" else ""))
             if a.unmatched_modules:
                 first = a.unmatched_modules[0]
                 where = a.unmatched_components.get(first)
                 text += (f"; {len(a.unmatched_modules)} modules match no weight and were not "
                          f"fused (e.g. {first}{f' ({where})' if where else ''})")
+            if a.extra_tensors:
+                text += (f"; {len(a.extra_tensors)} tensors of modules the model does not have "
+                         f"were not fused ({_modules_text(a.extra_tensors)})")
             if a.unused_keys:
                 text += f"; {len(a.unused_keys)} keys of no known role (e.g. {a.unused_keys[0]})"
             if a.rounded_to_bf16:
                 text += f"; {len(a.rounded_to_bf16)} tensors rounded from F32/F16 to bf16"
             lines.append(text)
         return "\n".join(lines)
+
+
+def _modules_text(keys, shown=3):
+    """The modules that ``keys`` belong to, each named once: a module inside one already named
+    is left out (reference_slot_embedding.net.0 under reference_slot_embedding)."""
+    modules = []
+    for module in sorted({plans.module_of_tensor(k) for k in keys}, key=len):
+        if not any(module.startswith(m + ".") for m in modules):
+            modules.append(module)
+    return ", ".join(modules[:shown]) + (", ..." if len(modules) > shown else "")
 
 
 @dataclass
@@ -237,6 +256,8 @@ def _fused_metadata(base, reports, dtypes, plan, fp8_rounding, seed, rule, layou
     metadata[FUSED_KEY] = json.dumps(_fused_history(base) + [
         {"file": os.path.basename(r.path), "sha256": r.sha256, "strength": r.strength,
          "pairs": r.pairs_used, "alpha": r.alpha_mode, "alpha_scaled": r.alpha_scaled,
+         **({"alpha_source": r.alpha_source} if r.alpha_source else {}),
+         **({"not_fused": r.extra_tensors} if r.extra_tensors else {}),
          "rule": rule} for r in reports])
     metadata["ltx2blas.version"] = _version()
     metadata["ltx2blas.rule"] = f"{rule}: {RULE_TEXT[rule]}"
@@ -308,7 +329,7 @@ class _Prefetcher:
             b, at = place
             start = at + shift
             array = self.bins[b][start:start + info.nbytes].view(
-                np.uint16 if info.dtype == "BF16" else np.uint8).reshape(info.shape)
+                {"BF16": np.uint16, "I8": np.int8}.get(info.dtype, np.uint8)).reshape(info.shape)
             try:
                 f.read(name, array)
                 space = at + weight_bytes
@@ -365,7 +386,27 @@ def _sha256(fd, chunk=1 << 20):
         offset += n
 
 
-def _parse_loras(loras):
+def _path_arg(value, what):
+    """A path argument as a str: str, bytes and os.PathLike taken, anything else refused."""
+    if isinstance(value, (str, bytes, os.PathLike)):
+        path = os.fsdecode(os.fspath(value))
+        if not path:
+            raise ArgumentError(f"{what} is an empty path")
+        return path
+    raise ArgumentTypeError(f"{what} must be a path (str, bytes or os.PathLike), got "
+                            f"{type(value).__name__}")
+
+
+def _progress_arg(progress):
+    if progress is not None and not callable(progress):
+        raise ArgumentTypeError(f"progress must be a callable or None, got {progress!r}")
+    return progress
+
+
+def _parse_loras(loras, mappings=False):
+    """[(path or mapping, strength)], each checked: a path (or, with ``mappings``, a mapping
+    of adapter tensors) and a strength finite as f32, so that no bad entry is found after
+    something is written."""
     if isinstance(loras, (str, bytes, os.PathLike)) or not hasattr(loras, "__iter__"):
         raise ArgumentTypeError(f"loras must be a list of (path, strength) pairs, got "
                                 f"{type(loras).__name__}")
@@ -375,16 +416,63 @@ def _parse_loras(loras):
             source, strength = item
         except (TypeError, ValueError):
             raise ArgumentTypeError("loras must be a list of (path, strength) pairs") from None
-        if isinstance(strength, (bool, str, bytes)) or not isinstance(strength, numbers.Real):
+        if isinstance(strength, (str, bytes)):
             raise ArgumentTypeError(f"loras[{i}]: strength must be a number, got {strength!r}")
+        strength_f32(strength, f"loras[{i}]: strength")
+        if not (mappings and isinstance(source, collections.abc.Mapping)):
+            source = _path_arg(source, f"loras[{i}]: the adapter")
         out.append((source, float(strength)))
     return out
 
 
-def _fuse_one(weight, loaded, layout, name, options, scales=(), delta=None):
+def _fuse_one(weight, loaded, layout, name, options, scales, delta, model, sources):
     """Fuse one weight's ``loaded`` adapter tensors into ``weight`` (bits, in place); for a
     quantised layout also into its ``scales`` arrays (in place), the delta held in ``delta``
-    memory; a DoRA adapter by fuse_dora."""
+    memory; a DoRA adapter by fuse_dora.  A NumericsError says the ``model`` file (or
+    "<state dict>") and the weight's key, and the adapter file and key when one is at fault."""
+    try:
+        _fuse_arrays(weight, loaded, layout, name, options, scales, delta)
+    except NumericsError as exc:
+        raise _located(exc, model, name, loaded, sources) from None
+
+
+def _located(exc, model, name, loaded=(), sources=()):
+    """``exc`` again, its message led by the model file and the weight's key, and by the adapter
+    file and key where the error names one of ``loaded``'s adapters."""
+    place = f"{model}: {name}"
+    if exc.adapter is not None and exc.adapter < len(loaded):
+        item = loaded[exc.adapter].item
+        key = {"lora_a": item.pair.a, "lora_b": item.pair.b}.get(exc.tensor,
+                                                                 item.pair.keys.get("diff"))
+        place += f", adapter {sources[item.source].name}: {key}"
+    return type(exc)(f"{place}: {exc}", adapter=exc.adapter, tensor=exc.tensor)
+
+
+def _dry_run_checks(read, plan, layouts, sources, check_finite, model):
+    """What a dry run reads: every adapter tensor, checked as the fuse checks it as it reads
+    it, and with ``check_finite`` every weight to be fused and its scales, checked as the fuse
+    checks them (``read(name)`` gives a tensor).  What only the arithmetic can show -- a sum
+    that overflows -- is left to the fuse, which then writes nothing."""
+    for name, items in plan.weights.items():
+        plans.factors(items, sources, plan.reports)
+        if not check_finite:
+            continue
+        layout = layouts[name]
+        weight, scales = read(name), [read(c) for c in layout.rewritten]
+        try:
+            if layout.quantized:
+                check_weight(layout.kind, weight, scale=scales[0],
+                             scale_2=scales[1] if len(scales) > 1 else None,
+                             fmt=layout.fmt if layout.fmt in FP8 else None)
+            else:  # no adapters, in place: the fuse's weight check alone, nothing written
+                fuse_loras(weight, [], out=weight, check_finite=True, weight_format=layout.fmt)
+        except NumericsError as exc:
+            raise _located(exc, model, name) from None
+    for items in plan.biases.values():
+        plans.bias_terms(items, sources)
+
+
+def _fuse_arrays(weight, loaded, layout, name, options, scales, delta):
     if loaded and loaded[0].item.kind == "dora":
         item, (a, b) = loaded[0].item, loaded[0].arrays
         style = "peft" if "magnitude" in item.pair.keys else "comfy"
@@ -395,7 +483,7 @@ def _fuse_one(weight, loaded, layout, name, options, scales=(), delta=None):
     if layout.quantized:
         fuse_quantized(layout.kind, weight, adapters, scale=scales[0],
                        scale_2=scales[1] if len(scales) > 1 else None,
-                       fmt=layout.fmt if layout.fmt != "packed" else None, rule=options.rule,
+                       fmt=layout.fmt if layout.fmt in FP8 else None, rule=options.rule,
                        threads=options.threads, in_place=True, delta_buffer=delta)
         return
     fuse_loras(weight, adapters, rule=options.rule, threads=options.threads, out=weight,
@@ -483,7 +571,7 @@ def _prepare(entries, metadata, read_bytes, sources, loras, options, retry_dtype
 
 
 def _report(output, dry_run, plan, layouts, total, rule, order, sources):
-    report = FuseReport(output=os.fspath(output), dry_run=dry_run, adapters=plan.reports,
+    report = FuseReport(output=output or "", dry_run=dry_run, adapters=plan.reports,
                         tensors_total=total, rule=rule, layouts=_layout_counts(layouts))
     report.fused = [(n, [it.source for it in plan.weights[n]]) for n in order if n in plan.weights]
     report.modules_fused = len(report.fused)
@@ -508,6 +596,7 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
     output : path
         Written through a temporary file in its folder, fsynced and renamed into place; never an
         input path.  On any error nothing is left behind and an existing output is untouched.
+        May be None with ``dry_run``.
     rule : "addmm" (default) or "sum"
         How several adapters on one weight combine (see :func:`ltx2blas.fuse_loras`).
     threads, check_finite : as for :func:`ltx2blas.fuse_lora`
@@ -534,10 +623,13 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
     -------
     FuseReport
     """
+    model = _path_arg(model, "model")
+    output = None if dry_run and output is None else _path_arg(output, "output")
     loras = _parse_loras(loras)
     if not loras:
         raise ArgumentError("no adapters given")
     resolve_threads(threads)  # a bad count is refused before any file is opened
+    _progress_arg(progress)
     t0 = time.perf_counter()
     ckpt = Checkpoint(model)
     sources = []
@@ -546,8 +638,8 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
             sources.append(Source(path))
         if FUSED_KEY in ckpt.metadata and not force:
             raise AlreadyFusedError(f"{model}: its metadata says adapters are already fused into "
-                                    f"it ({ckpt.metadata[FUSED_KEY][:200]}); pass force=True "
-                                    "(--force) to fuse again")
+                                    f"it ({ckpt.metadata[FUSED_KEY][:200]}); pass force=True to "
+                                    "fuse again")
         entries_of = {n: (info.dtype, info.shape) for n, (_, info) in ckpt.entries.items()}
         opts = dict(rule=rule, alpha=alpha, allow_unmatched=allow_unmatched,
                     fp8_rounding=fp8_rounding)
@@ -557,8 +649,12 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
         report = _report(output, dry_run, plan, layouts, len(ckpt.entries), rule, order, sources)
         report.tensors_copied = report.tensors_total - report.modules_fused - len(plan.biases) - sum(
             len(lay.rewritten) for lay in layouts.values())
-        _check_output_is_not_an_input(os.fspath(output), ckpt.paths() + [s.name for s in sources])
-        if not dry_run:
+        if output is not None:
+            _check_output_is_not_an_input(output, ckpt.paths() + [s.name for s in sources])
+        if dry_run:
+            _dry_run_checks(lambda n: _read_tensor(ckpt, n), plan, layouts, sources,
+                            check_finite, ckpt.path)
+        else:
             options = _Options(rule, threads, check_finite, fp8_rounding, seed)
             report.metadata = _FusedWriter(ckpt, sources, plan, layouts, options).write(
                 output, order, report, progress, t0)
@@ -634,7 +730,7 @@ class _FusedWriter:
             weight, loaded = reader.take(name)
             scales = [_read_tensor(ckpt, c) for c in layout.rewritten]
             _fuse_one(weight, loaded, layout, name, self.options, scales,
-                      _delta_view(self.delta, layout))
+                      _delta_view(self.delta, layout), ckpt.path, self.sources)
             self.pending.update(zip(layout.rewritten, scales))
             # Written from the read buffer, which is reused once the write is done.
             writer.write(name, weight, release=functools.partial(reader.release, weight))
@@ -682,11 +778,14 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
     if not isinstance(state_dict, collections.abc.Mapping):
         raise ArgumentTypeError(f"state_dict must map names to tensors, got "
                                 f"{type(state_dict).__name__}")
-    loras = _parse_loras(loras)
+    loras = _parse_loras(loras, mappings=True)
     resolve_threads(threads)
+    _progress_arg(progress)
     t0 = time.perf_counter()
     views = {}
     for name, tensor in state_dict.items():
+        if not isinstance(name, str):
+            raise ArgumentTypeError(f"state_dict keys must be tensor names (str), got {name!r}")
         views[name] = as_numpy(tensor)
     sources = [Source(src) for src, _ in loras]
     try:
@@ -697,13 +796,14 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
                                  opts, retry_dtype=weight_format)
         report = _report("<in place>", False, plan, layouts, len(views), rule, list(views), sources)
         report.tensors_copied = 0
-        for name in list(plan.weights) + list(plan.biases):
-            tensors = [name] + list(layouts[name].rewritten if name in layouts else ())
-            for what in tensors:
-                arr = _plain(views[what])
-                if not arr.flags.c_contiguous or not arr.flags.writeable:
-                    raise DTypeError(f"tensor {what} must be contiguous and writeable to fuse in "
-                                     "place")
+        written = [what for name in list(plan.weights) + list(plan.biases)
+                   for what in [name, *(layouts[name].rewritten if name in layouts else ())]]
+        for what in written:
+            arr = _plain(views[what])
+            if not arr.flags.c_contiguous or not arr.flags.writeable:
+                raise DTypeError(f"tensor {what} must be contiguous and writeable to fuse in "
+                                 "place")
+        _refuse_shared_memory(views, written, plan, sources)
         options = _Options(rule, threads, check_finite, fp8_rounding, seed)
         delta = _delta_buffer(layouts)
         done_gflop = 0.0
@@ -712,7 +812,8 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
             weight = _plain(views[name])
             scales = [_plain(views[c]) for c in layout.rewritten]
             loaded = plans.factors(plan.weights[name], sources, plan.reports)
-            _fuse_one(weight, loaded, layout, name, options, scales, _delta_view(delta, layout))
+            _fuse_one(weight, loaded, layout, name, options, scales, _delta_view(delta, layout),
+                      "<state dict>", sources)
             done_gflop += plans.gflop(layout.shape, plan.weights[name], sources)
             if progress is not None:
                 progress(Progress(count, report.modules_fused, done_gflop, report.gflop,
@@ -726,6 +827,42 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
     finally:
         for s in sources:
             s.close()
+
+
+def _byte_span(array):
+    """[first, last + 1) bytes an array's elements occupy."""
+    bounds = getattr(np.lib, "array_utils", np).byte_bounds(array)
+    return bounds[0], bounds[1]
+
+
+def _refuse_shared_memory(views, written, plan, sources):
+    """LayoutError where a tensor fused in place shares memory with another one written (tied
+    weights, overlapping views: each would take the delta, W + 2 * delta) or with an adapter
+    tensor it is computed from, naming both keys.  Sorted by where they start, an overlap is
+    found in one pass."""
+    spans = [(*_byte_span(views[name]), name, "tensor") for name in written
+             if views[name].nbytes]
+    for item in (it for items in plan.weights.values() for it in items):
+        source = sources[item.source]
+        if source.file is None:
+            for key in item.pair.keys.values():
+                array = as_numpy(source.mapping[key])
+                if array.nbytes:
+                    spans.append((*_byte_span(array), key, f"adapter {item.source}'s tensor"))
+    spans.sort(key=lambda span: span[0])
+    reach, holder = None, None  # the furthest end so far, and its span
+    for span in spans:
+        start, end, name, what = span
+        # Any overlap with a written tensor shows here: the span that reaches furthest
+        # overlaps every later one that starts before its end.
+        if reach is not None and start < reach and "tensor" in (what, holder[3]):
+            first, second = holder, span
+            raise LayoutError(f"{first[3]} {first[2]!r} and {second[3]} {second[2]!r} share "
+                              "memory (tied weights or overlapping views); fusing in place "
+                              "would add to it twice or read what was written: pass separate "
+                              "arrays, or only one key of tied weights")
+        if reach is None or end > reach:
+            reach, holder = end, span
 
 
 def _plain(array):

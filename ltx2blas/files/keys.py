@@ -11,7 +11,11 @@ Every module of an adapter file becomes a Pair of one kind ("lora", "diff", "bia
 error: a factor without its partner, an alpha or magnitude without a pair, a kind that is not
 fused (LoCon's lora_mid, LoHa, LoKr, GLoRA, OFT/BOFT, ComfyUI's set and reshape patches).
 Pairs that match no weight are returned as unmatched, each with the component it belongs to
-where the name says (text encoder, connectors, VAE); keys of no known role as unused.
+where the name says (text encoder, connectors, VAE); keys of no known role as unused, except
+the tensors of modules the model does not have at all (an adapter's own module, such as an
+IC-LoRA's reference slot embedding), which are returned as extra: they are no change to any
+weight of the model, and a fused checkpoint, which holds only the model's tensors, leaves them
+out, as upstream LTX-2's loader does.
 """
 from dataclasses import dataclass, field
 
@@ -164,6 +168,7 @@ class AdapterMatch:
     pairs: list = field(default_factory=list)      # matched Pairs
     unmatched: list = field(default_factory=list)  # Pairs whose module matches no weight
     unused: list = field(default_factory=list)     # keys of no known role
+    extra: list = field(default_factory=list)      # tensors of modules the model does not have
 
 
 def split_key(key):
@@ -174,7 +179,8 @@ def split_key(key):
     return None, None
 
 
-def _strip(module):
+def strip_prefix(module):
+    """(the module name without its adapter prefix, the prefix)."""
     for prefix in ADAPTER_PREFIXES:
         if module.startswith(prefix):
             return module[len(prefix):], prefix
@@ -262,10 +268,12 @@ def match(adapter_keys, model_keys, adapter_name="adapter"):
                                 f"({pair.keys[role]!r} and {key!r})")
         pair.keys[role] = key
 
-    result = AdapterMatch(unused=unused)
+    result = AdapterMatch()
+    for key in unused:
+        (result.extra if _own_module(key, index) else result.unused).append(key)
     for name, pair in modules.items():
         pair.kind = _kind(pair, adapter_name)
-        stripped, prefix = _strip(name)
+        stripped, prefix = strip_prefix(name)
         found = index.find(stripped, adapter_name)
         if found is not None:
             pair.target = index.weights[found]
@@ -282,3 +290,22 @@ def match(adapter_keys, model_keys, adapter_name="adapter"):
         raise KeyMatchError(f"{adapter_name}: matches no weight of the model (adapter modules "
                             f"such as {sample})")
     return result
+
+
+def _own_module(key, index):
+    """Whether a key of no adapter role is a tensor of a module of the adapter's own -- a
+    dotted name no part of which is a module of the model (an IC-LoRA's
+    reference_slot_embedding.net.0.weight) -- rather than something said of a model's module
+    (a full weight, a role ltx2blas does not know)."""
+    name, _ = strip_prefix(key)
+    parts = name.split(".")
+    if len(parts) < 2:
+        return False
+    return not any(_is_model_module(".".join(parts[:n]), index) for n in range(1, len(parts) + 1))
+
+
+def _is_model_module(name, index):
+    try:
+        return index.find(name, "") is not None
+    except KeyMatchError:  # a name several of the model's modules answer to
+        return True

@@ -14,11 +14,20 @@ cast codes) and otherwise takes the layout its companions say:
                 the ``_quantization_metadata`` metadata naming format ``float8_e4m3fn`` or
                 ``float8_e5m2``, with ``<m>.weight_scale``; or the older layout marked by a
                 ``scaled_fp8`` tensor, with ``<m>.scale_weight``.
+``comfy_nvfp4`` ComfyUI's ``nvfp4``: stored as ``nvfp4`` (U8 packed, ``weight_scale`` E4M3 or
+                U8 block scales, tiled; ``weight_scale_2`` one F32 value).
+``comfy_mxfp8`` ComfyUI's ``mxfp8``: F8_E4M3 [out, in], ``weight_scale`` F8_E8M0 (or U8)
+                exponents of 32 elements in the tiled layout.
+``comfy_int8``  ComfyUI's ``int8_tensorwise``: I8 [out, in], ``weight_scale`` one F32 value
+                (shape []) or one per row ([out, 1]).
 =============  ==========================================================================
 
-Anything else that carries a scale, or a ComfyUI format other than per-tensor fp8 (nvfp4,
-mxfp8, int8, ...), is refused with a DTypeError naming the tensor, before anything is written
-(a marker that cannot be read at all is a FormatError).
+Anything else that carries a scale, a ComfyUI format not among these (``convrot_w4a4``,
+``awq_w4a16``, ..., and ``int8_tensorwise`` with its ``convrot`` rotation), or a layer with an
+AWQ ``pre_quant_scale`` (its weight is not the layer's), is refused with a DTypeError naming
+the tensor and the format, before anything is written (a marker that cannot be read at all is
+a FormatError).  ComfyUI pads nvfp4 and mxfp8 weights to whole blocks of 16 and 32; the shape
+an adapter must fit is the stored one.
 """
 import json
 import math
@@ -26,16 +35,20 @@ from dataclasses import dataclass
 
 from .._validate import FP8, FP8_BY_NAME
 from ..errors import DTypeError, FormatError, ShapeError
+from ..quantized import tiled_shape
 
 PLAIN = {"BF16": "bf16", "F8_E4M3": "F8_E4M3", "F8_E5M2": "F8_E5M2"}
 COMPANIONS = (".weight_scale", ".weight_scale_2", ".scale_weight", ".comfy_quant")
+#: ComfyUI's format names (its comfy_quant markers) -> the layouts that fuse them.
+COMFY_FORMATS = {"float8_e4m3fn": "comfy_fp8", "float8_e5m2": "comfy_fp8",
+                 "nvfp4": "comfy_nvfp4", "mxfp8": "comfy_mxfp8", "int8_tensorwise": "comfy_int8"}
 
 
 @dataclass(frozen=True)
 class Layout:
     """How one weight is stored and fused."""
     kind: str            # "bf16", "fp8" (cast codes) or a quantized.LAYOUTS name
-    fmt: str             # the codes' format: "bf16", "F8_E4M3", "F8_E5M2", or "packed"
+    fmt: str             # the codes' format: "bf16", "F8_E4M3", "F8_E5M2", "int8" or "packed"
     shape: tuple         # the logical [out, in] an adapter must fit
     scale: str = None    # the tensor names of the scales the rule rewrites
     scale_2: str = None
@@ -107,9 +120,14 @@ def detect(key, entries, configs, marker):
             fmt_name = FP8[dtype].name if dtype in FP8 else None
         else:
             fmt_name = conf.get("format") if isinstance(conf, dict) else None
-        if fmt_name not in FP8_BY_NAME:
+        if fmt_name not in COMFY_FORMATS:
             raise DTypeError(f"{refuse}: ComfyUI quantisation format {fmt_name!r} is not one "
-                              "ltx2blas fuses (per-tensor float8_e4m3fn / float8_e5m2 only)")
+                             f"ltx2blas fuses ({', '.join(COMFY_FORMATS)})")
+        if module + ".pre_quant_scale" in entries:
+            raise DTypeError(f"{refuse}: {module}.pre_quant_scale (AWQ smoothing) scales the "
+                             "layer's input, so its stored weight is not the layer's; not fused")
+        if fmt_name not in FP8_BY_NAME:
+            return _comfy_layout(key, fmt_name, conf, entries, module, dtype, rows, cols, refuse)
         fmt = FP8_BY_NAME[fmt_name]
         if dtype != fmt:
             raise DTypeError(f"{refuse}: ComfyUI says {fmt_name} but the weight is {dtype}")
@@ -150,6 +168,44 @@ def detect(key, entries, configs, marker):
         raise DTypeError(f"weight {key} is {dtype}; ltx2blas fuses into BF16, F8_E4M3 and "
                          "F8_E5M2 weights and the scaled layouts of ltx2blas.quantized")
     return Layout("bf16" if dtype == "BF16" else "fp8", PLAIN[dtype], (rows, cols))
+
+
+def _comfy_layout(key, fmt_name, conf, entries, module, dtype, rows, cols, refuse):
+    """The Layout of a weight ComfyUI marks nvfp4, mxfp8 or int8_tensorwise."""
+    layout = COMFY_FORMATS[fmt_name]
+    scale = module + ".weight_scale"
+    if scale not in entries:
+        raise DTypeError(f"{refuse}: ComfyUI {fmt_name} without its {scale}")
+    s_dtype, s_shape = entries[scale]
+    stored = {"comfy_nvfp4": "U8", "comfy_mxfp8": "F8_E4M3", "comfy_int8": "I8"}[layout]
+    if dtype != stored:
+        raise DTypeError(f"{refuse}: ComfyUI says {fmt_name}, whose weight is {stored}")
+    if layout == "comfy_int8":
+        if isinstance(conf, dict) and conf.get("convrot"):
+            raise DTypeError(f"{refuse}: ComfyUI int8_tensorwise with its convrot rotation, which "
+                             "ltx2blas does not fuse")
+        if s_dtype != "F32" or tuple(s_shape) not in ((), (rows, 1)):
+            raise DTypeError(f"{refuse}: its {scale} is {s_dtype} {list(s_shape)}; ComfyUI's "
+                             f"int8_tensorwise scale is F32 [] or one per row, [{rows}, 1]" +
+                             (" (a [1] scale ComfyUI would rewrite as one per row, another shape)"
+                              if math.prod(s_shape) == 1 else ""))
+        return Layout(layout, "int8", (rows, cols), scale)
+    logical = (rows, cols * 2) if layout == "comfy_nvfp4" else (rows, cols)
+    group = 16 if layout == "comfy_nvfp4" else 32
+    want = tiled_shape(layout, *logical) if logical[1] % group == 0 else None
+    kinds = ("F8_E4M3", "U8") if layout == "comfy_nvfp4" else ("F8_E8M0", "U8")
+    if s_dtype not in kinds or want is None or tuple(s_shape) != want:
+        raise DTypeError(f"{refuse}: ComfyUI {fmt_name} block scales {scale} are {s_dtype} "
+                         f"{list(s_shape)}; expected {kinds[0]} "
+                         f"{list(want) if want else f'(columns in blocks of {group})'} (the cuBLAS "
+                         "tiled layout)")
+    if layout == "comfy_mxfp8":
+        return Layout(layout, "F8_E4M3", logical, scale)
+    scale_2 = module + ".weight_scale_2"
+    if scale_2 not in entries:
+        raise DTypeError(f"{refuse}: ComfyUI nvfp4 without its {scale_2}")
+    _one_f32(entries, scale_2, key)
+    return Layout(layout, "packed", logical, scale, scale_2)
 
 
 def _comfy_conf(module, configs):

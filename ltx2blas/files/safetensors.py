@@ -365,18 +365,23 @@ def output_path(path):
     """The file an output path names: a symbolic link is followed to its target (the link
     then names the new file); anything there other than a regular file -- a folder, a device,
     a FIFO, a socket -- is refused, as is a missing folder."""
-    path = os.path.abspath(os.fspath(path))
+    given = os.fspath(path)
+    path = os.path.abspath(given)
+    try:  # what the path names, through any links (/dev/stdout names a pipe or a terminal)
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None  # nothing there yet, or a dangling link: its target is created
+    except OSError as exc:
+        raise Ltx2IOError(exc.errno, f"output {given}: {exc.strerror}") from exc
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise Ltx2IOError(errno.EISDIR, f"output {given} is a directory")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = ("a FIFO (a pipe)" if stat.S_ISFIFO(st.st_mode) else "a socket" if
+                stat.S_ISSOCK(st.st_mode) else "a device or other special file")
+        raise Ltx2IOError(errno.EINVAL, f"output {given} is {kind}, not a regular file; "
+                                        "ltx2blas writes a new file and replaces only files")
     if os.path.islink(path):
         path = os.path.realpath(path)
-    if os.path.lexists(path):
-        st = os.stat(path)
-        if stat.S_ISDIR(st.st_mode):
-            raise Ltx2IOError(errno.EISDIR, f"output {path} is a directory")
-        if not stat.S_ISREG(st.st_mode):
-            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if
-                    stat.S_ISSOCK(st.st_mode) else "a device or other special file")
-            raise Ltx2IOError(errno.EINVAL, f"output {path} is {kind}, not a regular file; "
-                                            "ltx2blas does not replace it")
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):
         raise Ltx2IOError(errno.ENOENT, f"output folder {folder} does not exist")
@@ -586,26 +591,37 @@ class SafetensorsWriter:
         self.temp = os.path.join(folder, f".{os.path.basename(self.path)}{TEMP_MARK}"
                                          f"{os.getpid()}-{os.urandom(4).hex()}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        self._sink = None
         try:
             self._fd = os.open(self.temp, flags, 0o644)
         except OSError as exc:
+            self._fd = -1
             raise Ltx2IOError(exc.errno, f"cannot create a file in {folder}: {exc.strerror}") from exc
-        self._sink = _BufferedSink(self._fd, self.path)
-        if direct and hasattr(os, "O_DIRECT") and self.size >= _DirectSink.CHUNK:
-            try:  # file systems without O_DIRECT (tmpfs, some FUSE) refuse it: stay buffered
-                import fcntl
+        # From here the temporary file exists: whatever fails before the caller holds the
+        # writer (its buffers' allocation, the header's write) must take the file and its
+        # descriptor with it, as __exit__ would.
+        try:
+            self._sink = self._open_sink(direct)
+            self._index = 0
+            self._sink.append(self._header)
+        except BaseException:
+            self.abort()
+            raise
 
-                fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) | os.O_DIRECT)
-                probe = page_aligned(_DirectSink.ALIGN)
-                os.pwrite(self._fd, probe, 0)
-                os.ftruncate(self._fd, 0)
-                self._sink = _DirectSink(self._fd, self.path)
-            except OSError:
-                import fcntl
+    def _open_sink(self, direct):
+        if not (direct and hasattr(os, "O_DIRECT") and self.size >= _DirectSink.CHUNK):
+            return _BufferedSink(self._fd, self.path)
+        import fcntl
 
-                fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-        self._index = 0
-        self._sink.append(self._header)
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        try:  # file systems without O_DIRECT (tmpfs, some FUSE) refuse it: stay buffered
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+            os.pwrite(self._fd, page_aligned(_DirectSink.ALIGN), 0)
+            os.ftruncate(self._fd, 0)
+        except OSError:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            return _BufferedSink(self._fd, self.path)
+        return _DirectSink(self._fd, self.path)
 
     def _next(self, name, nbytes):
         if self._index >= len(self.entries):

@@ -1,5 +1,6 @@
 /* The scaled and quantised layouts' element kernels (quant.h). Built with no contraction: each
  * operation written is one IEEE f32 operation, rounded once. */
+#include <math.h>
 #include <string.h>
 
 #include "fp8_avx512.h"
@@ -498,6 +499,161 @@ void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, u
                 const uint32_t lo = ltx_e2m1_from_f32(ltx_bf16_value(m[g * GROUP + j + 1]) * inv);
                 row[(g * GROUP + j) / 2] = (uint8_t)(hi << 4 | lo);
             }
+        }
+    }
+}
+
+/* ---- ComfyUI's nvfp4, mxfp8 and int8 ---- */
+
+/* The larger of a running maximum and a magnitude, a NaN kept once it comes (a NaN merge must
+ * show in the maximum the caller checks). */
+static inline float max_nan(float top, float a)
+{
+    if (top != top)
+        return top;
+    return (a > top || a != a) ? a : top;
+}
+
+float ltx_comfy_nvfp4_max_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx padded_cols,
+                               float scale_2, const uint16_t *delta, ltx_idx cols, ltx_idx r0,
+                               ltx_idx r1)
+{
+    float top = 0.0f;
+    for (ltx_idx r = r0; r < r1; r++) {
+        const uint8_t *row = packed + r * (cols / 2);
+        const uint16_t *d = delta + r * cols;
+        for (ltx_idx g = 0; g < cols / GROUP; g++) {
+            const float total = scale_2 * ltx_fp8_table(0)[scales[ltx_nvfp4_scale_offset(r, g, padded_cols)]];
+            for (ltx_idx i = g * GROUP; i < (g + 1) * GROUP; i++) {
+                const uint8_t byte = row[i / 2];
+                const float w = e2m1_value[(i % 2) ? (byte & 0xFu) : (byte >> 4)] * total;
+                top = max_nan(top, absf(w + ltx_bf16_value(d[i])));
+            }
+        }
+    }
+    return top;
+}
+
+void ltx_comfy_nvfp4_quantize_rows(uint8_t *packed, const uint8_t *old_scales, uint8_t *scales,
+                                   ltx_idx padded_cols, float scale_2, const uint16_t *delta,
+                                   float t, ltx_idx cols, ltx_idx r0, ltx_idx r1)
+{
+    float n[GROUP];
+    for (ltx_idx r = r0; r < r1; r++) {
+        uint8_t *row = packed + r * (cols / 2);
+        const uint16_t *d = delta + r * cols;
+        for (ltx_idx g = 0; g < cols / GROUP; g++) {
+            const ltx_idx at = ltx_nvfp4_scale_offset(r, g, padded_cols);
+            const float total = scale_2 * ltx_fp8_table(0)[old_scales[at]];
+            float top = 0.0f;
+            for (ltx_idx j = 0; j < GROUP; j++) {
+                const ltx_idx i = g * GROUP + j;
+                const uint8_t byte = row[i / 2];
+                n[j] = e2m1_value[(i % 2) ? (byte & 0xFu) : (byte >> 4)] * total +
+                       ltx_bf16_value(d[i]);
+                const float a = absf(n[j]);
+                top = a > top ? a : top;
+            }
+            float s = (top / 6.0f) / t;
+            s = s < 448.0f ? s : 448.0f;
+            const uint32_t code = fp8_encode(s, 0);
+            scales[at] = (uint8_t)code;
+            const float step = t * ltx_fp8_table(0)[code];
+            for (ltx_idx j = 0; j < GROUP; j += 2) {
+                const uint32_t hi = step > 0.0f ? ltx_e2m1_from_f32(n[j] / step) : 0u;
+                const uint32_t lo = step > 0.0f ? ltx_e2m1_from_f32(n[j + 1] / step) : 0u;
+                row[(g * GROUP + j) / 2] = (uint8_t)(hi << 4 | lo);
+            }
+        }
+    }
+}
+
+#define MX_GROUP 32
+
+/* 2^(e - 127) of an E8M0 byte e in 0..254, 0 for e = 0 (comfy-kitchen's decoding). */
+static inline float e8m0_value(uint32_t e) { return e ? ltx_bits_f32(e << 23) : 0.0f; }
+
+float ltx_comfy_mxfp8_max_rows(const uint8_t *codes, const uint8_t *scales, ltx_idx padded_cols,
+                               const uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1)
+{
+    const float *value = ltx_fp8_table(0);
+    float top = 0.0f;
+    for (ltx_idx r = r0; r < r1; r++)
+        for (ltx_idx g = 0; g < cols / MX_GROUP; g++) {
+            const float scale = e8m0_value(scales[ltx_nvfp4_scale_offset(r, g, padded_cols)]);
+            for (ltx_idx i = r * cols + g * MX_GROUP; i < r * cols + (g + 1) * MX_GROUP; i++)
+                top = max_nan(top, absf(value[codes[i]] * scale + ltx_bf16_value(delta[i])));
+        }
+    return top;
+}
+
+/* The E8M0 exponent of a group of largest magnitude top > 0, by comfy-kitchen's f32 steps; its
+ * log2 is taken in double and rounded once to f32, the correctly rounded f32 log2. */
+static inline uint32_t e8m0_for(float top)
+{
+    float needed = top / 448.0f;
+    needed = needed > 0x1p-127f ? needed : 0x1p-127f;
+    const int e = (int)ceilf((float)log2((double)needed)) + 127;
+    return (uint32_t)(e < 0 ? 0 : e > 254 ? 254 : e);
+}
+
+void ltx_comfy_mxfp8_quantize_rows(uint8_t *codes, const uint8_t *old_scales, uint8_t *scales,
+                                   ltx_idx padded_cols, const uint16_t *delta, ltx_idx cols,
+                                   ltx_idx r0, ltx_idx r1)
+{
+    const float *value = ltx_fp8_table(0);
+    float n[MX_GROUP];
+    for (ltx_idx r = r0; r < r1; r++)
+        for (ltx_idx g = 0; g < cols / MX_GROUP; g++) {
+            const ltx_idx at = ltx_nvfp4_scale_offset(r, g, padded_cols);
+            const float scale = e8m0_value(old_scales[at]);
+            uint8_t *c = codes + r * cols + g * MX_GROUP;
+            const uint16_t *d = delta + r * cols + g * MX_GROUP;
+            float top = 0.0f;
+            for (int j = 0; j < MX_GROUP; j++) {
+                n[j] = value[c[j]] * scale + ltx_bf16_value(d[j]);
+                const float a = absf(n[j]);
+                top = a > top ? a : top;
+            }
+            const uint32_t e = top > 0.0f ? e8m0_for(top) : 0u;
+            scales[at] = (uint8_t)e;
+            const float step = e8m0_value(e);
+            for (int j = 0; j < MX_GROUP; j++) {
+                float q = e ? n[j] / step : 0.0f;
+                q = q > 448.0f ? 448.0f : q < -448.0f ? -448.0f : q;
+                c[j] = e ? (uint8_t)fp8_encode(q, 0) : 0u;
+            }
+        }
+}
+
+float ltx_comfy_int8_max_rows(const int8_t *codes, const float *scale, int per_row,
+                              const uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                              float *row_top)
+{
+    float top = 0.0f;
+    for (ltx_idx r = r0; r < r1; r++) {
+        const float s = scale[per_row ? r : 0];
+        float rtop = 0.0f;
+        for (ltx_idx i = r * cols; i < (r + 1) * cols; i++)
+            rtop = max_nan(rtop, absf((float)codes[i] * s + ltx_bf16_value(delta[i])));
+        if (row_top)
+            row_top[r] = rtop;
+        top = max_nan(top, rtop);
+    }
+    return top;
+}
+
+void ltx_comfy_int8_quantize_rows(int8_t *codes, const float *scale, const float *new_scale,
+                                  int per_row, const uint16_t *delta, ltx_idx cols, ltx_idx r0,
+                                  ltx_idx r1)
+{
+    for (ltx_idx r = r0; r < r1; r++) {
+        const float s = scale[per_row ? r : 0], s_new = new_scale[per_row ? r : 0];
+        for (ltx_idx i = r * cols; i < (r + 1) * cols; i++) {
+            /* rintf rounds half to even in the default rounding mode */
+            float q = rintf(((float)codes[i] * s + ltx_bf16_value(delta[i])) / s_new);
+            q = q > 127.0f ? 127.0f : q < -128.0f ? -128.0f : q;
+            codes[i] = (int8_t)q;
         }
     }
 }

@@ -61,6 +61,44 @@ void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, u
                              ltx_idx padded_cols, ltx_idx cols, ltx_idx r0, ltx_idx r1,
                              int avx512);
 
+/* ---- ComfyUI's nvfp4, mxfp8 and int8 (reference.fuse_comfy_*): dequantised into f32 and
+ * merged in f32, n = f32(w + f32(delta)), never rounded to bf16; requantised to nearest. Each
+ * layout has a pass that returns max |n| (NaN where an n is NaN), read before anything is
+ * written, and a pass that requantises in place: a group's codes are read before they are
+ * written, its old scale from `old_scales` (a copy), its new one to `scales`, whose padding
+ * the caller zeroes. ---- */
+
+/* nvfp4 (packed E2M1, E4M3 block scales of 16 in the tiled layout, f32 scale_2), rows r0..r1:
+ * w = f32(e2m1 * f32(scale_2 * block scale)). */
+float ltx_comfy_nvfp4_max_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx padded_cols,
+                               float scale_2, const uint16_t *delta, ltx_idx cols, ltx_idx r0,
+                               ltx_idx r1);
+/* ... requantised with the new scale_2 t > 0: s = e4m3(min(f32(f32(max|group| / 6) / t), 448)),
+ * code = e2m1(f32(n / f32(t * s))), +0 where t * s is 0. */
+void ltx_comfy_nvfp4_quantize_rows(uint8_t *packed, const uint8_t *old_scales, uint8_t *scales,
+                                   ltx_idx padded_cols, float scale_2, const uint16_t *delta,
+                                   float t, ltx_idx cols, ltx_idx r0, ltx_idx r1);
+/* mxfp8 (e4m3 codes [rows, cols], an E8M0 exponent per 32 in the tiled layout), rows r0..r1:
+ * w = f32(f32(code) * 2^(e - 127)), 0 for e = 0. */
+float ltx_comfy_mxfp8_max_rows(const uint8_t *codes, const uint8_t *scales, ltx_idx padded_cols,
+                               const uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1);
+/* ... requantised: e = ceil(f32 log2(max(f32(max|group| / 448), 2^-127))) + 127 in 0..254,
+ * code = e4m3(clamp(f32(n / 2^(e - 127)), +-448)); a group of maximum 0, or with e = 0, is
+ * zero codes and e = 0. */
+void ltx_comfy_mxfp8_quantize_rows(uint8_t *codes, const uint8_t *old_scales, uint8_t *scales,
+                                   ltx_idx padded_cols, const uint16_t *delta, ltx_idx cols,
+                                   ltx_idx r0, ltx_idx r1);
+/* int8 (codes [rows, cols], one f32 scale, or one per row where per_row), rows r0..r1:
+ * w = f32(f32(code) * scale); row_top[r] = max over the row (row_top may be NULL). */
+float ltx_comfy_int8_max_rows(const int8_t *codes, const float *scale, int per_row,
+                              const uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                              float *row_top);
+/* ... requantised with the new scale(s): code = clamp(round_half_even(f32(n / new)), -128, 127);
+ * scale may not be new_scale (the old one is read for each element). */
+void ltx_comfy_int8_quantize_rows(int8_t *codes, const float *scale, const float *new_scale,
+                                  int per_row, const uint16_t *delta, ltx_idx cols, ltx_idx r0,
+                                  ltx_idx r1);
+
 /* ---- DoRA (reference.fuse_dora) ----
  * Rows r0..r1: delta = V = bf16(W + delta) in place, and row_sq[r] = sum_i V[r, i]^2 in f64 in
  * order (row_sq may be NULL). */
