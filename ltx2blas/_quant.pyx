@@ -174,27 +174,32 @@ def nvfp4_quantize(const uint16_t[:, ::1] merged, float t, uint8_t[:, ::1] packe
                                     cols, r0, min(r0 + ROWS_PER_TASK, rows), vec)
 
 
-def comfy_nvfp4_max(const uint8_t[:, ::1] packed, const uint8_t[:, ::1] scales, float scale_2,
-                    const uint16_t[:, ::1] delta, int threads):
-    """max |f32(e2m1 * f32(scale_2 * block scale)) + f32(delta)| (NaN if one is NaN)."""
-    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0
+def comfy_tiled_max(const uint8_t[:, ::1] codes, const uint8_t[:, ::1] scales, bint nvfp4,
+                    float scale_2, const uint16_t[:, ::1] delta, int threads):
+    """max |n| over ComfyUI's nvfp4 (packed codes, E4M3 block scales and ``scale_2``) or mxfp8
+    (e4m3 codes, E8M0 exponents) weight merged with delta in f32 (NaN if an n is NaN)."""
+    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0, r1
     cdef Py_ssize_t padded = scales.shape[1]
     cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
     with nogil:
         for t in prange(tasks, num_threads=threads, schedule="dynamic"):
             r0 = t * ROWS_PER_TASK
-            tops[t] = ltx_comfy_nvfp4_max_rows(&packed[0, 0], &scales[0, 0], padded, scale_2,
-                                               &delta[0, 0], cols, r0,
-                                               min(r0 + ROWS_PER_TASK, rows))
+            r1 = min(r0 + ROWS_PER_TASK, rows)
+            if nvfp4:
+                tops[t] = ltx_comfy_nvfp4_max_rows(&codes[0, 0], &scales[0, 0], padded, scale_2,
+                                                   &delta[0, 0], cols, r0, r1)
+            else:
+                tops[t] = ltx_comfy_mxfp8_max_rows(&codes[0, 0], &scales[0, 0], padded,
+                                                   &delta[0, 0], cols, r0, r1)
     return _max(tops)
 
 
-def comfy_nvfp4_quantize(uint8_t[:, ::1] packed, uint8_t[:, ::1] scales, float scale_2,
-                         const uint16_t[:, ::1] delta, float t, int threads):
-    """packed and scales (read as the weight's, and holding scale_2) requantised in place with
-    the new scale_2 ``t`` > 0; the scales' padding zeroed."""
-    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], task, r0
+def comfy_tiled_quantize(uint8_t[:, ::1] codes, uint8_t[:, ::1] scales, bint nvfp4,
+                         float scale_2, const uint16_t[:, ::1] delta, float t, int threads):
+    """ComfyUI's nvfp4 (with the new scale_2 ``t`` > 0) or mxfp8 weight, read as it is,
+    requantised in place with delta; the scales' padding zeroed."""
+    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], task, r0, r1
     cdef Py_ssize_t padded = scales.shape[1]
     cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     cdef uint8_t[:, ::1] old = np.array(scales, copy=True)
@@ -202,39 +207,13 @@ def comfy_nvfp4_quantize(uint8_t[:, ::1] packed, uint8_t[:, ::1] scales, float s
     with nogil:
         for task in prange(tasks, num_threads=threads, schedule="dynamic"):
             r0 = task * ROWS_PER_TASK
-            ltx_comfy_nvfp4_quantize_rows(&packed[0, 0], &old[0, 0], &scales[0, 0], padded,
-                                          scale_2, &delta[0, 0], t, cols, r0,
-                                          min(r0 + ROWS_PER_TASK, rows))
-
-
-def comfy_mxfp8_max(const uint8_t[:, ::1] codes, const uint8_t[:, ::1] scales,
-                    const uint16_t[:, ::1] delta, int threads):
-    """max |f32(f32(code) * 2^(e - 127)) + f32(delta)| (NaN if one is NaN)."""
-    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0
-    cdef Py_ssize_t padded = scales.shape[1]
-    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
-    with nogil:
-        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
-            r0 = t * ROWS_PER_TASK
-            tops[t] = ltx_comfy_mxfp8_max_rows(&codes[0, 0], &scales[0, 0], padded, &delta[0, 0],
-                                               cols, r0, min(r0 + ROWS_PER_TASK, rows))
-    return _max(tops)
-
-
-def comfy_mxfp8_quantize(uint8_t[:, ::1] codes, uint8_t[:, ::1] scales,
-                         const uint16_t[:, ::1] delta, int threads):
-    """codes and E8M0 scales requantised in place; the scales' padding zeroed."""
-    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], task, r0
-    cdef Py_ssize_t padded = scales.shape[1]
-    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    cdef uint8_t[:, ::1] old = np.array(scales, copy=True)
-    scales[:, :] = 0
-    with nogil:
-        for task in prange(tasks, num_threads=threads, schedule="dynamic"):
-            r0 = task * ROWS_PER_TASK
-            ltx_comfy_mxfp8_quantize_rows(&codes[0, 0], &old[0, 0], &scales[0, 0], padded,
-                                          &delta[0, 0], cols, r0, min(r0 + ROWS_PER_TASK, rows))
+            r1 = min(r0 + ROWS_PER_TASK, rows)
+            if nvfp4:
+                ltx_comfy_nvfp4_quantize_rows(&codes[0, 0], &old[0, 0], &scales[0, 0], padded,
+                                              scale_2, &delta[0, 0], t, cols, r0, r1)
+            else:
+                ltx_comfy_mxfp8_quantize_rows(&codes[0, 0], &old[0, 0], &scales[0, 0], padded,
+                                              &delta[0, 0], cols, r0, r1)
 
 
 def comfy_int8_max(const int8_t[:, ::1] codes, const float[::1] scale, bint per_row,

@@ -288,20 +288,20 @@ def fuse_quantized(layout, weight, adapters, *, scale, scale_2=None, fmt=None, r
             t = np.float32(top * np.float32(1.0 / 2688.0))
             _quant.nvfp4_quantize(delta, t, out_codes, out_scale, threads)
             out_second.reshape(-1)[0] = t
-        elif layout == "comfy_nvfp4":    # ComfyUI: scale_2 = amax / (448 * 6), a division
-            s2 = np.float32(second.reshape(-1)[0])
-            top = np.float32(_quant.comfy_nvfp4_max(codes, block, s2, delta, threads))
+        elif layout in ("comfy_nvfp4", "comfy_mxfp8"):
+            nvfp4 = layout == "comfy_nvfp4"
+            s2 = np.float32(second.reshape(-1)[0]) if nvfp4 else np.float32(0)
+            top = np.float32(_quant.comfy_tiled_max(codes, block, nvfp4, s2, delta, threads))
             _check_merged(top)
-            t = np.float32(top / np.float32(2688.0))
+            # ComfyUI's nvfp4 scale_2 is amax / (448 * 6), a division
+            t = np.float32(top / np.float32(2688.0)) if nvfp4 else np.float32(1)
             if t > 0:
-                _quant.comfy_nvfp4_quantize(out_codes, out_scale, s2, delta, t, threads)
+                _quant.comfy_tiled_quantize(out_codes, out_scale, nvfp4, s2, delta, t, threads)
             else:  # all zero: the owner's 0 / 0 would make NaN scales
                 out_codes[...] = 0
                 out_scale[...] = 0
-            out_second.reshape(-1)[0] = t
-        elif layout == "comfy_mxfp8":
-            _check_merged(np.float32(_quant.comfy_mxfp8_max(codes, block, delta, threads)))
-            _quant.comfy_mxfp8_quantize(out_codes, out_scale, delta, threads)
+            if nvfp4:
+                out_second.reshape(-1)[0] = t
         else:                             # ComfyUI: scale = max(amax / 127, 1e-30)
             per_row = block.ndim == 2
             top, row_tops = _quant.comfy_int8_max(codes, block.reshape(-1), per_row, delta,

@@ -416,8 +416,6 @@ def _parse_loras(loras, mappings=False):
             source, strength = item
         except (TypeError, ValueError):
             raise ArgumentTypeError("loras must be a list of (path, strength) pairs") from None
-        if isinstance(strength, (str, bytes)):
-            raise ArgumentTypeError(f"loras[{i}]: strength must be a number, got {strength!r}")
         strength_f32(strength, f"loras[{i}]: strength")
         if not (mappings and isinstance(source, collections.abc.Mapping)):
             source = _path_arg(source, f"loras[{i}]: the adapter")
