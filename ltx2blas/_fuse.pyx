@@ -23,7 +23,7 @@ from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num, up64
 import numpy as np
 
 
-# The several-adapter rules (fuse_tiles' ``rule``); the names are the Python API's.
+# The several-adapter rules (FusePlan's ``rule``); the names are the Python API's.
 cdef enum:
     RULE_ONE = 0
     RULE_SUM = 1
@@ -33,7 +33,7 @@ RULES = {"one": RULE_ONE, "sum": RULE_SUM, "addmm": RULE_ADDMM}
 KINDS = {"lora": KIND_LORA, "diff": KIND_DIFF}
 
 
-# What an adapter is (fuse_tiles' ``kinds``): a LoRA pair, or a full-weight difference.
+# What an adapter is (an AdapterSpec's kind): a LoRA pair, or a full-weight difference.
 cdef enum:
     KIND_LORA = 0
     KIND_DIFF = 1
@@ -47,19 +47,19 @@ cdef enum:
 PASS_DEPTH = PASS_DEPTH_C
 
 
-cdef struct Adapters:
-    int count
-    int *kind                 # KIND_LORA or KIND_DIFF
-    const uint16_t **a        # [rank, cols] bf16, row stride cols; a difference: [rows, cols]
-    const uint16_t **b        # [rows, rank] bf16
-    int *rank
-    Py_ssize_t *bs_offset     # where adapter a's rows start in a thread's bs buffer
-    Py_ssize_t *panel_offset  # where adapter a's A panel starts in a thread's panel buffer
-    float *scale
-    int *depth                # [count][4]: verified sgemm depth per tile shape (see fuse_tile)
-    bint *pairs               # multiplied by the dot-product kernel on bf16 pairs, no sgemm
-    Py_ssize_t *pairs_offset  # where adapter a's bs pairs start in a thread's bs_pairs buffer
-    uint32_t **a_pairs        # with pairs: A's rows in pairs, column tile by column tile (the
+cdef struct AdapterSpec:
+    # One adapter as the plan decided to run it.
+    int kind                  # KIND_LORA or KIND_DIFF
+    const uint16_t *a         # [rank, cols] bf16, row stride cols; a difference: [rows, cols]
+    const uint16_t *b         # [rows, rank] bf16 (NULL for a difference)
+    int rank
+    float scale
+    int depth[4]              # verified sgemm depth per tile shape class (see fuse_tile)
+    bint pairs                # multiplied by the dot-product kernel on bf16 pairs, no sgemm
+    Py_ssize_t bs_offset      # where its rows start in a thread's bs buffer
+    Py_ssize_t panel_offset   # where its A panel starts in a thread's panel buffer
+    Py_ssize_t pairs_offset   # where its bs pairs start in a thread's bs_pairs buffer
+    uint32_t *a_pairs         # with pairs: A's rows in pairs, column tile by column tile (the
                               # block of the tile at column i0 at ceil(rank / 2) * i0, its
                               # rows nt pairs long), shared by the threads; else NULL
 
@@ -70,14 +70,16 @@ cdef struct FuseJob:
     Py_ssize_t rows, cols
     int tile_rows, tile_cols
     Py_ssize_t tiles_n
-    int rule                  # RULE_ONE, RULE_SUM or RULE_ADDMM (see fuse_tiles)
+    int rule                  # RULE_ONE, RULE_SUM or RULE_ADDMM (see FusePlan)
     bint dry_run              # compute and check, write nothing
     bint check                # record the first non-finite output per tile
-    int fmt                   # 0: bf16, 1: F8_E4M3, 2: F8_E5M2
+    int fmt                   # 0: bf16, 1: F8_E4M3, 2: F8_E5M2, 3: the bare delta
     bint stochastic           # fp8 only: stochastic rounding with random bits from key
     uint64_t key
-    bint pairs                # one bf16 adapter fused by the dot-product kernel, in one pass
+    bint fused_pairs          # one bf16 adapter fused by the dot-product kernel, in one pass
     bint plus_zero            # one bf16 adapter under the several-adapter rule: -0.0 -> +0.0
+    int count                 # adapters
+    AdapterSpec *ad
     const ltx_kernels *kern
 
 
@@ -110,26 +112,27 @@ cdef inline void finish_bf16_tile(const FuseJob *job, uint16_t *tile, Py_ssize_t
             return
 
 
-cdef inline void load_bs(const FuseJob *job, const Adapters *ad, int a, Py_ssize_t o0, int mt,
-                         Py_ssize_t k0, int kc, TileBuffers *buf) noexcept nogil:
+cdef inline void load_bs(const FuseJob *job, int a, Py_ssize_t o0, int mt, Py_ssize_t k0,
+                         int kc, TileBuffers *buf) noexcept nogil:
     """Adapter a's B rows o0.., columns k0..k0+kc, widened into its place in the buf's bs
     buffer (row stride kc): f32(bf16(B * s)), or for a later addmm term f32(B) unscaled."""
     cdef const ltx_kernels *kern = job.kern
-    cdef float *dst = buf.bs + ad.bs_offset[a]
-    cdef const uint16_t *src = ad.b[a] + o0 * ad.rank[a] + k0
+    cdef const AdapterSpec *ad = &job.ad[a]
+    cdef float *dst = buf.bs + ad.bs_offset
+    cdef const uint16_t *src = ad.b + o0 * ad.rank + k0
     cdef bint unscaled = job.rule == RULE_ADDMM and a > 0   # addmm scales the product
     cdef Py_ssize_t r
-    if kc == ad.rank[a]:  # whole rows: one contiguous run
+    if kc == ad.rank:  # whole rows: one contiguous run
         if unscaled:
             kern.widen_bf16(src, dst, <Py_ssize_t>mt * kc)
         else:
-            kern.scale_round_widen(src, ad.scale[a], dst, <Py_ssize_t>mt * kc)
+            kern.scale_round_widen(src, ad.scale, dst, <Py_ssize_t>mt * kc)
         return
     for r in range(mt):
         if unscaled:
-            kern.widen_bf16(src + r * ad.rank[a], dst + r * kc, kc)
+            kern.widen_bf16(src + r * ad.rank, dst + r * kc, kc)
         else:
-            kern.scale_round_widen(src + r * ad.rank[a], ad.scale[a], dst + r * kc, kc)
+            kern.scale_round_widen(src + r * ad.rank, ad.scale, dst + r * kc, kc)
 
 
 cdef inline size_t a_pairs_bytes(Py_ssize_t rank, Py_ssize_t cols) noexcept nogil:
@@ -137,23 +140,23 @@ cdef inline size_t a_pairs_bytes(Py_ssize_t rank, Py_ssize_t cols) noexcept nogi
     return up64(<size_t>((rank + 1) // 2) * cols * sizeof(uint32_t))
 
 
-cdef inline uint32_t *a_pairs_block(const Adapters *ad, int a, Py_ssize_t i0) noexcept nogil:
-    """Adapter a's A in pairs for the tile whose columns start at i0 (row stride nt)."""
-    return ad.a_pairs[a] + <Py_ssize_t>((ad.rank[a] + 1) // 2) * i0
+cdef inline uint32_t *a_pairs_block(const AdapterSpec *ad, Py_ssize_t i0) noexcept nogil:
+    """An adapter's A in pairs for the tile whose columns start at i0 (row stride nt)."""
+    return ad.a_pairs + <Py_ssize_t>((ad.rank + 1) // 2) * i0
 
 
-cdef void pack_a_pairs(const FuseJob *job, const Adapters *ad, Py_ssize_t tj) noexcept nogil:
+cdef void pack_a_pairs(const FuseJob *job, Py_ssize_t tj) noexcept nogil:
     """Every pairs adapter's A, the columns of column tile tj, packed in pairs."""
     cdef Py_ssize_t i0 = tj * job.tile_cols
     cdef int nt = <int>min(<Py_ssize_t>job.tile_cols, job.cols - i0)
     cdef int a
-    for a in range(ad.count):
-        if ad.a_pairs[a] != NULL:
-            job.kern.pack_pairs_rows(ad.a[a] + i0, job.cols, a_pairs_block(ad, a, i0),
-                                     ad.rank[a], nt)
+    for a in range(job.count):
+        if job.ad[a].a_pairs != NULL:
+            job.kern.pack_pairs_rows(job.ad[a].a + i0, job.cols, a_pairs_block(&job.ad[a], i0),
+                                     job.ad[a].rank, nt)
 
 
-cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBuffers *buf,
+cdef void fuse_tile(const FuseJob *job, Py_ssize_t t, TileBuffers *buf,
                     int64_t *bad) noexcept nogil:
     cdef Py_ssize_t ti = t // job.tiles_n, tj = t % job.tiles_n
     cdef Py_ssize_t o0 = ti * job.tile_rows, i0 = tj * job.tile_cols
@@ -162,6 +165,7 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
     # Tile shape class (full or edge, per dimension): the depth was verified per class.
     cdef int shape = 2 * (mt != job.tile_rows) + (nt != job.tile_cols)
     cdef const ltx_kernels *kern = job.kern
+    cdef const AdapterSpec *ad
     cdef Py_ssize_t q, r
     cdef int a, rank, kc
     cdef Py_ssize_t k0
@@ -174,13 +178,14 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
     cdef Py_ssize_t ldo
 
     if buf.strip != ti:
-        for a in range(ad.count):
-            if ad.kind[a] == KIND_LORA and ad.rank[a] <= PASS_DEPTH_C:
-                load_bs(job, ad, a, o0, mt, 0, ad.rank[a], buf)
-                if ad.pairs[a]:
-                    kern.pack_pairs_cols(buf.bs + ad.bs_offset[a], ad.rank[a],
-                                         buf.bs_pairs + ad.pairs_offset[a],
-                                         (ad.rank[a] + 1) // 2, mt, ad.rank[a])
+        for a in range(job.count):
+            ad = &job.ad[a]
+            if ad.kind == KIND_LORA and ad.rank <= PASS_DEPTH_C:
+                load_bs(job, a, o0, mt, 0, ad.rank, buf)
+                if ad.pairs:
+                    kern.pack_pairs_cols(buf.bs + ad.bs_offset, ad.rank,
+                                         buf.bs_pairs + ad.pairs_offset,
+                                         (ad.rank + 1) // 2, mt, ad.rank)
         buf.strip = ti
 
     if job.dry_run:
@@ -188,21 +193,22 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
     else:
         dst, ldo = job.out + origin * esize, job.cols
 
-    if job.pairs or (ad.count == 1 and job.fmt == 0 and job.rule == RULE_ONE
-                     and ad.kind[0] == KIND_LORA and ad.depth[shape] == 0
-                     and ad.rank[0] <= PASS_DEPTH_C):
+    ad = &job.ad[0]
+    if job.fused_pairs or (job.count == 1 and job.fmt == 0 and job.rule == RULE_ONE
+                           and ad.kind == KIND_LORA and ad.depth[shape] == 0
+                           and ad.rank <= PASS_DEPTH_C):
         # No sgemm for this product: it is computed, rounded and added in one pass, with
         # pairs two terms per instruction. A rank past one pass has buffers for one pass
         # only, and goes the way of passes below whatever its depth.
-        rank = ad.rank[0]
-        if job.pairs:
+        rank = ad.rank
+        if job.fused_pairs:
             exact_product_fused_pairs(kern, mt, nt, (rank + 1) // 2,
-                                      buf.bs_pairs + ad.pairs_offset[0],
-                                      (rank + 1) // 2, a_pairs_block(ad, 0, i0),
+                                      buf.bs_pairs + ad.pairs_offset, (rank + 1) // 2,
+                                      a_pairs_block(ad, i0),
                                       <const uint16_t *>(job.w + origin * esize), job.cols,
                                       <uint16_t *>dst, ldo)
         else:
-            kern.pack_fuse_panel(ad.a[0] + i0, job.cols, buf.panels, rank, nt)
+            kern.pack_fuse_panel(ad.a + i0, job.cols, buf.panels, rank, nt)
             exact_product_fused(kern, mt, nt, rank, buf.bs, rank, buf.panels,
                                 <const uint16_t *>(job.w + origin * esize), job.cols,
                                 <uint16_t *>dst, ldo)
@@ -211,44 +217,44 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
 
     if job.rule == RULE_SUM:
         memset(buf.total, 0, <size_t>mt * nt * sizeof(float))
-    for a in range(ad.count):
-        if ad.kind[a] == KIND_DIFF:
+    for a in range(job.count):
+        ad = &job.ad[a]
+        if ad.kind == KIND_DIFF:
             # acc = f32(bf16(s * diff)), the difference's delta, or for a later addmm term
             # f32(diff), which accumulate_addmm scales
             for r in range(mt):
                 if job.rule == RULE_ADDMM and a > 0:
-                    kern.widen_bf16(ad.a[a] + origin + r * job.cols, buf.acc + r * nt, nt)
+                    kern.widen_bf16(ad.a + origin + r * job.cols, buf.acc + r * nt, nt)
                 else:
-                    kern.scale_round_widen(ad.a[a] + origin + r * job.cols, ad.scale[a],
+                    kern.scale_round_widen(ad.a + origin + r * job.cols, ad.scale,
                                            buf.acc + r * nt, nt)
-        elif ad.rank[a] <= PASS_DEPTH_C:
-            rank = ad.rank[a]
-            panel = buf.panels + ad.panel_offset[a]
-            if ad.pairs[a]:  # two terms per instruction, as the one-adapter fuse above
+        elif ad.rank <= PASS_DEPTH_C:
+            rank = ad.rank
+            panel = buf.panels + ad.panel_offset
+            if ad.pairs:  # two terms per instruction, as the one-adapter fuse above
                 exact_product_pairs(kern, mt, nt, (rank + 1) // 2,
-                                    buf.bs_pairs + ad.pairs_offset[a], (rank + 1) // 2,
-                                    a_pairs_block(ad, a, i0), buf.acc)
-            elif ad.depth[4 * a + shape] == 0:
-                kern.pack_fuse_panel(ad.a[a] + i0, job.cols, panel, rank, nt)
-                exact_product_panel(kern, mt, nt, rank, buf.bs + ad.bs_offset[a], rank, panel,
+                                    buf.bs_pairs + ad.pairs_offset, (rank + 1) // 2,
+                                    a_pairs_block(ad, i0), buf.acc)
+            elif ad.depth[shape] == 0:
+                kern.pack_fuse_panel(ad.a + i0, job.cols, panel, rank, nt)
+                exact_product_panel(kern, mt, nt, rank, buf.bs + ad.bs_offset, rank, panel,
                                     buf.acc)
             else:
-                kern.widen_bf16_rows(ad.a[a] + i0, job.cols, panel, nt, rank, nt)
-                exact_product(kern, mt, nt, rank, buf.bs + ad.bs_offset[a], rank, panel,
-                              buf.acc, ad.depth[4 * a + shape])
+                kern.widen_bf16_rows(ad.a + i0, job.cols, panel, nt, rank, nt)
+                exact_product(kern, mt, nt, rank, buf.bs + ad.bs_offset, rank, panel,
+                              buf.acc, ad.depth[shape])
         else:
             # passes of PASS_DEPTH_C terms: sgemm (to its verified depth) in the first only,
             # the sequential kernel continuing each element's sum in the later ones
-            panel = buf.panels + ad.panel_offset[a]
-            bs = buf.bs + ad.bs_offset[a]
+            panel = buf.panels + ad.panel_offset
+            bs = buf.bs + ad.bs_offset
             k0 = 0
-            while k0 < ad.rank[a]:
-                kc = <int>min(<Py_ssize_t>PASS_DEPTH_C, ad.rank[a] - k0)
-                load_bs(job, ad, a, o0, mt, k0, kc, buf)
-                kern.widen_bf16_rows(ad.a[a] + k0 * job.cols + i0, job.cols, panel, nt, kc, nt)
+            while k0 < ad.rank:
+                kc = <int>min(<Py_ssize_t>PASS_DEPTH_C, ad.rank - k0)
+                load_bs(job, a, o0, mt, k0, kc, buf)
+                kern.widen_bf16_rows(ad.a + k0 * job.cols + i0, job.cols, panel, nt, kc, nt)
                 if k0 == 0:
-                    exact_product(kern, mt, nt, kc, bs, kc, panel, buf.acc,
-                                  ad.depth[4 * a + shape])
+                    exact_product(kern, mt, nt, kc, bs, kc, panel, buf.acc, ad.depth[shape])
                 else:
                     continue_product(kern, mt, nt, kc, bs, kc, panel, nt, buf.acc, nt)
                 k0 += kc
@@ -257,7 +263,7 @@ cdef void fuse_tile(const FuseJob *job, const Adapters *ad, Py_ssize_t t, TileBu
         elif job.rule == RULE_ADDMM and a == 0:
             kern.round_bf16_f32(buf.acc, buf.total, <Py_ssize_t>mt * nt)
         elif job.rule == RULE_ADDMM:
-            kern.accumulate_addmm(buf.acc, buf.total, ad.scale[a], <Py_ssize_t>mt * nt)
+            kern.accumulate_addmm(buf.acc, buf.total, ad.scale, <Py_ssize_t>mt * nt)
     if job.rule != RULE_ONE:
         result = buf.total
 
@@ -294,14 +300,14 @@ cdef (size_t, size_t, size_t, size_t, size_t, size_t) buffer_layout(
 
 def takes_pairs(ranks, pairs):
     """Per LoRA, whether it takes the dot-product kernel where the kernel table has one:
-    asked for (``pairs[a]``, default none) and one pass deep, as fuse_tiles decides."""
+    asked for (``pairs[a]``, default none) and one pass deep, as FusePlan takes them."""
     pairs = [False] * len(ranks) if pairs is None else pairs
     return [bool(p) and int(r) <= PASS_DEPTH_C for r, p in zip(ranks, pairs)]
 
 
 def thread_buffer_bytes(int tile_rows, int tile_cols, ranks, bint several, pairs=None,
                         bint dry_run=False):
-    """Bytes of one thread's buffers for LoRAs of ``ranks`` (what fuse_tiles allocates per
+    """Bytes of one thread's buffers for LoRAs of ``ranks`` (what FusePlan allocates per
     thread); ``pairs[a]``: whether LoRA a takes the dot-product kernel (default none), whose A
     panels are shared (shared_buffer_bytes), not per thread."""
     takes = takes_pairs(ranks, pairs)
@@ -314,176 +320,220 @@ def thread_buffer_bytes(int tile_rows, int tile_cols, ranks, bint several, pairs
 
 
 def shared_buffer_bytes(Py_ssize_t cols, ranks, pairs=None):
-    """Bytes fuse_tiles allocates once a call, shared by its threads: the A of every LoRA
+    """Bytes FusePlan allocates once a call, shared by its threads: the A of every LoRA
     taking the dot-product kernel, in pairs (its own size, rounded up to a row of pairs)."""
     return sum(a_pairs_bytes(int(r), cols) for r, p in zip(ranks, takes_pairs(ranks, pairs))
                if p)
 
 
-def fuse_tiles(*, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list lora_a,
-               list lora_b, float[::1] scales, int[:, ::1] depths, int tile_rows,
-               int tile_cols, int threads, bint allow_fma, int rule, bint check, bint dry_run,
-               bint stochastic=False, uint64_t key=0, pairs=None, bint plus_zero=False,
-               kinds=None):
-    """Fuse adapters into ``weight``, writing ``out`` (which may be ``weight``); both passed as
-    their bytes, [rows, cols * element size], ``fmt`` 0 for bf16, 1 for F8_E4M3, 2 for F8_E5M2,
-    3 for the bare bf16 delta (``out = bf16(agg)``, ``weight`` not read).
+#: What a plan says each adapter's product takes, by what it decided (FusePlan.routes).
+ROUTE_NAMES = ("dot-product", "one-pass", "sgemm", "sgemm+sequential", "passes", "difference")
 
+
+cdef class FusePlan:
+    """One fuse, decided: the weight and its output, each adapter's route (AdapterSpec: its
+    rank, scale, verified sgemm depths, whether the dot-product kernel takes it), the rule, the
+    tile, and the per-thread and shared buffers, allocated here so that a failure comes before
+    any tile is written.  run() computes every tile in parallel -- a dry run (compute and check,
+    write nothing) and the fuse itself from the same plan.
+
+    The caller (ltx2blas.fuse) has validated every array and decided the route; the plan takes
+    its decisions as they are:
+
+    ``weight``, ``out`` (which may be ``weight``): their bytes, [rows, cols * element size];
+    ``fmt`` 0 bf16, 1 F8_E4M3, 2 F8_E5M2, 3 the bare bf16 delta (``out = bf16(agg)``,
+    ``weight`` not read).  ``adapters``: per adapter (kind, a, b, scale, depths, pairs):
+    KIND_LORA with A [rank, cols] and B [rows, rank], or KIND_DIFF with the difference
+    [rows, cols] as ``a`` and ``b`` None (its delta ``bf16(s * diff)``, a later addmm term
+    ``f32(s * diff)``); ``depths``: the verified sgemm depth for the tile shapes (full, full),
+    (full, edge), (edge, full), (edge, edge) in (rows, cols); ``pairs``: the dot-product kernel
+    gives its product's textbook bytes (fuse._pairs_exact; the kernel table has one).
     ``rule``: RULE_ONE (one adapter, ``W + delta``), RULE_SUM (``W + bf16(0 + d1 + d2 ...)``)
-    or RULE_ADDMM (``W + agg``, agg = d1, then ``bf16(agg + s_i * (B_i @ A_i))`` for each later
-    adapter, B_i unscaled), as :func:`ltx2blas.reference.aggregate_delta` states them.
-    ``kinds[a]`` (default all LoRA) is KIND_DIFF for a full-weight difference: ``lora_a[a]`` is
-    then the difference [rows, cols] (bf16) and ``lora_b[a]`` None; its delta is
-    ``bf16(s * diff)``, and a later addmm term adds ``f32(s * diff)``.
-    ``depths[a]`` holds the verified sgemm depth of adapter a for the tile shapes
-    (full, full), (full, edge), (edge, full), (edge, edge) in (rows, cols).
-    ``pairs[a]`` (default none): LoRA a multiplied by the kernel table's dot-product kernel,
-    which the caller has found exact for these inputs (``fuse._pairs_exact``); one bf16
-    adapter under RULE_ONE is then fused in one pass.
-    ``plus_zero``: one bf16 adapter fused by the sum rule (``rule`` RULE_ONE): its
-    result is the one-adapter result with -0.0 made +0.0, tile by tile.
-    Validation happens in :mod:`ltx2blas.fuse`; this trusts shapes, dtypes and contiguity.
-    Returns the flat index of the first non-finite (bf16) or overflowing (fp8) output, or -1,
-    when ``check`` is set."""
-    cdef Py_ssize_t esize = 1 if fmt == 1 or fmt == 2 else 2
-    cdef Py_ssize_t rows = weight.shape[0], cols = weight.shape[1] // esize
-    cdef Py_ssize_t tiles_m = (rows + tile_rows - 1) // tile_rows
-    cdef Py_ssize_t tiles_n = (cols + tile_cols - 1) // tile_cols
-    cdef Py_ssize_t tiles = tiles_m * tiles_n, t
-    cdef int count = len(lora_a), a
-    cdef Py_ssize_t rank_sum = 0, panel_sum = 0, pair_sum = 0
-    cdef const uint16_t[:, ::1] view
+    or RULE_ADDMM (agg = d1, then ``bf16(agg + s_i * (B_i @ A_i))`` for each later adapter, B_i
+    unscaled), as :func:`ltx2blas.reference.aggregate_delta` states them.  ``fused_pairs``: one
+    bf16 adapter by the dot-product kernel, computed, rounded and added in one pass.
+    ``plus_zero``: one bf16 adapter fused by the sum rule (``rule`` RULE_ONE): its result is
+    the one-adapter result with -0.0 made +0.0, tile by tile."""
     cdef FuseJob job
-    cdef Adapters ad
-    cdef size_t bs_len, panels_len, tile_len, scratch_len, pairs_len, buffer_len
-    cdef char *buffers = NULL
-    cdef TileBuffers *buffers_of = NULL
-    cdef char *shared = NULL
-    cdef size_t shared_len = 0
-    cdef Py_ssize_t tj
-    cdef char *base
-    cdef int s
-    cdef bint several = rule != RULE_ONE
-    if rows == 0 or cols == 0 or count == 0:
-        return -1
-    if rule not in (RULE_ONE, RULE_SUM, RULE_ADDMM) or (rule == RULE_ONE and count != 1):
-        raise ValueError(f"rule {rule} does not apply to {count} adapters")
+    cdef AdapterSpec *ad
+    cdef TileBuffers *per_thread
+    cdef char *buffers
+    cdef char *shared
+    cdef bint a_packed             # the shared A pairs packed (by the first run)
+    cdef bint scratch              # the buffers hold a dry run's scratch tile
+    cdef int threads
+    cdef readonly Py_ssize_t tiles
+    cdef object keep
 
-    keep = []  # the memoryviews whose pointers the C structs hold
-    ad.count = count
-    ad.kind = <int *>malloc(count * sizeof(int))
-    ad.a = <const uint16_t **>malloc(count * sizeof(void *))
-    ad.b = <const uint16_t **>malloc(count * sizeof(void *))
-    ad.rank = <int *>malloc(count * sizeof(int))
-    ad.panel_offset = <Py_ssize_t *>malloc(count * sizeof(Py_ssize_t))
-    ad.bs_offset = <Py_ssize_t *>malloc(count * sizeof(Py_ssize_t))
-    ad.scale = <float *>malloc(count * sizeof(float))
-    ad.depth = <int *>malloc(count * 4 * sizeof(int))
-    ad.pairs = <bint *>malloc(count * sizeof(bint))
-    ad.pairs_offset = <Py_ssize_t *>malloc(count * sizeof(Py_ssize_t))
-    ad.a_pairs = <uint32_t **>malloc(count * sizeof(void *))
-    bad_array = np.full(tiles, -1, dtype=np.int64)
-    cdef int64_t[::1] bad = bad_array
-    try:
-        if not (ad.kind and ad.a and ad.b and ad.rank and ad.panel_offset and ad.bs_offset
-                and ad.scale and ad.depth and ad.pairs and ad.pairs_offset and ad.a_pairs):
+    def __cinit__(self):
+        self.ad = NULL
+        self.per_thread = NULL
+        self.buffers = NULL
+        self.shared = NULL
+
+    def __init__(self, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list adapters,
+                 int tile_rows, int tile_cols, int threads, bint allow_fma, int rule,
+                 bint fused_pairs=False, bint plus_zero=False, bint stochastic=False,
+                 uint64_t key=0, bint dry_run=False):
+        cdef Py_ssize_t esize = 1 if fmt == 1 or fmt == 2 else 2
+        cdef Py_ssize_t rows = weight.shape[0], cols = weight.shape[1] // esize
+        cdef int count = len(adapters), a, s
+        cdef Py_ssize_t rank_sum = 0, panel_sum = 0, pair_sum = 0
+        cdef const uint16_t[:, ::1] view
+        cdef size_t bs_len, panels_len, tile_len, scratch_len, pairs_len, buffer_len
+        cdef size_t shared_len = 0
+        cdef bint several = rule != RULE_ONE
+        cdef char *base
+        cdef AdapterSpec *ad
+        if rule not in (RULE_ONE, RULE_SUM, RULE_ADDMM) or (rule == RULE_ONE and count != 1):
+            raise ValueError(f"rule {rule} does not apply to {count} adapters")
+        keep = [weight, out]  # the memoryviews whose pointers the C structs hold
+        self.keep = keep
+        self.threads = threads
+        self.scratch = dry_run
+        self.a_packed = False
+        self.job.kern = kernels(allow_fma)
+        self.job.w = &weight[0, 0] if weight.size else NULL
+        self.job.out = &out[0, 0] if out.size else NULL
+        self.job.rows, self.job.cols = rows, cols
+        self.job.tile_rows, self.job.tile_cols = tile_rows, tile_cols
+        self.job.tiles_n = (cols + tile_cols - 1) // tile_cols
+        self.tiles = (rows + tile_rows - 1) // tile_rows * self.job.tiles_n
+        self.job.rule, self.job.fmt = rule, fmt
+        self.job.stochastic, self.job.key = stochastic, key
+        self.job.fused_pairs, self.job.plus_zero = fused_pairs, plus_zero
+        self.job.dry_run = self.job.check = False
+        self.job.count = count
+        self.ad = <AdapterSpec *>malloc(max(count, 1) * sizeof(AdapterSpec))
+        if self.ad == NULL:
             raise MemoryError()
-        job.kern = kernels(allow_fma)
+        self.job.ad = self.ad
         for a in range(count):
-            ad.kind[a] = KIND_LORA if kinds is None else kinds[a]
-            view = lora_a[a]
+            kind, lora_a, lora_b, scale, depths, pairs = adapters[a]
+            ad = &self.ad[a]
+            view = lora_a
             keep.append(view)
-            ad.a[a] = &view[0, 0]
-            ad.panel_offset[a] = 0    # set below for a LoRA that takes A panels
-            ad.bs_offset[a] = rank_sum * tile_rows
-            ad.scale[a] = scales[a]
-            ad.pairs[a] = False
-            ad.pairs_offset[a] = pair_sum * tile_rows
-            ad.a_pairs[a] = NULL
-            if ad.kind[a] == KIND_DIFF:
-                ad.rank[a] = 0
-                ad.b[a] = NULL
-            else:
-                ad.rank[a] = <int>view.shape[0]
-                # One pass holds the whole rank, which the dot-product kernel takes at once.
-                ad.pairs[a] = (pairs is not None and bool(pairs[a])
-                               and ad.rank[a] <= PASS_DEPTH_C
-                               and job.kern.dot_product_bf16 != NULL)
-                rank_sum += min(view.shape[0], PASS_DEPTH_C)
-                if ad.pairs[a]:
-                    pair_sum += (ad.rank[a] + 1) // 2
-                    shared_len += a_pairs_bytes(ad.rank[a], cols)
-                else:
-                    ad.panel_offset[a] = panel_sum * tile_cols
-                    panel_sum += min(view.shape[0], PASS_DEPTH_C)
-                view = lora_b[a]
-                keep.append(view)
-                ad.b[a] = &view[0, 0]
+            ad.kind, ad.a, ad.scale = kind, &view[0, 0] if view.size else NULL, scale
             for s in range(4):
-                ad.depth[4 * a + s] = depths[a, s]
-        job.w = &weight[0, 0]
-        job.out = &out[0, 0]
-        job.rows, job.cols = rows, cols
-        job.tile_rows, job.tile_cols = tile_rows, tile_cols
-        job.tiles_n = tiles_n
-        job.rule, job.dry_run, job.check = rule, dry_run, check
-        job.fmt, job.stochastic, job.key = fmt, stochastic, key
-        job.pairs = (ad.pairs[0] and count == 1 and fmt == 0 and rule == RULE_ONE
-                     and job.kern.dot_fuse_bf16 != NULL)
-        job.plus_zero = plus_zero and count == 1 and fmt == 0 and rule == RULE_ONE
+                ad.depth[s] = depths[s]
+            ad.pairs, ad.a_pairs = pairs, NULL
+            ad.bs_offset = rank_sum * tile_rows
+            ad.pairs_offset = pair_sum * tile_rows
+            ad.panel_offset = 0    # set below for a LoRA that takes A panels
+            if kind == KIND_DIFF:
+                ad.rank, ad.b = 0, NULL
+                continue
+            ad.rank = <int>view.shape[0]
+            rank_sum += min(view.shape[0], PASS_DEPTH_C)
+            if ad.pairs:  # one pass holds the whole rank, which the kernel takes at once
+                pair_sum += (ad.rank + 1) // 2
+                shared_len += a_pairs_bytes(ad.rank, cols)
+            else:
+                ad.panel_offset = panel_sum * tile_cols
+                panel_sum += min(view.shape[0], PASS_DEPTH_C)
+            view = lora_b
+            keep.append(view)
+            ad.b = &view[0, 0] if view.size else NULL
 
-        # Per-thread buffers, allocated here so that a failure happens before any tile is
-        # written. Panel offsets are multiples of tile_cols floats; every part is 64-byte
-        # aligned.
+        # Per-thread buffers. Panel offsets are multiples of tile_cols floats; every part is
+        # 64-byte aligned.
         bs_len, panels_len, tile_len, scratch_len, pairs_len, buffer_len = buffer_layout(
             tile_rows, tile_cols, rank_sum, panel_sum, several, dry_run, pair_sum)
-        buffers = <char *>ltx_aligned_alloc(buffer_len * threads)
-        buffers_of = <TileBuffers *>malloc(threads * sizeof(TileBuffers))
-        if buffers == NULL or buffers_of == NULL:
+        self.buffers = <char *>ltx_aligned_alloc(buffer_len * threads)
+        self.per_thread = <TileBuffers *>malloc(threads * sizeof(TileBuffers))
+        if self.buffers == NULL or self.per_thread == NULL:
             raise MemoryError(f"could not allocate {buffer_len * threads} bytes of tile buffers")
         if shared_len:
-            shared = <char *>ltx_aligned_alloc(shared_len)
-            if shared == NULL:
+            self.shared = <char *>ltx_aligned_alloc(shared_len)
+            if self.shared == NULL:
                 raise MemoryError(f"could not allocate {shared_len} bytes for A in pairs")
-            base = shared
+            base = self.shared
             for a in range(count):
-                if ad.pairs[a]:
-                    ad.a_pairs[a] = <uint32_t *>base
-                    base += a_pairs_bytes(ad.rank[a], cols)
+                if self.ad[a].pairs:
+                    self.ad[a].a_pairs = <uint32_t *>base
+                    base += a_pairs_bytes(self.ad[a].rank, cols)
         for s in range(threads):
-            base = buffers + buffer_len * s
-            buffers_of[s].bs = <float *>base
-            buffers_of[s].panels = <float *>(base + bs_len)
-            buffers_of[s].acc = <float *>(base + bs_len + panels_len)
-            buffers_of[s].total = <float *>(base + bs_len + panels_len + tile_len)
-            buffers_of[s].scratch = <uint8_t *>(base + bs_len + panels_len + tile_len * (1 + several))
-            buffers_of[s].bs_pairs = <uint32_t *>(base + buffer_len - pairs_len)
-            buffers_of[s].strip = -1
+            base = self.buffers + buffer_len * s
+            self.per_thread[s].bs = <float *>base
+            self.per_thread[s].panels = <float *>(base + bs_len)
+            self.per_thread[s].acc = <float *>(base + bs_len + panels_len)
+            self.per_thread[s].total = <float *>(base + bs_len + panels_len + tile_len)
+            self.per_thread[s].scratch = <uint8_t *>(base + bs_len + panels_len
+                                                     + tile_len * (1 + several))
+            self.per_thread[s].bs_pairs = <uint32_t *>(base + buffer_len - pairs_len)
 
-        if shared_len:  # a region of its own: every block is packed before any tile reads it
+    def __dealloc__(self):
+        free(self.buffers)
+        free(self.per_thread)
+        free(self.shared)
+        free(self.ad)
+
+    def run(self, bint check=False, bint dry_run=False):
+        """Every tile, in parallel; with ``dry_run`` each is computed and checked but nothing
+        is written (the plan must have been made with dry_run).  Returns the flat index of the
+        first non-finite (bf16) or overflowing (fp8) output, or -1, when ``check`` is set."""
+        cdef Py_ssize_t t, tj
+        cdef int s
+        cdef int threads = <int>min(<Py_ssize_t>self.threads, self.tiles)
+        if dry_run and not self.scratch:
+            raise ValueError("a dry run needs a plan made for one (its scratch tiles)")
+        if self.tiles == 0 or self.job.count == 0 or threads < 1:
+            return -1
+        self.job.check, self.job.dry_run = check or dry_run, dry_run
+        for s in range(self.threads):
+            self.per_thread[s].strip = -1
+        bad_array = np.full(self.tiles, -1, dtype=np.int64)
+        cdef int64_t[::1] bad = bad_array
+        if self.shared != NULL and not self.a_packed:
+            # a region of its own: every block is packed before any tile reads it
             with nogil, parallel(num_threads=threads):
-                for tj in prange(tiles_n, schedule="static"):
-                    pack_a_pairs(&job, &ad, tj)
+                for tj in prange(self.job.tiles_n, schedule="static"):
+                    pack_a_pairs(&self.job, tj)
+            self.a_packed = True
         # Guided: each thread starts on a long run of neighbouring tiles, as with a static
         # split, and the rest is shared out as threads come free, so that a thread that starts
         # late (an idle worker waking, a core busy with file I/O) does not hold up the call.
         with nogil, parallel(num_threads=threads):
-            for t in prange(tiles, schedule="guided"):
-                fuse_tile(&job, &ad, t, &buffers_of[omp_get_thread_num()], &bad[0])
-    finally:
-        free(buffers)
-        free(buffers_of)
-        free(shared)
-        free(ad.kind)
-        free(ad.a)
-        free(ad.b)
-        free(ad.rank)
-        free(ad.panel_offset)
-        free(ad.bs_offset)
-        free(ad.scale)
-        free(ad.depth)
-        free(ad.pairs)
-        free(ad.pairs_offset)
-        free(ad.a_pairs)
-    hits = bad_array[bad_array >= 0]
-    return int(hits.min()) if hits.size else -1
+            for t in prange(self.tiles, schedule="guided"):
+                fuse_tile(&self.job, t, &self.per_thread[omp_get_thread_num()], &bad[0])
+        hits = bad_array[bad_array >= 0]
+        return int(hits.min()) if hits.size else -1
+
+    @property
+    def rule(self):
+        return self.job.rule
+
+    @property
+    def plus_zero(self):
+        return bool(self.job.plus_zero)
+
+    @property
+    def pairs(self):
+        """Per adapter, whether the dot-product kernel takes its product."""
+        return [bool(self.ad[a].pairs) for a in range(self.job.count)]
+
+    @property
+    def depths(self):
+        """Per adapter, its verified sgemm depth for each tile shape class."""
+        return np.array([[self.ad[a].depth[s] for s in range(4)] for a in range(self.job.count)],
+                        dtype=np.intc).reshape(self.job.count, 4)
+
+    def routes(self):
+        """Per adapter, what takes its product on full tiles (ROUTE_NAMES): the dot-product
+        kernel, the one-pass kernel (no sgemm), sgemm for every term, sgemm then the
+        sequential kernel, passes past PASS_DEPTH terms, or a difference's widening."""
+        out = []
+        cdef const AdapterSpec *ad
+        for a in range(self.job.count):
+            ad = &self.ad[a]
+            if ad.kind == KIND_DIFF:
+                out.append("difference")
+            elif ad.pairs:
+                out.append("dot-product")
+            elif ad.rank > PASS_DEPTH_C:
+                out.append("passes")
+            elif ad.depth[0] == 0:
+                out.append("one-pass")
+            else:
+                out.append("sgemm" if ad.depth[0] >= ad.rank else "sgemm+sequential")
+        return out

@@ -7,12 +7,13 @@ fp8 arrays are uint8 codes or the ml_dtypes fp8 dtypes.  Results come back as th
 weight came in.
 """
 import numbers
+import operator
 from typing import NamedTuple
 
 import numpy as np
 
 from .errors import (ArgumentError, ArgumentTypeError, DTypeError, LayoutError,
-                     NonFiniteInputError, ShapeError)
+                     NonFiniteInputError, NonFiniteWeightError, ShapeError)
 
 
 class Fp8Format(NamedTuple):
@@ -84,8 +85,11 @@ def bf16_or_f32(x, name):
 
 
 def bf16_to_f32(bits):
-    """The f32 values of bf16 bits (uint16 or ml_dtypes.bfloat16), exactly, in one new array."""
-    return np.left_shift(bits.view(np.uint16), 16, dtype=np.uint32).view(np.float32)
+    """The f32 values of bf16 bits (uint16 or ml_dtypes.bfloat16; an array or one value),
+    exactly, in one new array."""
+    bits = np.asarray(bits)
+    bits = bits.view(np.uint16) if bits.dtype.itemsize == 2 else bits.astype(np.uint16)
+    return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
 
 
 def f32_values(x, name):
@@ -183,3 +187,217 @@ def first_nonfinite(array):
         return scan_bf16(np.ascontiguousarray(array).reshape(-1))[2]
     bad = np.flatnonzero(~np.isfinite(array.reshape(-1)))
     return int(bad[0]) if bad.size else -1
+
+
+def round_up(n, to):
+    """``n`` rounded up to a multiple of ``to``."""
+    return -(-n // to) * to
+
+
+def contiguous_array(x, name):
+    """``x``, a C-contiguous numpy array, or the error naming what it is not."""
+    return contiguous(ndarray(x, name), name)
+
+
+def f32_array(x, name, shape=None):
+    """A float32 array of ``shape`` (None: one value, any shape) with finite values: a scale."""
+    x = contiguous_array(x, name)
+    if x.dtype != np.float32:
+        raise DTypeError(f"{name} must be float32, got {x.dtype}")
+    if shape is None and x.size != 1:
+        raise ShapeError(f"{name} must hold one value (a per-tensor scale), got shape {x.shape}")
+    if shape is not None and x.shape != shape:
+        raise ShapeError(f"{name} has shape {x.shape}, expected {shape}")
+    if not np.all(np.isfinite(x)):
+        raise NonFiniteWeightError(f"{name} is not finite")
+    return x
+
+
+def bias_f32(x, name):
+    """(f32 values, dtype name "BF16" / "F16" / "F32") of a bias-like vector."""
+    if is_bf16(ndarray(x, name).dtype):
+        return bf16_to_f32(np.ascontiguousarray(x)), "BF16"
+    if x.dtype in (np.float16, np.float32):
+        return x.astype(np.float32), "F16" if x.dtype == np.float16 else "F32"
+    raise DTypeError(f"{name} must be bf16, float16 or float32, got {x.dtype}")
+
+
+# ---- the fuse's operands ----
+
+#: The formats a fused weight may hold ("delta": the bare bf16 aggregate delta, for the layouts
+#: whose rule needs all of it first).
+WEIGHT_FORMATS = ("bf16", "F8_E4M3", "F8_E5M2", "delta")
+
+
+def weight_bits(weight, weight_format, name="weight"):
+    """(format, bits view: uint16 for bf16, uint8 for fp8) of a weight, or DTypeError."""
+    dt = ndarray(weight, name).dtype
+    inferred = ml_fp8_format(dt)
+    if weight_format is None:
+        if inferred:
+            weight_format = inferred
+        elif dt == np.dtype(np.uint8):
+            raise DTypeError(f"{name} holds uint8 codes: pass weight_format='F8_E4M3' or "
+                             "'F8_E5M2' to say which fp8 format they are")
+        else:
+            return "bf16", bf16_bits(weight, name)
+    if weight_format not in WEIGHT_FORMATS:
+        raise ArgumentError(f"weight_format must be one of {sorted(WEIGHT_FORMATS)}, got "
+                            f"{weight_format!r}")
+    if weight_format in ("bf16", "delta"):
+        return weight_format, bf16_bits(weight, name)
+    if not (dt == np.dtype(np.uint8) or inferred == weight_format):
+        raise DTypeError(f"{name} must hold {weight_format} codes (uint8, or the ml_dtypes fp8 "
+                         f"dtype of that format), got {dt}")
+    return weight_format, weight.view(np.uint8)
+
+
+def fuse_weight(weight, weight_format, fp8_rounding):
+    """(format, bits) of the weight a fuse writes into: 2-D, C-contiguous, a format it takes,
+    and a rounding that applies to it."""
+    fmt, w = weight_bits(weight, weight_format)
+    choice(fp8_rounding, FP8_ROUNDINGS, "fp8_rounding")
+    if fp8_rounding == "stochastic" and fmt in ("bf16", "delta"):
+        raise ArgumentError("fp8_rounding='stochastic' applies to fp8 weights; this one is bf16")
+    if w.ndim != 2:
+        raise ShapeError(f"weight must be 2-D [out, in], got shape {w.shape}")
+    contiguous(w, "weight")
+    return fmt, w
+
+
+def tile_arg(tile):
+    """(rows, cols) of a ``tile=`` argument: two ints in [1, 65536]."""
+    try:
+        rows, cols = tile
+        rows, cols = operator.index(rows), operator.index(cols)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"tile must be two ints in [1, 65536], got {tile!r}") from None
+    if not (1 <= rows <= 65536 and 1 <= cols <= 65536):
+        raise ArgumentError(f"tile must be two ints in [1, 65536], got {tile!r}")
+    return rows, cols
+
+
+def nonfinite_weight(index, bits, fmt):
+    """The NonFiniteWeightError of a weight (bits of format ``fmt``) whose flat element
+    ``index`` is inf or NaN: the one message for every fuse and layout."""
+    at = where(index, bits.shape)
+    return NonFiniteWeightError(f"weight ({fmt}) is already non-finite at {at} (code "
+                                f"{int(bits[at]):#x}) before fusing")
+
+
+class Magnitudes:
+    """Largest finite and smallest non-zero magnitude of a bf16 array, and where its first
+    inf/NaN is (flat index, or -1): one pass, without the GIL."""
+
+    def __init__(self, bits):
+        from ._gemm import scan_bf16
+
+        hi, lo, self.first_nonfinite = scan_bf16(bits.reshape(-1))
+        self.max = float(bf16_to_f32(hi))
+        self.min = float(bf16_to_f32(lo))
+
+
+def finite_weight_largest(bits, fmt):
+    """The largest finite magnitude of a bf16 or fp8 weight's bits, or NonFiniteWeightError at
+    its first inf/NaN."""
+    if fmt == "bf16":
+        mag = Magnitudes(bits)
+        first, largest = mag.first_nonfinite, mag.max
+    else:
+        from ._quant import fp8_values
+
+        values = fp8_values(FP8[fmt].e5m2)
+        present = np.bincount(bits.reshape(-1), minlength=256) > 0  # the codes that occur
+        largest = float(np.nanmax(np.abs(values[present & np.isfinite(values)]), initial=0.0))
+        first = first_nonfinite_fp8(bits.reshape(-1), fmt)
+    if first >= 0:
+        raise nonfinite_weight(first, bits, fmt)
+    return largest
+
+
+class Adapter:
+    """One validated adapter: a LoRA pair (``a`` = A, ``b`` = B) or a full-weight difference
+    (``a`` = the difference, ``b`` None), with its f32 strength and its ``index`` among the
+    adapters given (rank-0 ones are left out, so it may differ from its place among those
+    kept)."""
+
+    def __init__(self, kind, a, b, s, index):
+        self.kind, self.a, self.b, self.s, self.index = kind, a, b, s, index
+        self.rank = a.shape[0] if kind == "lora" else 0
+
+
+def adapters_for(adapters, rows, cols):
+    """[Adapter] of ``adapters`` -- (lora_a, lora_b, strength) or (diff, strength) -- checked
+    against a [rows, cols] weight; rank-0 LoRAs, which add nothing, are left out."""
+    prepared = []
+    for i, item in enumerate(adapters):
+        if len(item) == 2:
+            s = strength_f32(item[1], f"adapter {i}: strength")
+            diff = bf16_bits(item[0], f"adapter {i} diff")
+            if diff.shape != (rows, cols):
+                raise ShapeError(f"adapter {i}: diff {diff.shape} does not fit weight "
+                                 f"({rows}, {cols})")
+            contiguous(diff, f"adapter {i} diff")
+            prepared.append(Adapter("diff", diff, None, s, i))
+            continue
+        lora_a, lora_b, strength = item
+        a = bf16_bits(lora_a, f"adapter {i} lora_a")
+        b = bf16_bits(lora_b, f"adapter {i} lora_b")
+        if a.ndim != 2 or b.ndim != 2:
+            raise ShapeError(
+                f"adapter {i}: lora_a and lora_b must be 2-D, got {a.shape} and {b.shape}")
+        if a.shape[1] != cols:
+            raise ShapeError(f"adapter {i}: lora_a {a.shape} does not fit weight ({rows}, "
+                             f"{cols}): expected [rank, {cols}]")
+        if b.shape[0] != rows:
+            raise ShapeError(f"adapter {i}: lora_b {b.shape} does not fit weight ({rows}, "
+                             f"{cols}): expected [{rows}, rank]")
+        if a.shape[0] != b.shape[1]:
+            raise ShapeError(f"adapter {i}: ranks disagree: lora_a has {a.shape[0]} rows, "
+                             f"lora_b {b.shape[1]} columns")
+        if a.shape[0] > BLAS_INT_MAX:
+            raise ShapeError(f"adapter {i}: rank {a.shape[0]} exceeds the BLAS integer range")
+        contiguous(a, f"adapter {i} lora_a")
+        contiguous(b, f"adapter {i} lora_b")
+        s = strength_f32(strength, f"adapter {i}: strength")
+        if a.shape[0] > 0:
+            prepared.append(Adapter("lora", a, b, s, i))
+    return prepared
+
+
+def fuse_output(out, w, fmt, prepared):
+    """(the array a fuse writes, whether it was given): a new one like ``w``, or ``out``
+    checked -- its kind, shape and layout, and overlapping no adapter."""
+    if out is None:
+        return np.empty_like(w), False
+    inputs = {}
+    for ad in prepared:
+        inputs[f"adapter {ad.index}"] = ad.a
+        inputs[f"adapter {ad.index} lora_b"] = ad.b
+    return output(weight_bits(out, fmt, "out")[1], w.shape, inputs, same_as=w), True
+
+
+def layout_codes(weight, layout, codes, fmt):
+    """(the 2-D codes of a quantised weight, their fp8 format or None) for a layout whose
+    ``codes`` are a tuple of fp8 formats (``fmt`` picks one, or the dtype says it; default the
+    first), "packed" bytes (uint8) or "int8"."""
+    w = contiguous_array(weight, "weight")
+    if w.ndim != 2:
+        raise ShapeError(f"weight must be 2-D, got shape {w.shape}")
+    if codes == "int8":
+        if w.dtype != np.int8:
+            raise DTypeError(f"a {layout} weight holds int8 codes, got {w.dtype}")
+        return w, None
+    inferred = ml_fp8_format(w.dtype)
+    if inferred is None and w.dtype != np.uint8:
+        raise DTypeError(f"weight must hold uint8 codes (or an ml_dtypes fp8 dtype), got {w.dtype}")
+    if codes == "packed":
+        if inferred:
+            raise DTypeError(f"a {layout} weight is packed uint8, got {w.dtype}")
+        return w.view(np.uint8), None
+    fmt = inferred or fmt or codes[0]
+    if inferred and fmt != inferred:
+        raise DTypeError(f"weight is {w.dtype} but fmt is {fmt!r}")
+    if fmt not in codes:
+        raise DTypeError(f"a {layout} weight holds {' or '.join(codes)} codes, not {fmt}")
+    return w.view(np.uint8), fmt

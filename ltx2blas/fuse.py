@@ -3,23 +3,21 @@
 The arithmetic is docs/arithmetic.md §1 (see :mod:`ltx2blas.reference`), and the result is byte-identical to
 that loop for every shape, rank, strength and thread count.  How: :mod:`ltx2blas._gemm`.
 """
-import operator
 from typing import NamedTuple
 
 import numpy as np
 
 from . import _fuse, _gemm, _probe, _quant
-from ._validate import (BLAS_INT_MAX, FP8, FP8_ROUNDINGS, RULES, as_kind, bf16_bits, bf16_to_f32,
-                        choice, contiguous, first_nonfinite_fp8, is_bf16, ml_fp8_format, ndarray,
-                        output, strength_f32, where)
+from ._validate import (FP8, RULES, WEIGHT_FORMATS, Magnitudes, adapters_for, as_kind, bf16_bits,
+                        bf16_to_f32, bias_f32, choice, contiguous, finite_weight_largest,
+                        fuse_output, fuse_weight, is_bf16, ndarray, output, strength_f32,
+                        tile_arg, where)
 from ._threads import blas_single_threaded, resolve_threads
 from .errors import (
-    ArgumentError,
     ArgumentTypeError,
     DTypeError,
     NonFiniteInputError,
     NonFiniteResultError,
-    NonFiniteWeightError,
     ShapeError,
 )
 
@@ -158,15 +156,6 @@ def aggregate_delta(rows, cols, adapters, *, rule="addmm", threads=None, tile=No
     return out
 
 
-def _bias_f32(x, name):
-    """(f32 values, dtype name "BF16" / "F16" / "F32") of a bias-like vector."""
-    if is_bf16(ndarray(x, name).dtype):
-        return bf16_to_f32(np.ascontiguousarray(x)), "BF16"
-    if x.dtype in (np.float16, np.float32):
-        return x.astype(np.float32), "F16" if x.dtype == np.float16 else "F32"
-    raise DTypeError(f"{name} must be bf16, float16 or float32, got {x.dtype}")
-
-
 def fuse_bias(bias, items, *, out=None):
     """Fold adapters' bias terms into a module's bias.
 
@@ -187,14 +176,14 @@ def fuse_bias(bias, items, *, out=None):
     The fused bias, the dtype of ``bias``; byte-identical to
     :func:`ltx2blas.reference.fuse_bias`.
     """
-    acc, kind = _bias_f32(bias, "bias")
+    acc, kind = bias_f32(bias, "bias")
     acc = acc.reshape(-1)
     for i, (b, s) in enumerate(items):
-        term, _ = _bias_f32(b, f"bias term {i}")
+        term, _ = bias_f32(b, f"bias term {i}")
         if term.size != acc.size:
             raise ShapeError(f"bias term {i} has {term.size} values, the bias {acc.size}")
         with np.errstate(over="ignore", invalid="ignore"):
-            acc = acc + np.float32(_strength_f32(s, i)) * term.reshape(-1)
+            acc = acc + np.float32(strength_f32(s, f"adapter {i}: strength")) * term.reshape(-1)
     if kind == "BF16":
         result = _quant.round_bf16(np.ascontiguousarray(acc, np.float32))
     else:
@@ -260,9 +249,9 @@ def fuse_dora(weight, lora_a, lora_b, magnitude, *, scale=1.0, strength=1.0, sty
         want = f"[{rows}]" if style == "peft" else f"[{rows}, 1] or [1, {cols}]"
         raise ShapeError(f"a {style} DoRA magnitude of a [{rows}, {cols}] weight is {want}, "
                          f"got {list(m.shape)}")
-    strength = _strength_f32(strength, 0)
+    strength = strength_f32(strength, "adapter 0: strength")
     threads = resolve_threads(threads)
-    result, given_out = _output(out, w, "bf16", [])
+    result, given_out = fuse_output(out, w, "bf16", [])
     v = aggregate_delta(rows, cols, [(lora_a, lora_b, scale)], threads=threads)
     squares = _quant.dora_merge(w, v, norm_of, threads)      # v now holds bf16(W + delta)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -290,7 +279,7 @@ def buffer_bytes(ranks, threads=1, tile=None, several=None, cols=None):
     count (_fuse.thread_buffer_bytes, _fuse.shared_buffer_bytes), the larger of the two ways.
     With no tile given, DEFAULT_TILE: the most that any default tile (:func:`default_tile`)
     takes."""
-    tile = _tile(tile)
+    tile = Tile(*tile_arg(DEFAULT_TILE if tile is None else tile))
     ranks = list(ranks)
     several = len(ranks) > 1 if several is None else several
     pairs = [True] * len(ranks)
@@ -299,16 +288,6 @@ def buffer_bytes(ranks, threads=1, tile=None, several=None, cols=None):
         with_pairs += _fuse.shared_buffer_bytes(cols, ranks, pairs)
     without = _fuse.thread_buffer_bytes(tile.rows, tile.cols, ranks, several) * threads
     return max(with_pairs, without)
-
-
-class _Magnitudes:
-    """Largest finite and smallest non-zero magnitude of a bf16 array, and where its first
-    inf/NaN is (flat index, or -1)."""
-
-    def __init__(self, bits):
-        hi, lo, self.first_nonfinite = _gemm.scan_bf16(bits.reshape(-1))
-        self.max = _bf16_value(hi)
-        self.min = _bf16_value(lo)
 
 
 def _pairs_exact(rank, bs_min, a_min, overflow_bound):
@@ -332,110 +311,9 @@ def _pairs_exact(rank, bs_min, a_min, overflow_bound):
     return bs_min >= 2.0**-126 and a_min >= 2.0**-126 and bs_min * a_min >= 2.0**-110
 
 
-def _bf16_value(bits):
-    return float((np.uint32(bits) << np.uint32(16)).view(np.float32))
-
-
-def _strength_f32(strength, index):
-    return strength_f32(strength, f"adapter {index}: strength")
-
-
-# "delta": the bare bf16 aggregate delta, for the layouts whose rule needs all of it first.
-_FORMAT_CODES = {"bf16": 0, "F8_E4M3": 1, "F8_E5M2": 2, "delta": 3}
+_FORMAT_CODES = dict(zip(WEIGHT_FORMATS, range(4)))  # the tile driver's fmt
 #: Largest finite value of each storage format: past it a result has overflowed.
 _FORMAT_LIMIT = {"bf16": _BF16_FINITE_LIMIT, **{k: f.largest for k, f in FP8.items()}}
-
-
-def _weight_bits(weight, weight_format, name="weight"):
-    """(format, bits view: uint16 for bf16, uint8 for fp8) or DTypeError."""
-    dt = ndarray(weight, name).dtype
-    inferred = ml_fp8_format(dt)
-    if weight_format is None:
-        if inferred:
-            weight_format = inferred
-        elif dt == np.dtype(np.uint8):
-            raise DTypeError(f"{name} holds uint8 codes: pass weight_format='F8_E4M3' or "
-                             "'F8_E5M2' to say which fp8 format they are")
-        else:
-            return "bf16", bf16_bits(weight, name)
-    if weight_format not in _FORMAT_CODES:
-        raise ArgumentError(f"weight_format must be one of {sorted(_FORMAT_CODES)}, got {weight_format!r}")
-    if weight_format in ("bf16", "delta"):
-        return weight_format, bf16_bits(weight, name)
-    if not (dt == np.dtype(np.uint8) or inferred == weight_format):
-        raise DTypeError(f"{name} must hold {weight_format} codes (uint8, or the ml_dtypes fp8 "
-                         f"dtype of that format), got {dt}")
-    return weight_format, weight.view(np.uint8)
-
-
-def _first_nonfinite(bits, fmt):
-    """(flat index of the weight's first inf/NaN or -1, its largest finite magnitude)."""
-    if fmt == "bf16":
-        mag = _Magnitudes(bits)
-        return mag.first_nonfinite, mag.max
-    values = _quant.fp8_values(fmt == "F8_E5M2")
-    present = np.bincount(bits.reshape(-1), minlength=256) > 0  # the codes that occur
-    largest = float(np.nanmax(np.abs(values[present & np.isfinite(values)]), initial=0.0))
-    return first_nonfinite_fp8(bits.reshape(-1), fmt), largest
-
-
-class _Adapter:
-    """One validated adapter: a LoRA pair (``a`` = A, ``b`` = B) or a full-weight difference
-    (``a`` = the difference, ``b`` None), with its f32 strength and its ``index`` among the
-    adapters given (rank-0 ones are left out, so it may differ from its place here)."""
-
-    def __init__(self, kind, a, b, s, index):
-        self.kind, self.a, self.b, self.s, self.index = kind, a, b, s, index
-        self.rank = a.shape[0] if kind == "lora" else 0
-
-
-def _prepare_adapters(adapters, rows, cols):
-    """[_Adapter] of the adapters that contribute (rank-0 LoRAs are left out)."""
-    prepared = []
-    for i, item in enumerate(adapters):
-        if len(item) == 2:
-            s = _strength_f32(item[1], i)
-            diff = bf16_bits(item[0], f"adapter {i} diff")
-            if diff.shape != (rows, cols):
-                raise ShapeError(f"adapter {i}: diff {diff.shape} does not fit weight "
-                                 f"({rows}, {cols})")
-            contiguous(diff, f"adapter {i} diff")
-            prepared.append(_Adapter("diff", diff, None, s, i))
-            continue
-        lora_a, lora_b, strength = item
-        a = bf16_bits(lora_a, f"adapter {i} lora_a")
-        b = bf16_bits(lora_b, f"adapter {i} lora_b")
-        if a.ndim != 2 or b.ndim != 2:
-            raise ShapeError(
-                f"adapter {i}: lora_a and lora_b must be 2-D, got {a.shape} and {b.shape}")
-        if a.shape[1] != cols:
-            raise ShapeError(f"adapter {i}: lora_a {a.shape} does not fit weight ({rows}, "
-                             f"{cols}): expected [rank, {cols}]")
-        if b.shape[0] != rows:
-            raise ShapeError(f"adapter {i}: lora_b {b.shape} does not fit weight ({rows}, "
-                             f"{cols}): expected [{rows}, rank]")
-        if a.shape[0] != b.shape[1]:
-            raise ShapeError(f"adapter {i}: ranks disagree: lora_a has {a.shape[0]} rows, "
-                             f"lora_b {b.shape[1]} columns")
-        if a.shape[0] > BLAS_INT_MAX:
-            raise ShapeError(f"adapter {i}: rank {a.shape[0]} exceeds the BLAS integer range")
-        contiguous(a, f"adapter {i} lora_a")
-        contiguous(b, f"adapter {i} lora_b")
-        s = _strength_f32(strength, i)
-        if a.shape[0] > 0:
-            prepared.append(_Adapter("lora", a, b, s, i))
-    return prepared
-
-
-def _output(out, w, fmt, prepared):
-    """(the array written, whether it was given): a new one, or ``out`` checked."""
-    if out is None:
-        return np.empty_like(w), False
-    inputs = {}
-    for ad in prepared:
-        inputs[f"adapter {ad.index}"] = ad.a
-        inputs[f"adapter {ad.index} lora_b"] = ad.b
-    return output(_weight_bits(out, fmt, "out")[1], w.shape, inputs, same_as=w), True
 
 
 class _Route:
@@ -447,7 +325,8 @@ class _Route:
     blas       the adapters are finite (some BLAS builds skip zero terms, which changes how a
                NaN or inf propagates)
     pairs      per adapter: the dot-product kernel gives its product's textbook bytes
-               (_pairs_exact); with one bf16 adapter it also fuses in the same pass
+               (_pairs_exact, and the kernel table has one); with one bf16 adapter it also
+               fuses in the same pass (fused_pairs)
     plus_zero  one bf16 adapter under the sum rule: the one-adapter result with -0.0 made +0.0
     bound      a bound on |delta|, for the overflow check"""
 
@@ -459,30 +338,37 @@ class _Route:
         # adapter under addmm is the one-adapter rule exactly.
         self.plus_zero = rule == "sum" and fmt == "bf16" and len(prepared) == 1
         self.rule = "one" if len(prepared) == 1 else rule
+        self.fmt = fmt
         self.fma, self.blas, self.bound = True, True, 0.0
         self.pairs = [ad.kind == "lora" for ad in prepared]
+
+    @property
+    def fused_pairs(self):
+        """One bf16 adapter whose product the dot-product kernel takes: computed, rounded and
+        added in one pass."""
+        return self.rule == "one" and self.fmt == "bf16" and self.pairs[0]
 
 
 def _choose_route(prepared, fmt, rule, check_finite):
     route = _Route(rule, fmt, prepared)
     for i, ad in enumerate(prepared):
         if ad.kind == "diff":
-            mag = _Magnitudes(ad.a)
+            mag = Magnitudes(ad.a)
             if check_finite and mag.first_nonfinite >= 0:
                 at = where(mag.first_nonfinite, ad.a.shape)
                 raise NonFiniteInputError(
                     f"adapter {ad.index} diff is non-finite at {at} (value "
-                    f"{_bf16_value(ad.a[at])!r})", adapter=ad.index, tensor="diff")
+                    f"{float(bf16_to_f32(ad.a[at]))!r})", adapter=ad.index, tensor="diff")
             route.bound += abs(float(ad.s)) * mag.max * 1.01
             continue
-        amag, bmag = _Magnitudes(ad.a), _Magnitudes(ad.b)
+        amag, bmag = Magnitudes(ad.a), Magnitudes(ad.b)
         if check_finite:
             for what, arr, mag in (("lora_a", ad.a, amag), ("lora_b", ad.b, bmag)):
                 if mag.first_nonfinite >= 0:
                     at = where(mag.first_nonfinite, arr.shape)
                     raise NonFiniteInputError(
                         f"adapter {ad.index} {what} is non-finite at {at} (value "
-                        f"{_bf16_value(arr[at])!r})", adapter=ad.index, tensor=what)
+                        f"{float(bf16_to_f32(arr[at]))!r})", adapter=ad.index, tensor=what)
         # bs = bf16(B*s): bounds on its magnitudes, one bf16 rounding step of slack each way;
         # addmm multiplies later adapters' B unscaled and scales their products.
         prescaled = route.rule != "addmm" or i == 0
@@ -545,12 +431,13 @@ def _probe_depths(prepared, route, shape, tile):
 
 def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
                weight_format=None, fp8_rounding="nearest", seed=0, name=""):
-    """The fuse: prepare the operands, check ``out``, choose the route, probe sgemm, run."""
-    fmt, w, prepared = _prepare(weight, adapters, weight_format, fp8_rounding)
+    """The fuse: the operands checked, ``out`` checked, the route chosen, the plan made, run."""
+    fmt, w = fuse_weight(weight, weight_format, fp8_rounding)
+    prepared = adapters_for(adapters, *w.shape)
     threads = resolve_threads(threads)
-    tile = _tile(tile, w.shape)
-    result, given_out = _output(out, w, fmt, prepared)
-    w_largest = _check_weight(w, fmt) if check_finite else 0.0
+    tile = default_tile(*w.shape) if tile is None else Tile(*tile_arg(tile))
+    result, given_out = fuse_output(out, w, fmt, prepared)
+    w_largest = finite_weight_largest(w, fmt) if check_finite else 0.0
     if not prepared or w.size == 0:  # nothing to add: no probe, no buffer
         if fmt == "delta":
             result.fill(0)
@@ -564,53 +451,42 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
     stochastic_key = (_quant.stochastic_key(int(seed), str(name))
                       if fp8_rounding == "stochastic" else None)
     with blas_single_threaded():
-        depths = _probe_depths(prepared, route, w.shape, tile)
-        _run(w, result, fmt, prepared, route, depths, tile, threads, check_finite, dry_run,
-             stochastic_key)
+        plan = _plan(w, result, fmt, prepared, route, tile, threads, stochastic_key, dry_run)
+        if dry_run:
+            _raise_nonfinite_result(plan.run(check=True, dry_run=True), w.shape, fmt)
+        bad = plan.run(check=check_finite)
+    if check_finite:
+        _raise_nonfinite_result(bad, w.shape, fmt)
     return result if given_out else as_kind(result, weight)
 
 
-def _prepare(weight, adapters, weight_format, fp8_rounding):
-    """(format, the weight's bits, the contributing adapters), every argument checked."""
-    fmt, w = _weight_bits(weight, weight_format)
-    choice(fp8_rounding, FP8_ROUNDINGS, "fp8_rounding")
-    if fp8_rounding == "stochastic" and fmt in ("bf16", "delta"):
-        raise ArgumentError("fp8_rounding='stochastic' applies to fp8 weights; this one is bf16")
-    if w.ndim != 2:
-        raise ShapeError(f"weight must be 2-D [out, in], got shape {w.shape}")
-    contiguous(w, "weight")
-    return fmt, w, _prepare_adapters(adapters, *w.shape)
+def _plan(w, result, fmt, prepared, route, tile, threads, stochastic_key=None, dry_run=False):
+    """The tile driver's plan of a fuse of ``prepared`` adapters by ``route``: each adapter's
+    spec with its verified sgemm depths, and the buffers."""
+    depths = _probe_depths(prepared, route, w.shape, tile)
+    specs = [(_fuse.KINDS[ad.kind], ad.a, ad.b, float(ad.s), list(depths[i]), route.pairs[i])
+             for i, ad in enumerate(prepared)]
+    return _fuse.FusePlan(
+        w.view(np.uint8), result.view(np.uint8), _FORMAT_CODES[fmt], specs, tile.rows, tile.cols,
+        max(1, min(threads, tile.count(*w.shape))), route.fma, _fuse.RULES[route.rule],
+        fused_pairs=route.fused_pairs, plus_zero=route.plus_zero,
+        stochastic=stochastic_key is not None, key=stochastic_key or 0, dry_run=dry_run)
 
 
-def _check_weight(w, fmt):
-    """The weight's largest finite magnitude, or NonFiniteWeightError at its first inf/NaN."""
-    first_bad, largest = _first_nonfinite(w, fmt)
-    if first_bad >= 0:
-        at = where(first_bad, w.shape)
-        raise NonFiniteWeightError(f"weight ({fmt}) is already non-finite at {at} (code "
-                                   f"{int(w[at]):#x}) before fusing")
-    return largest
-
-
-def _run(w, result, fmt, prepared, route, depths, tile, threads, check_finite, dry_run,
-         stochastic_key):
-    """The tile driver over the whole weight: first a dry run when one is needed, then the
-    fuse; NonFiniteResultError where a checked result overflows."""
-    tiles = tile.count(*w.shape)
-    args = dict(
-        weight=w.view(np.uint8), out=result.view(np.uint8), fmt=_FORMAT_CODES[fmt],
-        lora_a=[ad.a for ad in prepared], lora_b=[ad.b for ad in prepared],
-        kinds=np.array([_fuse.KINDS[ad.kind] for ad in prepared], dtype=np.intc),
-        scales=np.array([ad.s for ad in prepared], dtype=np.float32), depths=depths,
-        tile_rows=tile.rows, tile_cols=tile.cols, threads=max(1, min(threads, tiles)),
-        allow_fma=route.fma, rule=_fuse.RULES[route.rule], plus_zero=route.plus_zero,
-        stochastic=stochastic_key is not None, key=stochastic_key or 0)
-    if dry_run:
-        bad = _fuse.fuse_tiles(check=True, dry_run=True, pairs=list(route.pairs), **args)
-        _raise_nonfinite_result(bad, w.shape, fmt)
-    bad = _fuse.fuse_tiles(check=check_finite, dry_run=False, pairs=list(route.pairs), **args)
-    if check_finite:
-        _raise_nonfinite_result(bad, w.shape, fmt)
+def route_of(rank, tile=None, pairs=True):
+    """What takes the product of one bf16 adapter of ``rank`` and ordinary magnitudes (no
+    subnormal input, no sum near overflow) on this machine, as its plan decides it
+    (``_fuse.ROUTE_NAMES``): with ``pairs`` False, where its magnitudes would rule out the
+    dot-product kernel.  ``tile`` (default DEFAULT_TILE) is the weight's shape."""
+    rows, cols = tile or DEFAULT_TILE
+    a, b = np.full((rank, cols), 0x3C00, np.uint16), np.full((rows, rank), 0x3C00, np.uint16)
+    w = np.zeros((rows, cols), np.uint16)
+    prepared = adapters_for([(a, b, 0.01)], rows, cols)
+    route = _choose_route(prepared, "bf16", "addmm", False)
+    if not pairs:
+        route.pairs = [False]
+    with blas_single_threaded():
+        return _plan(w, w, "bf16", prepared, route, Tile(rows, cols), 1).routes()[0]
 
 
 class Tile(NamedTuple):
@@ -641,19 +517,6 @@ def default_tile(rows, cols):
         else:
             tile = tile._replace(rows=tile.rows // 2)
     return tile
-
-
-def _tile(tile, shape=None):
-    if tile is None and shape is not None:
-        return default_tile(*shape)
-    try:
-        rows, cols = DEFAULT_TILE if tile is None else tile
-        rows, cols = operator.index(rows), operator.index(cols)
-    except (TypeError, ValueError):
-        raise ArgumentError(f"tile must be two ints in [1, 65536], got {tile!r}") from None
-    if not (1 <= rows <= 65536 and 1 <= cols <= 65536):
-        raise ArgumentError(f"tile must be two ints in [1, 65536], got {tile!r}")
-    return Tile(rows, cols)
 
 
 def _raise_nonfinite_result(bad, shape, fmt="bf16"):

@@ -7,7 +7,7 @@ import numpy as np
 
 from . import _gemm, _probe
 from ._threads import available_cpus, blas_single_threaded, default_threads, scipy_blas
-from .fuse import _pairs_exact, default_tile
+from .fuse import default_tile, route_of
 from .linear_layer import (
     DOT_PANEL_ROWS,
     DOT_ROUTES,
@@ -105,25 +105,14 @@ def collect(probe_depths=(32, 384, 450, 512)):
         "sgemm_above_rank": _probe.SEQUENTIAL_DEPTH,
         "sgemm_min_share": _probe.BLAS_MIN_SHARE,
         "fuse_routes": {str(k): {"sgemm_exact": depths[k], "sgemm_terms": handed[k],
-                                 "route": _fuse_route(k, handed[k], pairs=True),
-                                 "otherwise": _fuse_route(k, handed[k], pairs=False)}
+                                 "route": route_of(k, (mb, nb)),
+                                 "otherwise": route_of(k, (mb, nb), pairs=False)}
                         for k in probe_depths},
         "linear_routes": linear_routes,
         "linear_panel_above_stream_rows": panel_above_stream_rows(),
         "linear_routes_bf16_x": bf16_x_routes,
         "dot_product_fuse": _gemm.has_pairs_kernel(),
     }
-
-
-def _fuse_route(rank, sgemm_terms, pairs):
-    """The route of one bf16 adapter of this rank: with ``pairs``, where its magnitudes allow
-    the dot-product kernel (fuse._pairs_exact), else where they do not."""
-    # an adapter of ordinary magnitudes: no subnormal input, no sum near overflow
-    if pairs and _gemm.has_pairs_kernel() and _pairs_exact(rank, 1.0, 1.0, 0.0):
-        return "dot-product"
-    if sgemm_terms == 0:
-        return "one-pass"
-    return "sgemm" if sgemm_terms == rank else "sgemm+sequential"
 
 
 def format_info(info):

@@ -36,7 +36,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import _gemm, _quant
-from ._validate import FP8, contiguous, first_nonfinite_fp8, ml_fp8_format, ndarray, where
+from ._validate import (FP8, contiguous_array, f32_array, first_nonfinite_fp8, layout_codes,
+                        nonfinite_weight, round_up, where)
 from ._threads import resolve_threads
 from .errors import (
     ArgumentError,
@@ -81,54 +82,13 @@ def logical_shape(layout, stored_shape):
 def tiled_shape(layout, rows, cols):
     """The shape of a tiled layout's block scales for a [rows, cols] weight: [roundup(rows,
     128), roundup(cols / group, 4)]."""
-    return _round_up(rows, 128), _round_up(cols // TILED[layout], 4)
+    return round_up(rows, 128), round_up(cols // TILED[layout], 4)
 
 
-def _round_up(n, to):
-    return -(-n // to) * to
-
-
-def _array(x, name):
-    return contiguous(ndarray(x, name), name)
-
-
-def _codes(weight, layout, fmt):
-    """(uint8 view of the weight's codes, fp8 format)."""
-    w = _array(weight, "weight")
-    if w.ndim != 2:
-        raise ShapeError(f"weight must be 2-D, got shape {w.shape}")
-    if layout == "comfy_int8":
-        if w.dtype != np.int8:
-            raise DTypeError(f"a comfy_int8 weight holds int8 codes, got {w.dtype}")
-        return w, None
-    inferred = ml_fp8_format(w.dtype)
-    if inferred is None and w.dtype != np.uint8:
-        raise DTypeError(f"weight must hold uint8 codes (or an ml_dtypes fp8 dtype), got {w.dtype}")
-    if layout in ("fp6_block", "nvfp4", "comfy_nvfp4"):
-        if inferred:
-            raise DTypeError(f"a {layout} weight is packed uint8, got {w.dtype}")
-        fmt = None
-    else:
-        fmt = inferred or fmt or "F8_E4M3"
-        if inferred and fmt != inferred:
-            raise DTypeError(f"weight is {w.dtype} but fmt is {fmt!r}")
-        allowed = ("F8_E4M3", "F8_E5M2") if layout == "comfy_fp8" else ("F8_E4M3",)
-        if fmt not in allowed:
-            raise DTypeError(f"a {layout} weight holds {' or '.join(allowed)} codes, not {fmt}")
-    return w.view(np.uint8), fmt
-
-
-def _f32(x, name, shape=None):
-    x = _array(x, name)
-    if x.dtype != np.float32:
-        raise DTypeError(f"{name} must be float32, got {x.dtype}")
-    if shape is None and x.size != 1:
-        raise ShapeError(f"{name} must hold one value (a per-tensor scale), got shape {x.shape}")
-    if shape is not None and x.shape != shape:
-        raise ShapeError(f"{name} has shape {x.shape}, expected {shape}")
-    if not np.all(np.isfinite(x)):
-        raise NonFiniteWeightError(f"{name} is not finite")
-    return x
+#: The codes each layout stores: fp8 formats, or "packed" bytes, or "int8".
+CODES = {"fp8_scaled": ("F8_E4M3",), "comfy_fp8": ("F8_E4M3", "F8_E5M2"),
+         "fp8_block": ("F8_E4M3",), "fp6_block": "packed", "nvfp4": "packed",
+         "comfy_nvfp4": "packed", "comfy_mxfp8": ("F8_E4M3",), "comfy_int8": "int8"}
 
 
 def _check_shapes(layout, w, rows, cols):
@@ -162,13 +122,13 @@ def _operands(layout, weight, scale, scale_2, fmt):
     dtypes, shapes, and NaN or inf in the codes and scales (which the rules cannot fuse)."""
     if layout not in LAYOUTS:
         raise ArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    codes, fmt = _codes(weight, layout, fmt)
+    codes, fmt = layout_codes(weight, layout, CODES[layout], fmt)
     rows, cols = logical_shape(layout, codes.shape)
     _check_shapes(layout, codes, rows, cols)
     second = None
     if layout in TILED:
         what = "E8M0 exponents" if layout == "comfy_mxfp8" else "E4M3 codes"
-        block = _array(scale, "scale")
+        block = contiguous_array(scale, "scale")
         if block.dtype.itemsize != 1 or block.dtype.kind not in "uVf":
             raise DTypeError(f"{layout} block scales are {what} (uint8), got {block.dtype}")
         block = block.view(np.uint8)
@@ -184,26 +144,24 @@ def _operands(layout, weight, scale, scale_2, fmt):
         if layout != "comfy_mxfp8":
             if scale_2 is None:
                 raise ArgumentError(f"{layout} needs scale_2, the per-tensor f32 scale")
-            second = _f32(scale_2, "scale_2")
+            second = f32_array(scale_2, "scale_2")
     elif layout == "comfy_int8":
-        block = _array(scale, "scale")
+        block = contiguous_array(scale, "scale")
         if block.shape not in ((), (rows, 1)):
             raise ShapeError(
                 f"a comfy_int8 scale is one f32 value of shape () or one per row, [{rows}, 1]; got "
                 f"{list(block.shape)}" + (" (ComfyUI requantises a scale with dimensions as one "
                                           "per row, a different shape)" if block.size == 1 else ""))
-        block = _f32(block, "scale", block.shape)
+        block = f32_array(block, "scale", block.shape)
     else:
-        block = _f32(scale, "scale", (rows // BLOCK, cols // BLOCK) if layout.endswith("_block")
-                     else None)
+        block = f32_array(scale, "scale", (rows // BLOCK, cols // BLOCK)
+                          if layout.endswith("_block") else None)
     if scale_2 is not None and second is None:
         raise ArgumentError(f"scale_2 belongs to the nvfp4 layouts, not {layout}")
     if fmt is not None:
         first = first_nonfinite_fp8(codes.reshape(-1), fmt)
         if first >= 0:
-            at = where(first, codes.shape)
-            raise NonFiniteWeightError(f"weight ({fmt}) is inf or NaN at {at} (code "
-                                       f"{int(codes[at]):#x}) before fusing")
+            raise nonfinite_weight(first, codes, fmt)
     return codes, fmt, block, second, rows, cols
 
 

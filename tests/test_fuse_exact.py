@@ -146,11 +146,17 @@ def test_pairs_product_alone(pairs_table, rng, shape, k):
 
 
 def _recording_fuse_tiles(monkeypatch):
+    """The plans the fuses make (their decided routes, as run)."""
     from ltx2blas import _fuse
 
     seen = []
-    fuse_tiles = _fuse.fuse_tiles
-    monkeypatch.setattr(_fuse, "fuse_tiles", lambda **kw: (seen.append(kw), fuse_tiles(**kw))[1])
+
+    class Recording(_fuse.FusePlan):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append(self)
+
+    monkeypatch.setattr(_fuse, "FusePlan", Recording)
     return seen
 
 
@@ -163,9 +169,9 @@ def test_pairs_route_is_taken_for_ordinary_adapters(rng, monkeypatch, rank):
     weight = random_bf16(rng, (70, 100), 0.02)
     lora_a, lora_b = adapter(rng, 70, 100, rank)
     got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=2, tile=(32, 64))
-    assert [kw["pairs"] for kw in seen] == [[_gemm.has_pairs_kernel()]]
+    assert [plan.pairs for plan in seen] == [[_gemm.has_pairs_kernel()]]
     if _gemm.has_pairs_kernel():
-        assert not seen[0]["depths"].any()
+        assert not seen[0].depths.any()
     assert np.array_equal(got, reference.fuse_lora(weight, lora_a, lora_b, 0.8))
 
 
@@ -187,9 +193,9 @@ def test_pairs_serve_every_adapter_of_several(rng, monkeypatch, rule, ranks):
     got = ltx2blas.fuse_loras(weight, items, rule=rule, threads=2, tile=(32, 64))
     assert np.array_equal(got, reference.fuse_loras(weight, items, rule))
     paired = _gemm.has_pairs_kernel()
-    assert seen[0]["pairs"] == [paired, False] + [paired] * (len(ranks) - 1)
+    assert seen[0].pairs == [paired, False] + [paired] * (len(ranks) - 1)
     if paired:
-        assert not seen[0]["depths"][[i for i, p in enumerate(seen[0]["pairs"]) if p]].any()
+        assert not seen[0].depths[[i for i, p in enumerate(seen[0].pairs) if p]].any()
 
 
 @pytest.mark.parametrize("fmt", ["F8_E4M3", "F8_E5M2"])
@@ -204,7 +210,7 @@ def test_pairs_serve_fp8_weights(rng, monkeypatch, fmt, rank):
     items = [(lora_a, lora_b, 0.8)]
     got = ltx2blas.fuse_loras(codes, items, weight_format=fmt, threads=2, tile=(32, 64))
     assert np.array_equal(got, reference.fuse_loras_fp8(codes, items, fmt))
-    assert seen[0]["pairs"] == [_gemm.has_pairs_kernel()]
+    assert seen[0].pairs == [_gemm.has_pairs_kernel()]
 
 
 def test_pairs_serve_the_bare_delta(rng, monkeypatch):
@@ -217,7 +223,7 @@ def test_pairs_serve_the_bare_delta(rng, monkeypatch):
     for rule in ("addmm", "sum"):
         got = aggregate_delta(70, 100, items, rule=rule, threads=2, tile=(32, 64))
         assert np.array_equal(got, reference.aggregate_delta(items, rule))
-    assert [kw["pairs"] for kw in seen] == [[_gemm.has_pairs_kernel()] * 2] * 2
+    assert [plan.pairs for plan in seen] == [[_gemm.has_pairs_kernel()] * 2] * 2
 
 
 def test_pairs_guard():
@@ -397,7 +403,7 @@ def test_one_adapter_by_the_rule_takes_the_one_adapter_routes(rng, monkeypatch, 
     lora_b[::4] = 0  # deltas of +0.0
     got = ltx2blas.fuse_loras(weight, [(lora_a, lora_b, 0.8)], rule="sum", threads=2)
     assert np.array_equal(got, reference.fuse_loras(weight, [(lora_a, lora_b, 0.8)], "sum"))
-    rule, pairs, plus_zero = seen[0]["rule"], seen[0]["pairs"], seen[0]["plus_zero"]
+    rule, pairs, plus_zero = seen[0].rule, seen[0].pairs, seen[0].plus_zero
     assert (rule, plus_zero) == (_fuse.RULES["one"], True)
     assert pairs == [_gemm.has_pairs_kernel()]
 

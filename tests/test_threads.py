@@ -150,15 +150,13 @@ def tiles_run(monkeypatch):
     from ltx2blas import fuse
 
     seen = []
-    real = fuse._fuse.fuse_tiles
 
-    def recording(**kw):
-        rows = kw["weight"].shape[0]
-        cols = kw["weight"].shape[1] // (1 if kw["fmt"] in (1, 2) else 2)
-        seen.append(-(-rows // kw["tile_rows"]) * -(-cols // kw["tile_cols"]))
-        return real(**kw)
+    class Recording(fuse._fuse.FusePlan):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append(self.tiles)
 
-    monkeypatch.setattr(fuse._fuse, "fuse_tiles", recording)
+    monkeypatch.setattr(fuse._fuse, "FusePlan", Recording)
     return seen
 
 

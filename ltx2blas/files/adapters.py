@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._validate import (BLAS_INT_MAX, FP8_BY_NAME, bf16_to_f32, choice, first_nonfinite, is_bf16,
-                         ml_fp8_format, strength_f32, where)
+                         ml_fp8_format, round_up, strength_f32, where)
 from ..errors import DTypeError, FormatError, KeyMatchError, NonFiniteInputError, ShapeError
 from . import keys as keymatch
 from . import peft
@@ -339,10 +339,6 @@ def _alpha_source(report, text):
 
 # ---- factors ----
 
-def _round_up(n, to):
-    return -(-n // to) * to
-
-
 def _bf16_keys(item):
     """The adapter tensors of an item that are read as bf16 (into the reader's space)."""
     return (item.pair.keys["diff"],) if item.kind == "diff" else (item.pair.a, item.pair.b)
@@ -350,7 +346,7 @@ def _bf16_keys(item):
 
 def factor_space(items, sources):
     """Bytes that ``factors`` places in its ``space``."""
-    return sum(_round_up(2 * math.prod(sources[it.source].shape(key)), 64)
+    return sum(round_up(2 * math.prod(sources[it.source].shape(key)), 64)
                for it in items for key in _bf16_keys(it))
 
 
@@ -416,7 +412,7 @@ def factors(items, sources, reports, space=None):
         for key in _bf16_keys(it):
             arrays.append(factor_bf16(sources[it.source], key, reports[it.source],
                                       None if space is None else space[at:]))
-            at += _round_up(2 * math.prod(sources[it.source].shape(key)), 64)
+            at += round_up(2 * math.prod(sources[it.source].shape(key)), 64)
         magnitude = None
         if it.kind == "dora":
             keys = it.pair.keys

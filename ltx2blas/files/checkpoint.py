@@ -28,7 +28,7 @@ from ..errors import (
     NumericsError,
 )
 from .._threads import resolve_threads
-from .._validate import FP8, FP8_ROUNDINGS, RULES, choice, strength_f32
+from .._validate import FP8, FP8_ROUNDINGS, RULES, choice, round_up, strength_f32
 from ..fuse import fuse_bias, fuse_dora, fuse_loras
 from ..quantized import check_weight, fuse_quantized
 from . import adapters as plans
@@ -299,9 +299,9 @@ class _Prefetcher:
         """(the weight's shift; its bytes in a bin: the shift, its data, up to the next page;
         factor bytes; the whole span, up to the next page: where the next weight may start)."""
         start = shift(name)
-        weight = _round_up(start + self.ckpt.entries[name][1].nbytes, page)
+        weight = round_up(start + self.ckpt.entries[name][1].nbytes, page)
         factors = factor_bytes(name)
-        return start, weight, factors, _round_up(weight + factors, page)
+        return start, weight, factors, round_up(weight + factors, page)
 
     def _place(self, span):
         """(bin, offset) for ``span`` bytes: after the weights in the open bin if they fit,
@@ -365,10 +365,6 @@ class _Prefetcher:
             self.stop = True
             self.cv.notify_all()
         self.thread.join()
-
-
-def _round_up(n, to):
-    return -(-n // to) * to
 
 
 def _sha256(fd, chunk=1 << 20):
