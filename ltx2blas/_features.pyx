@@ -15,9 +15,9 @@ from libc.stdint cimport int64_t, uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
 
 from ._gemm cimport (LTX_DOT_PANEL_PAIRS, LTX_DOT_PANEL_SCRATCH, LTX_DOT_PANEL_STRIP,
-                     LTX_LAYER_TABLE_PAD, chunk_panel_bytes, chunk_wxt, kernels, ltx_kernels,
-                     pack_x_pairs, packed_chunk_wxt, packs_strips, strip_at, strip_stride,
-                     takes_bf16_x)
+                     LTX_LAYER_TABLE_PAD, chunk_panel_bytes, chunk_wxt, kernels, pack_x_pairs,
+                     packed_chunk_wxt, packs_strips, strip_at, strip_stride, takes_bf16_x)
+from ._kernels cimport ltx_kernels
 from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_alloc,
                         omp_get_thread_num, start_block, up64)
 

@@ -17,7 +17,8 @@ from libc.string cimport memset
 
 from ._gemm cimport (continue_product, exact_product, exact_product_fused,
                      exact_product_fused_pairs, exact_product_pairs, exact_product_panel,
-                     kernels, ltx_kernels)
+                     kernels)
+from ._kernels cimport ltx_kernels
 from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num, up64
 
 import numpy as np

@@ -1,9 +1,11 @@
 # The seam: every matrix product ltx2blas computes -- sgemm, dgemm and the kernel table's
-# product kernels -- goes through the functions declared here (see _gemm.pyx).
+# product kernels -- goes through the functions declared here (see _gemm.pyx), and the drivers
+# ask it which table serves them (kernels()) and what that table can do.
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t
 
+from ._kernels cimport ltx_idx, ltx_kernels
+
 cdef extern from "kernels.h" nogil:
-    ctypedef Py_ssize_t ltx_idx
     int LTX_STREAM_LANES
     int LTX_STREAM_BLOCK
     int LTX_PANEL_CHUNK
@@ -15,77 +17,21 @@ cdef extern from "kernels.h" nogil:
     size_t LTX_DOT_PANEL_SCRATCH(size_t mt)
     size_t LTX_PANEL_SCRATCH(size_t mt)
     int LTX_LAYER_TABLE_PAD
-    ctypedef struct ltx_kernels:
-        const char *name
-        void (*seq_gemm)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
-                         const float *y, ltx_idx ldy, float *c, ltx_idx ldc) noexcept nogil
-        void (*widen_bf16)(const uint16_t *src, float *dst, ltx_idx n) noexcept nogil
-        void (*scale_round_widen)(const uint16_t *src, float s, float *dst, ltx_idx n) noexcept nogil
-        void (*store_fused)(const float *acc, const uint16_t *w, ltx_idx ldw, uint16_t *out,
-                            ltx_idx ldo, ltx_idx rows, ltx_idx cols) noexcept nogil
-        void (*accumulate_rounded)(const float *acc, float *total, ltx_idx n) noexcept nogil
-        ltx_idx (*first_nonfinite_bf16)(const uint16_t *src, ltx_idx n) noexcept nogil
-        ltx_idx (*scan_bf16)(const uint16_t *src, ltx_idx n, uint16_t *max_mag,
-                             uint16_t *min_mag) noexcept nogil
-        void (*widen_bf16_f64)(const uint16_t *src, double *dst, ltx_idx n) noexcept nogil
-        void (*f32_to_f64)(const float *src, double *dst, ltx_idx n) noexcept nogil
-        void (*widen_bf16_rows)(const uint16_t *src, ltx_idx lds, float *dst, ltx_idx ldd,
-                                ltx_idx rows, ltx_idx cols) noexcept nogil
-        void (*stream_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
-                           const uint16_t *w, ltx_idx ldw, float *acc,
-                           float *lanes) noexcept nogil
-        void (*panel_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_idx ldx,
-                          const uint16_t *w, ltx_idx ldw, float *acc,
-                          float *scratch) noexcept nogil
-        void (*dot_stream_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x,
-                               ltx_idx ldx, const uint16_t *w, ltx_idx ldw, float *acc,
-                               float *lanes) noexcept nogil
-        void (*dot_panel_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint32_t *xs,
-                              ltx_idx lds, const uint16_t *w, ltx_idx ldw, float *acc,
-                              float *scratch) noexcept nogil
-        void (*pack_x_pairs)(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kt,
-                             uint32_t *xs, ltx_idx lds) noexcept nogil
-        int panel_min_rows
-        ltx_idx (*store_fused_fp8)(const float *acc, const uint8_t *w, ltx_idx ldw,
-                                   uint8_t *out, ltx_idx ldo, ltx_idx rows, ltx_idx cols,
-                                   int e5m2, int stochastic, uint64_t key, ltx_idx index0,
-                                   ltx_idx stride) noexcept nogil
-        void (*seq_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
-                              const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
-                              uint16_t *out, ltx_idx ldo) noexcept nogil
-        void (*pack_fuse_panel)(const uint16_t *src, ltx_idx lds, float *dst, ltx_idx k,
-                                ltx_idx n) noexcept nogil
-        void (*seq_product_panel)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
-                                  const float *y, float *c, ltx_idx ldc) noexcept nogil
-        void (*dot_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp,
-                              ltx_idx ldxp, const uint32_t *yp, ltx_idx ldyp, const uint16_t *w,
-                              ltx_idx ldw, uint16_t *out, ltx_idx ldo) noexcept nogil
-        void (*dot_product_bf16)(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp,
-                                 ltx_idx ldxp, const uint32_t *yp, ltx_idx ldyp, float *c,
-                                 ltx_idx ldc) noexcept nogil
-        void (*pack_pairs_rows)(const uint16_t *src, ltx_idx lds, uint32_t *dst, ltx_idx rows,
-                                ltx_idx cols) noexcept nogil
-        void (*pack_pairs_cols)(const float *src, ltx_idx lds, uint32_t *dst, ltx_idx ldd,
-                                ltx_idx rows, ltx_idx cols) noexcept nogil
-        void (*clear_negative_zero_bf16)(uint16_t *p, ltx_idx ldp, ltx_idx rows,
-                                         ltx_idx cols) noexcept nogil
-        void (*round_bf16_f32)(const float *src, float *dst, ltx_idx n) noexcept nogil
-        void (*normalize_features)(const void *src, int src_bf16, ltx_idx n, const float *a,
-                                   const float *b, ltx_idx l0, ltx_idx layers, float scale,
-                                   void *dst, int dst_bf16) noexcept nogil
-        void (*accumulate_addmm)(const float *acc, float *agg, float s, ltx_idx n) noexcept nogil
-        void (*store_rounded)(const float *acc, uint16_t *out, ltx_idx ldo, ltx_idx rows,
-                              ltx_idx cols) noexcept nogil
 
 cdef const ltx_kernels *kernels(bint allow_fma) noexcept nogil
+
+cdef inline bint has_dot_products(const ltx_kernels *kern) noexcept nogil:
+    """Whether the table multiplies bf16 pairs two terms per instruction (the dot-product fuse
+    and Linear kernels; VDPBF16PS)."""
+    return kern.dot_product_bf16 != NULL and kern.dot_stream_wxt != NULL
 
 cdef void sgemm_rowmajor(int m, int n, int k, const float *x, int ldx, const float *y, int ldy,
                          float beta, float *c, int ldc) noexcept nogil
 
-cdef void sgemm_wxt(int m, int n, int k, const float *x, int ldx, const float *w, int ldw,
+cdef void sgemm_wxt(int n, int m, int k, const float *w, int ldw, const float *x, int ldx,
                     float beta, float *c, int ldc) noexcept nogil
 
-cdef void dgemm_wxt(int m, int n, int k, const double *x, int ldx, const double *w, int ldw,
+cdef void dgemm_wxt(int n, int m, int k, const double *w, int ldw, const double *x, int ldx,
                     double beta, double *c, int ldc) noexcept nogil
 
 cdef void exact_product(const ltx_kernels *kern, int m, int n, int k, const float *x, int ldx,

@@ -79,9 +79,10 @@ cdef void sgemm_rowmajor(int m, int n, int k, const float *x, int ldx, const flo
     _sgemm(b"N", b"N", &n, &m, &k, &alpha, y, &ldy, x, &ldx, &beta, c, &ldc)
 
 
-cdef void sgemm_wxt(int m, int n, int k, const float *x, int ldx, const float *w, int ldw,
+cdef void sgemm_wxt(int n, int m, int k, const float *w, int ldw, const float *x, int ldx,
                     float beta, float *c, int ldc) noexcept nogil:
-    """c[n, m] = w[n, k] @ x[m, k]^T + beta * c, row-major: a Linear's output, transposed.
+    """c[n, m] = w[n, k] @ x[m, k]^T + beta * c, row-major: a Linear's output, transposed (the
+    operands and their sizes in the order the name gives them).
 
     Column-major that is c^T = x w^T, with x entering transposed and w not: the BLAS then packs
     the weight panel with its plain copy, cheaper than its transposing one, which matters when
@@ -90,7 +91,7 @@ cdef void sgemm_wxt(int m, int n, int k, const float *x, int ldx, const float *w
     _sgemm(b"T", b"N", &m, &n, &k, &alpha, x, &ldx, w, &ldw, &beta, c, &ldc)
 
 
-cdef void dgemm_wxt(int m, int n, int k, const double *x, int ldx, const double *w, int ldw,
+cdef void dgemm_wxt(int n, int m, int k, const double *w, int ldw, const double *x, int ldx,
                     double beta, double *c, int ldc) noexcept nogil:
     """f64 twin of sgemm_wxt."""
     cdef double alpha = 1.0
@@ -161,9 +162,9 @@ cdef void chunk_wxt(const ltx_kernels *kern, int product, int mt, int ot, int kt
                            panel + LTX_DOT_PANEL_PACKED(mt, kt))
     elif w16 != NULL:
         kern.widen_bf16_rows(w16, ldw, panel, kt, ot, kt)
-        sgemm_wxt(mt, ot, kt, <const float *>x, ldx, panel, kt, 1.0, acc, mt)
+        sgemm_wxt(ot, mt, kt, panel, kt, <const float *>x, ldx, 1.0, acc, mt)
     else:
-        sgemm_wxt(mt, ot, kt, <const float *>x, ldx, w32, ldw, 1.0, acc, mt)
+        sgemm_wxt(ot, mt, kt, w32, ldw, <const float *>x, ldx, 1.0, acc, mt)
 
 
 cdef size_t chunk_panel_bytes(int product, int mt, int ot, int kt) noexcept nogil:
@@ -294,12 +295,12 @@ def have_openmp():
 
 def has_pairs_kernel():
     """Whether the kernel table in use has the bf16 dot-product fuse."""
-    return _fast.dot_fuse_bf16 != NULL
+    return has_dot_products(_fast)
 
 
 def has_dot_linear():
     """Whether the kernel table in use has the dot-product Linear (bf16 x and weight)."""
-    return _fast.dot_stream_wxt != NULL
+    return has_dot_products(_fast)
 
 
 def scan_bf16(const uint16_t[::1] bits):
@@ -314,15 +315,17 @@ def scan_bf16(const uint16_t[::1] bits):
 
 
 def dgemm_xwt(const double[:, ::1] x, const double[:, ::1] w):
-    """x @ w^T in f64 by one dgemm call ([m, k] by [n, k] to [m, n]); the caller holds the BLAS
-    to one thread.  For the Linear's error bound, whose magnitudes need no particular order."""
+    """x @ w^T in f64 by one dgemm call ([m, k] by [n, k] to [m, n]; the operands in the order
+    the name gives them); the caller holds the BLAS to one thread.  For the Linear's error
+    bound, whose magnitudes need no particular order."""
     cdef int m = <int>x.shape[0], k = <int>x.shape[1], n = <int>w.shape[0]
     if w.shape[1] != k:
         raise ValueError("shape mismatch")
     out = np.empty((m, n), np.float64)
     cdef double[:, ::1] c = out
-    # dgemm_wxt(M, N, ...) writes c[N, M] = w' x'^T; with w' = x and x' = w that is x w^T.
+    # dgemm_wxt(N, M, K, w', ., x', .) writes c[N, M] = w' x'^T; with w' = x and x' = w, N = m
+    # and M = n, that is x w^T.
     if m and n and k:
         with nogil:
-            dgemm_wxt(n, m, k, &w[0, 0], k, &x[0, 0], k, 0.0, &c[0, 0], n)
+            dgemm_wxt(m, n, k, &x[0, 0], k, &w[0, 0], k, 0.0, &c[0, 0], n)
     return out

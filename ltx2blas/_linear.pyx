@@ -16,9 +16,10 @@ from libc.stdint cimport uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
 
 from ._gemm cimport (LTX_DOT_PANEL_SCRATCH, LTX_DOT_PANEL_STRIP,
-                     PRODUCT_SGEMM, chunk_panel_bytes, chunk_wxt, dgemm_wxt, kernels,
-                     ltx_kernels, pack_x_pairs, packed_chunk_wxt, packs_strips, strip_at,
+                     PRODUCT_SGEMM, chunk_panel_bytes, chunk_wxt, dgemm_wxt, has_dot_products,
+                     kernels, pack_x_pairs, packed_chunk_wxt, packs_strips, strip_at,
                      strip_stride, takes_bf16_x)
+from ._kernels cimport ltx_kernels
 from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_alloc,
                         omp_get_thread_num, start_block, up64)
 
@@ -112,7 +113,7 @@ cdef void linear_task(const LinearJob *job, Py_ssize_t task, TaskBuffers *buf) n
                     kern.widen_bf16_f64(job.x16 + (m0 + r) * job.cols + c0, xp64 + r * kt, kt)
                 else:
                     kern.f32_to_f64(job.x32 + (m0 + r) * job.cols + c0, xp64 + r * kt, kt)
-            dgemm_wxt(mt, ot, kt, xp64, kt, wp64, kt, 1.0, acc64, mt)
+            dgemm_wxt(ot, mt, kt, wp64, kt, xp64, kt, 1.0, acc64, mt)
         else:
             if job.xs != NULL:  # packed once, whole
                 packed_chunk_wxt(kern, mt, ot, kt, strip_at(job.xs, job.xs_stride, m0, c0),
@@ -267,7 +268,7 @@ cdef class LinearPlan:
         self.job.product = product if (not f64 and self.job.w16 != NULL) else PRODUCT_SGEMM
         self.job.kern = kernels(True)
         if takes_bf16_x(self.job.product):
-            if self.job.x16 == NULL or self.job.kern.dot_stream_wxt == NULL:
+            if self.job.x16 == NULL or not has_dot_products(self.job.kern):
                 raise ValueError("the dot-product route takes a bf16 x, on a table with the "
                                  "dot-product kernel")
         elif self.job.product != PRODUCT_SGEMM and self.job.x16 != NULL:

@@ -7,62 +7,13 @@ inputs alone, so the bytes are the same for any thread count.  Validation happen
 """
 from cython.parallel cimport prange
 from libc.stdint cimport int8_t, uint8_t, uint16_t, uint64_t
-from libc.string cimport strncmp
 
 from ._gemm cimport kernels
+from ._kernels cimport ltx_idx, ltx_layout_passes
 
 cdef extern from "kernels.h" nogil:
-    float ltx_fp8_value(unsigned int code, int e5m2)
-
-cdef extern from "quant.h" nogil:
-    ctypedef Py_ssize_t ltx_idx
-    float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx count,
-                             float scale, int e5m2, int avx512)
-    void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, float scale,
-                              float mult, float fmax, int e5m2, int avx512)
-    float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales,
-                               uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1,
-                               int avx512)
-    void ltx_block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj,
-                            int fp6, uint8_t *codes, float *scales, int avx512)
-    float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales,
-                               ltx_idx padded_cols, float scale_2, uint16_t *delta,
-                               ltx_idx cols, ltx_idx r0, ltx_idx r1, int avx512)
-    void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed,
-                                 uint8_t *scales, ltx_idx padded_cols, ltx_idx cols, ltx_idx r0,
-                                 ltx_idx r1, int avx512)
-
-    float ltx_comfy_nvfp4_max_rows(const uint8_t *packed, const uint8_t *scales,
-                                   ltx_idx padded_cols, float scale_2, const uint16_t *delta,
-                                   ltx_idx cols, ltx_idx r0, ltx_idx r1)
-    void ltx_comfy_nvfp4_quantize_rows(uint8_t *packed, const uint8_t *old_scales,
-                                       uint8_t *scales, ltx_idx padded_cols, float scale_2,
-                                       const uint16_t *delta, float t, ltx_idx cols, ltx_idx r0,
-                                       ltx_idx r1)
-    float ltx_comfy_mxfp8_max_rows(const uint8_t *codes, const uint8_t *scales,
-                                   ltx_idx padded_cols, const uint16_t *delta, ltx_idx cols,
-                                   ltx_idx r0, ltx_idx r1)
-    void ltx_comfy_mxfp8_quantize_rows(uint8_t *codes, const uint8_t *old_scales,
-                                       uint8_t *scales, ltx_idx padded_cols,
-                                       const uint16_t *delta, ltx_idx cols, ltx_idx r0,
-                                       ltx_idx r1)
-    float ltx_comfy_int8_max_rows(const int8_t *codes, const float *scale, int per_row,
-                                  const uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1,
-                                  float *row_top)
-    void ltx_comfy_int8_quantize_rows(int8_t *codes, const float *scale, const float *new_scale,
-                                      int per_row, const uint16_t *delta, ltx_idx cols,
-                                      ltx_idx r0, ltx_idx r1)
-
+    const float *ltx_fp8_table(int e5m2)
     void ltx_round_bf16(const float *src, uint16_t *dst, ltx_idx n)
-    void ltx_dora_merge_rows(const uint16_t *w, uint16_t *delta, ltx_idx cols, ltx_idx r0,
-                             ltx_idx r1, double *row_sq)
-    void ltx_sum_squares_rows(const uint16_t *x, ltx_idx cols, ltx_idx r0, ltx_idx r1,
-                              double *out)
-    void ltx_sum_squares_cols(const uint16_t *x, ltx_idx rows, ltx_idx cols, ltx_idx c0,
-                              ltx_idx c1, double *out)
-    void ltx_dora_store_rows(const uint16_t *v, const float *row_factor, const float *col_factor,
-                             const uint16_t *w, uint16_t *out, ltx_idx cols, ltx_idx r0,
-                             ltx_idx r1, float strength, int blend)
     uint64_t ltx_stochastic_key(uint64_t seed, const unsigned char *name, size_t len)
 
 import numpy as np
@@ -71,13 +22,6 @@ import numpy as np
 # weight of LTX-2's sizes, so that many cores share it evenly.
 cdef enum:
     ROWS_PER_TASK = 16
-
-
-cdef bint avx512_table() noexcept:
-    """Whether the kernel table in use is an AVX-512 one: the per-tensor fp8, blockwise fp8 and
-    NVFP4 passes then take sixteen elements at a time (the same bytes), and a forced table
-    forces them too."""
-    return strncmp(kernels(True).name, b"avx512", 6) == 0
 
 
 cdef inline float fmax_nan(float a, float b) noexcept nogil:
@@ -93,12 +37,11 @@ def scaled_fp8_max(const uint8_t[::1] codes, const uint16_t[::1] delta, float sc
     cdef Py_ssize_t n = codes.shape[0], chunk = 1 << 16, tasks = (n + chunk - 1) // chunk, t
     cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
     cdef Py_ssize_t a
-    cdef bint vec = avx512_table()
+    cdef const ltx_layout_passes *passes = kernels(True).layout
     with nogil:
         for t in prange(tasks, num_threads=threads, schedule="dynamic"):
             a = t * chunk
-            tops[t] = ltx_scaled_fp8_max(&codes[a], &delta[a], min(chunk, n - a), scale, e5m2,
-                                         vec)
+            tops[t] = passes.scaled_fp8_max(&codes[a], &delta[a], min(chunk, n - a), scale, e5m2)
     return _max(tops)
 
 
@@ -106,12 +49,12 @@ def scaled_fp8_store(uint8_t[::1] codes, const uint16_t[::1] delta, float scale,
                      float fmax, bint e5m2, int threads):
     """codes = fp8(clamp(f32(n * mult), -fmax, fmax)) in place (fp8(n) for an infinite mult)."""
     cdef Py_ssize_t n = codes.shape[0], chunk = 1 << 16, tasks = (n + chunk - 1) // chunk, t, a
-    cdef bint vec = avx512_table()
+    cdef const ltx_layout_passes *passes = kernels(True).layout
     with nogil:
         for t in prange(tasks, num_threads=threads, schedule="dynamic"):
             a = t * chunk
-            ltx_scaled_fp8_store(&codes[a], &delta[a], min(chunk, n - a), scale, mult, fmax,
-                                 e5m2, vec)
+            passes.scaled_fp8_store(&codes[a], &delta[a], min(chunk, n - a), scale, mult, fmax,
+                                 e5m2)
 
 
 def block_merge(const uint8_t[:, ::1] codes, bint fp6, const float[:, ::1] scales,
@@ -120,12 +63,12 @@ def block_merge(const uint8_t[:, ::1] codes, bint fp6, const float[:, ::1] scale
     cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0
     cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
-    cdef bint vec = avx512_table()
+    cdef const ltx_layout_passes *passes = kernels(True).layout
     with nogil:
         for t in prange(tasks, num_threads=threads, schedule="dynamic"):
             r0 = t * ROWS_PER_TASK
-            tops[t] = ltx_block_merge_rows(&codes[0, 0], fp6, &scales[0, 0], &delta[0, 0], cols,
-                                           r0, min(r0 + ROWS_PER_TASK, rows), vec)
+            tops[t] = passes.block_merge_rows(&codes[0, 0], fp6, &scales[0, 0], &delta[0, 0], cols,
+                                           r0, min(r0 + ROWS_PER_TASK, rows))
     return _max(tops)
 
 
@@ -133,11 +76,11 @@ def block_quantize(const uint16_t[:, ::1] merged, bint fp6, uint8_t[:, ::1] code
                    float[:, ::1] scales, int threads):
     """Each 128 x 128 block of merged requantised into codes and its scale."""
     cdef Py_ssize_t cols = merged.shape[1], nb = scales.shape[1], blocks = scales.size, b
-    cdef bint vec = avx512_table()
+    cdef const ltx_layout_passes *passes = kernels(True).layout
     with nogil:
         for b in prange(blocks, num_threads=threads, schedule="dynamic"):
-            ltx_block_quantize(&merged[0, 0], cols, b // nb, b % nb, fp6, &codes[0, 0],
-                               &scales[0, 0], vec)
+            passes.block_quantize(&merged[0, 0], cols, b // nb, b % nb, fp6, &codes[0, 0],
+                               &scales[0, 0])
 
 
 def nvfp4_merge(const uint8_t[:, ::1] packed, const uint8_t[:, ::1] scales, float scale_2,
@@ -148,13 +91,12 @@ def nvfp4_merge(const uint8_t[:, ::1] packed, const uint8_t[:, ::1] scales, floa
     cdef Py_ssize_t padded = scales.shape[1]
     cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
-    cdef bint vec = avx512_table()
+    cdef const ltx_layout_passes *passes = kernels(True).layout
     with nogil:
         for t in prange(tasks, num_threads=threads, schedule="dynamic"):
             r0 = t * ROWS_PER_TASK
-            tops[t] = ltx_nvfp4_merge_rows(&packed[0, 0], &scales[0, 0], padded, scale_2,
-                                           &delta[0, 0], cols, r0, min(r0 + ROWS_PER_TASK, rows),
-                                           vec)
+            tops[t] = passes.nvfp4_merge_rows(&packed[0, 0], &scales[0, 0], padded, scale_2,
+                                           &delta[0, 0], cols, r0, min(r0 + ROWS_PER_TASK, rows))
     return _max(tops)
 
 
@@ -165,19 +107,20 @@ def nvfp4_quantize(const uint16_t[:, ::1] merged, float t, uint8_t[:, ::1] packe
     cdef Py_ssize_t rows = merged.shape[0], cols = merged.shape[1], task, r0
     cdef Py_ssize_t padded = scales.shape[1]
     cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    cdef bint vec = avx512_table()
+    cdef const ltx_layout_passes *passes = kernels(True).layout
     scales[:, :] = 0
     with nogil:
         for task in prange(tasks, num_threads=threads, schedule="dynamic"):
             r0 = task * ROWS_PER_TASK
-            ltx_nvfp4_quantize_rows(&merged[0, 0], t, &packed[0, 0], &scales[0, 0], padded,
-                                    cols, r0, min(r0 + ROWS_PER_TASK, rows), vec)
+            passes.nvfp4_quantize_rows(&merged[0, 0], t, &packed[0, 0], &scales[0, 0], padded,
+                                    cols, r0, min(r0 + ROWS_PER_TASK, rows))
 
 
 def comfy_tiled_max(const uint8_t[:, ::1] codes, const uint8_t[:, ::1] scales, bint nvfp4,
                     float scale_2, const uint16_t[:, ::1] delta, int threads):
     """max |n| over ComfyUI's nvfp4 (packed codes, E4M3 block scales and ``scale_2``) or mxfp8
     (e4m3 codes, E8M0 exponents) weight merged with delta in f32 (NaN if an n is NaN)."""
+    cdef const ltx_layout_passes *passes = kernels(True).layout
     cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0, r1
     cdef Py_ssize_t padded = scales.shape[1]
     cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
@@ -187,10 +130,10 @@ def comfy_tiled_max(const uint8_t[:, ::1] codes, const uint8_t[:, ::1] scales, b
             r0 = t * ROWS_PER_TASK
             r1 = min(r0 + ROWS_PER_TASK, rows)
             if nvfp4:
-                tops[t] = ltx_comfy_nvfp4_max_rows(&codes[0, 0], &scales[0, 0], padded, scale_2,
+                tops[t] = passes.comfy_nvfp4_max_rows(&codes[0, 0], &scales[0, 0], padded, scale_2,
                                                    &delta[0, 0], cols, r0, r1)
             else:
-                tops[t] = ltx_comfy_mxfp8_max_rows(&codes[0, 0], &scales[0, 0], padded,
+                tops[t] = passes.comfy_mxfp8_max_rows(&codes[0, 0], &scales[0, 0], padded,
                                                    &delta[0, 0], cols, r0, r1)
     return _max(tops)
 
@@ -199,6 +142,7 @@ def comfy_tiled_quantize(uint8_t[:, ::1] codes, uint8_t[:, ::1] scales, bint nvf
                          float scale_2, const uint16_t[:, ::1] delta, float t, int threads):
     """ComfyUI's nvfp4 (with the new scale_2 ``t`` > 0) or mxfp8 weight, read as it is,
     requantised in place with delta; the scales' padding zeroed."""
+    cdef const ltx_layout_passes *passes = kernels(True).layout
     cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], task, r0, r1
     cdef Py_ssize_t padded = scales.shape[1]
     cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
@@ -209,10 +153,10 @@ def comfy_tiled_quantize(uint8_t[:, ::1] codes, uint8_t[:, ::1] scales, bint nvf
             r0 = task * ROWS_PER_TASK
             r1 = min(r0 + ROWS_PER_TASK, rows)
             if nvfp4:
-                ltx_comfy_nvfp4_quantize_rows(&codes[0, 0], &old[0, 0], &scales[0, 0], padded,
+                passes.comfy_nvfp4_quantize_rows(&codes[0, 0], &old[0, 0], &scales[0, 0], padded,
                                               scale_2, &delta[0, 0], t, cols, r0, r1)
             else:
-                ltx_comfy_mxfp8_quantize_rows(&codes[0, 0], &old[0, 0], &scales[0, 0], padded,
+                passes.comfy_mxfp8_quantize_rows(&codes[0, 0], &old[0, 0], &scales[0, 0], padded,
                                               &delta[0, 0], cols, r0, r1)
 
 
@@ -220,6 +164,7 @@ def comfy_int8_max(const int8_t[:, ::1] codes, const float[::1] scale, bint per_
                    const uint16_t[:, ::1] delta, int threads):
     """(max |f32(f32(code) * scale) + f32(delta)| over the tensor, the same per row); one
     scale, or one a row with ``per_row``."""
+    cdef const ltx_layout_passes *passes = kernels(True).layout
     cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0
     cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
@@ -230,7 +175,7 @@ def comfy_int8_max(const int8_t[:, ::1] codes, const float[::1] scale, bint per_
     with nogil:
         for t in prange(tasks, num_threads=threads, schedule="dynamic"):
             r0 = t * ROWS_PER_TASK
-            tops[t] = ltx_comfy_int8_max_rows(&codes[0, 0], &scale[0], per_row, &delta[0, 0],
+            tops[t] = passes.comfy_int8_max_rows(&codes[0, 0], &scale[0], per_row, &delta[0, 0],
                                               cols, r0, min(r0 + ROWS_PER_TASK, rows), &rt[0])
     return _max(tops), row_tops
 
@@ -239,6 +184,7 @@ def comfy_int8_quantize(int8_t[:, ::1] codes, const float[::1] scale,
                         const float[::1] new_scale, bint per_row, const uint16_t[:, ::1] delta,
                         int threads):
     """codes requantised in place with the new scale(s), one a row with ``per_row``."""
+    cdef const ltx_layout_passes *passes = kernels(True).layout
     cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], task, r0
     cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     if rows == 0:
@@ -246,7 +192,7 @@ def comfy_int8_quantize(int8_t[:, ::1] codes, const float[::1] scale,
     with nogil:
         for task in prange(tasks, num_threads=threads, schedule="dynamic"):
             r0 = task * ROWS_PER_TASK
-            ltx_comfy_int8_quantize_rows(&codes[0, 0], &scale[0], &new_scale[0], per_row,
+            passes.comfy_int8_quantize_rows(&codes[0, 0], &scale[0], &new_scale[0], per_row,
                                          &delta[0, 0], cols, r0, min(r0 + ROWS_PER_TASK, rows))
 
 
@@ -256,7 +202,7 @@ def fp8_values(bint e5m2):
     cdef float[::1] o = out
     cdef int c
     for c in range(256):
-        o[c] = ltx_fp8_value(c, e5m2)
+        o[c] = ltx_fp8_table(e5m2)[c]
     return out
 
 
@@ -271,6 +217,7 @@ def _max(float[::1] tops):
 def dora_merge(const uint16_t[:, ::1] weight, uint16_t[:, ::1] delta, int norm_of, int threads):
     """delta = V = bf16(W + delta) in place; returns the f64 sums of squares DoRA's norms take:
     norm_of 0, V's rows; 1, W's rows; 2, V's columns."""
+    cdef const ltx_layout_passes *passes = kernels(True).layout
     cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0, c0
     cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     out = np.zeros(cols if norm_of == 2 else rows, np.float64)
@@ -281,16 +228,16 @@ def dora_merge(const uint16_t[:, ::1] weight, uint16_t[:, ::1] delta, int norm_o
     with nogil:
         for t in prange(tasks, num_threads=threads, schedule="dynamic"):
             r0 = t * ROWS_PER_TASK
-            ltx_dora_merge_rows(&weight[0, 0], &delta[0, 0], cols, r0,
+            passes.dora_merge_rows(&weight[0, 0], &delta[0, 0], cols, r0,
                                 min(r0 + ROWS_PER_TASK, rows), &sq[0] if norm_of == 0 else NULL)
             if norm_of == 1:
-                ltx_sum_squares_rows(&weight[0, 0], cols, r0, min(r0 + ROWS_PER_TASK, rows),
+                passes.sum_squares_rows(&weight[0, 0], cols, r0, min(r0 + ROWS_PER_TASK, rows),
                                      &sq[0])
     if norm_of == 2:
         with nogil:
             for t in prange(col_tasks, num_threads=threads, schedule="dynamic"):
                 c0 = t * 64
-                ltx_sum_squares_cols(&delta[0, 0], rows, cols, c0, min(c0 + 64, cols), &sq[0])
+                passes.sum_squares_cols(&delta[0, 0], rows, cols, c0, min(c0 + 64, cols), &sq[0])
     return out
 
 
@@ -298,16 +245,18 @@ def dora_store(const uint16_t[:, ::1] v, const float[::1] factor, bint per_row,
                const uint16_t[:, ::1] weight, uint16_t[:, ::1] out, float strength, bint blend,
                int threads):
     """out = bf16(V * factor) (per row or per column), blended with the weight by strength."""
+    cdef const ltx_layout_passes *passes = kernels(True).layout
     cdef Py_ssize_t rows = v.shape[0], cols = v.shape[1], t, r0
     cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
     if rows == 0 or cols == 0:
         return
+    cdef const float *row_factor = &factor[0] if per_row else NULL
+    cdef const float *col_factor = &factor[0] if not per_row else NULL
     with nogil:
         for t in prange(tasks, num_threads=threads, schedule="dynamic"):
             r0 = t * ROWS_PER_TASK
-            ltx_dora_store_rows(&v[0, 0], &factor[0] if per_row else NULL,
-                                NULL if per_row else &factor[0], &weight[0, 0], &out[0, 0], cols,
-                                r0, min(r0 + ROWS_PER_TASK, rows), strength, blend)
+            passes.dora_store_rows(&v[0, 0], row_factor, col_factor, &weight[0, 0], &out[0, 0],
+                                   cols, r0, min(r0 + ROWS_PER_TASK, rows), strength, blend)
 
 
 def round_bf16(const float[::1] values):

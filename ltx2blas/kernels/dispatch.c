@@ -1,76 +1,96 @@
-/* Picks the kernel table for this CPU. Built once, for the baseline instruction set. */
+/* Picks the kernel table for this CPU, and joins each build of kernels.c with the build of
+ * quant.c for the same instruction set into the one table handed out: every per-instruction-set
+ * entry point is reached through it, chosen once. Built once, for the baseline instruction set. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
+#include "quant.h"
 
-extern const ltx_kernels ltx_kernels_base;
+/* Each instruction set built in: its builds' pair of tables, and the table joined from them
+ * (made when the library is loaded, before any caller can ask for one). */
+#define DECLARE(v)                                                                          \
+    extern const ltx_kernels ltx_kernels_##v;                                               \
+    extern const ltx_layout_passes ltx_layout_##v;                                          \
+    static ltx_kernels joined_##v;
+DECLARE(base)
 #ifdef LTX_HAVE_AVX2
-extern const ltx_kernels ltx_kernels_avx2;
+DECLARE(avx2)
 #endif
 #ifdef LTX_HAVE_AVX512
-extern const ltx_kernels ltx_kernels_avx512;
+DECLARE(avx512)
 #endif
 #ifdef LTX_HAVE_AVX512BF16
-extern const ltx_kernels ltx_kernels_avx512bf16;
+DECLARE(avx512bf16)
 #endif
 #ifdef LTX_HAVE_NEON
-extern const ltx_kernels ltx_kernels_neon;
+DECLARE(neon)
 #endif
 
+#define JOIN(v) (joined_##v = ltx_kernels_##v, joined_##v.layout = &ltx_layout_##v)
+
+__attribute__((constructor)) static void join_tables(void)
+{
+    JOIN(base);
+#ifdef LTX_HAVE_AVX2
+    JOIN(avx2);
+#endif
+#ifdef LTX_HAVE_AVX512
+    JOIN(avx512);
+#endif
+#ifdef LTX_HAVE_AVX512BF16
+    JOIN(avx512bf16);
+#endif
+#ifdef LTX_HAVE_NEON
+    JOIN(neon);
+#endif
+}
+
+#if defined(__x86_64__) || defined(__i386__)
 static int cpu_has_avx2(void)
 {
-#if defined(LTX_HAVE_AVX2) && (defined(__x86_64__) || defined(__i386__))
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-    return 0;
-#endif
 }
 
 static int cpu_has_avx512(void)
 {
-#if defined(LTX_HAVE_AVX512) && (defined(__x86_64__) || defined(__i386__))
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && cpu_has_avx2();
-#else
-    return 0;
-#endif
 }
 
+#ifdef LTX_HAVE_AVX512BF16
 static int cpu_has_avx512bf16(void)
 {
-#if defined(LTX_HAVE_AVX512BF16) && (defined(__x86_64__) || defined(__i386__))
     __builtin_cpu_init();
     return cpu_has_avx512() && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512bf16");
-#else
-    return 0;
-#endif
 }
+#endif
+#endif
 
 const ltx_kernels *ltx_kernels_by_name(const char *name)
 {
     if (name == NULL)
         return NULL;
     if (strcmp(name, "base") == 0)
-        return &ltx_kernels_base;
+        return &joined_base;
 #ifdef LTX_HAVE_AVX2
     if (strcmp(name, "avx2") == 0)
-        return cpu_has_avx2() ? &ltx_kernels_avx2 : NULL;
+        return cpu_has_avx2() ? &joined_avx2 : NULL;
 #endif
 #ifdef LTX_HAVE_AVX512
     if (strcmp(name, "avx512") == 0)
-        return cpu_has_avx512() ? &ltx_kernels_avx512 : NULL;
+        return cpu_has_avx512() ? &joined_avx512 : NULL;
 #endif
 #ifdef LTX_HAVE_AVX512BF16
     if (strcmp(name, "avx512bf16") == 0)
-        return cpu_has_avx512bf16() ? &ltx_kernels_avx512bf16 : NULL;
+        return cpu_has_avx512bf16() ? &joined_avx512bf16 : NULL;
 #endif
 #ifdef LTX_HAVE_NEON
     if (strcmp(name, "neon") == 0)
-        return &ltx_kernels_neon;
+        return &joined_neon;
 #endif
     return NULL;
 }
@@ -79,23 +99,23 @@ const ltx_kernels *ltx_fast_kernels(void)
 {
 #ifdef LTX_HAVE_AVX512BF16
     if (cpu_has_avx512bf16())
-        return &ltx_kernels_avx512bf16;
+        return &joined_avx512bf16;
 #endif
 #ifdef LTX_HAVE_AVX512
     if (cpu_has_avx512())
-        return &ltx_kernels_avx512;
+        return &joined_avx512;
 #endif
 #ifdef LTX_HAVE_AVX2
     if (cpu_has_avx2())
-        return &ltx_kernels_avx2;
+        return &joined_avx2;
 #endif
 #ifdef LTX_HAVE_NEON
-    return &ltx_kernels_neon;
+    return &joined_neon;
 #endif
-    return &ltx_kernels_base;
+    return &joined_base;
 }
 
-const ltx_kernels *ltx_strict_kernels(void) { return &ltx_kernels_base; }
+const ltx_kernels *ltx_strict_kernels(void) { return &joined_base; }
 
 const char *ltx_kernels_built(void)
 {

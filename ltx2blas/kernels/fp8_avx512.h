@@ -1,7 +1,6 @@
 /*
- * fp8 rounding, sixteen f32 values at a time on AVX-512, shared by the fuse's rounding store
- * (kernels.c, built for AVX-512) and the fp8 layouts' passes (quant.c, built for the
- * baseline and calling it only where the CPU has AVX-512).
+ * fp8 rounding, sixteen f32 values at a time on AVX-512, shared by the AVX-512 builds of the
+ * fuse's rounding store (kernels.c) and of the fp8 layouts' passes (quant.c).
  */
 #ifndef LTX_FP8_AVX512_H
 #define LTX_FP8_AVX512_H
@@ -11,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define LTX_AVX512_TARGET __attribute__((target("avx512f")))
 
 /* The value of each lane's fp8 code (each below 256), as ltx_fp8_value gives it, without a
@@ -19,8 +20,9 @@
  * exact; inf and NaN selected, NaN unsigned. */
 static inline LTX_AVX512_TARGET __m512 ltx_fp8_value_avx512(__m512i c, int e5m2)
 {
-    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
-    const float quantum = e5m2 ? 0x1p-16f : 0x1p-9f;
+    const ltx_fp8_format *f = &LTX_FP8[e5m2];
+    const int mant = f->mant, bias = f->bias;
+    const float quantum = f->quantum;
     const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
     const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 23 - mant),
                                             _mm512_set1_epi32((127 - bias) << 23));
@@ -28,8 +30,8 @@ static inline LTX_AVX512_TARGET __m512 ltx_fp8_value_avx512(__m512i c, int e5m2)
         _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(quantum)));
     const __mmask16 small = _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(1 << mant));
     __m512i v = _mm512_mask_blend_epi32(small, normal, subnormal);
-    const __mmask16 inf = e5m2 ? _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7C)) : 0;
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32(e5m2 ? 0x7C : 0x7E));
+    const __mmask16 inf = f->inf ? _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32((int)f->inf)) : 0;
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32((int)f->nan_above));
     v = _mm512_mask_mov_epi32(v, inf, _mm512_set1_epi32(0x7F800000));
     v = _mm512_or_si512(v, _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24));
     return _mm512_castsi512_ps(_mm512_mask_mov_epi32(v, nan, _mm512_set1_epi32(0x7FC00000)));
@@ -44,7 +46,8 @@ static inline LTX_AVX512_TARGET __m512 ltx_fp8_value_avx512(__m512i c, int e5m2)
 static inline LTX_AVX512_TARGET __m512i ltx_fp8_round_avx512(__m512 x, int e5m2,
                                                              __mmask16 *past)
 {
-    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7, shift = 23 - mant;
+    const ltx_fp8_format *f = &LTX_FP8[e5m2];
+    const int mant = f->mant, bias = f->bias, shift = 23 - mant;
     const uint32_t magic_bits = (uint32_t)(127 + 23 + 1 - bias - mant) << 23 | 0x400000u;
     float magic;
     memcpy(&magic, &magic_bits, 4);
@@ -61,9 +64,9 @@ static inline LTX_AVX512_TARGET __m512i ltx_fp8_round_avx512(__m512 x, int e5m2,
     const __m512i normal = _mm512_sub_epi32(rounded, _mm512_set1_epi32((127 - bias) << mant));
     const __mmask16 small = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32((128 - bias) << 23));
     const __m512i code = _mm512_mask_blend_epi32(small, normal, sub);
-    *past = _mm512_cmpgt_epu32_mask(code, _mm512_set1_epi32(e5m2 ? 0x7B : 0x7E));
+    *past = _mm512_cmpgt_epu32_mask(code, _mm512_set1_epi32((int)f->largest));
     return _mm512_or_si512(
-        _mm512_mask_mov_epi32(code, *past, _mm512_set1_epi32(e5m2 ? 0x7C : 0x7E)), sign);
+        _mm512_mask_mov_epi32(code, *past, _mm512_set1_epi32((int)f->over)), sign);
 }
 #endif
 

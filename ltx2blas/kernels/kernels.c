@@ -6,14 +6,8 @@
  */
 #include <string.h>
 
+#include "variant.h"
 #include "kernels.h"
-
-/* AVX-512 plus the bf16 conversion instructions (AVX512_BF16, with BW, DQ and VL): the avx512
- * table with the fuse's rounding done by VCVTNE2PS2BF16 (see fuse_pair). */
-#if defined(LTX_VARIANT_AVX512BF16)
-#define LTX_VARIANT_AVX512
-#define LTX_BF16_CONVERT
-#endif
 
 #if defined(LTX_VARIANT_AVX512) || defined(LTX_VARIANT_AVX2)
 #include <immintrin.h>
@@ -22,37 +16,23 @@
 #include "fp8_avx512.h"
 #endif
 
+/* The register tile: VW floats a vector, MR rows by NRV vectors of columns. */
 #if defined(LTX_VARIANT_AVX512)
 #define VW 16
 #define MR 8
 #define NRV 2
-#if defined(LTX_BF16_CONVERT)
-#define TABLE ltx_kernels_avx512bf16
-#define TABLE_NAME "avx512bf16"
-#else
-#define TABLE ltx_kernels_avx512
-#define TABLE_NAME "avx512"
-#endif
 #elif defined(LTX_VARIANT_AVX2)
 #define VW 8
 #define MR 6
 #define NRV 2
-#define TABLE ltx_kernels_avx2
-#define TABLE_NAME "avx2"
 #elif defined(LTX_VARIANT_NEON)
 #define VW 4
 #define MR 8
 #define NRV 3
-#define TABLE ltx_kernels_neon
-#define TABLE_NAME "neon"
-#elif defined(LTX_VARIANT_BASE)
+#else
 #define VW 4
 #define MR 4
 #define NRV 2
-#define TABLE ltx_kernels_base
-#define TABLE_NAME "base"
-#else
-#error "define one LTX_VARIANT_*"
 #endif
 
 #define NR (VW * NRV)
@@ -1378,10 +1358,10 @@ static inline uint32_t fp8_from_bf16(uint32_t h, int e5m2, int stochastic, uint3
 {
     const uint32_t sign = (h >> 8) & 0x80u;
     const uint32_t E = (h >> 7) & 0xFFu, M = h & 0x7Fu;
-    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
-    const uint32_t largest = e5m2 ? 0x7Bu : 0x7Eu;
+    const int mant = LTX_FP8[e5m2].mant, bias = LTX_FP8[e5m2].bias;
+    const uint32_t largest = LTX_FP8[e5m2].largest;
     if (E == 0xFFu)
-        return M ? (0x7Fu | sign) : ((e5m2 ? 0x7Cu : 0x7Eu) | sign);
+        return M ? (0x7Fu | sign) : (LTX_FP8[e5m2].over | sign);
     if (E == 0 && M == 0)
         return sign;
     const uint32_t S = E ? (0x80u | M) : M;              /* significand, 7 fraction bits */
@@ -1483,18 +1463,17 @@ static inline vu32 fp8_nearest_vec(vu32 h, int e5m2, vu32 *over)
  * operation on one can take a slow path. */
 static inline vf fp8_value_vec(vu32 c, int e5m2)
 {
-    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
-    const float quantum = e5m2 ? 0x1p-16f : 0x1p-9f;
+    const ltx_fp8_format *f = &LTX_FP8[e5m2];
+    const int mant = f->mant, bias = f->bias;
+    const float quantum = f->quantum;
     const vu32 mag = c & 0x7Fu;
     const vu32 subnormal = (vu32)((mag >> mant) == 0);
     const vu32 normal_bits = (mag << (23 - mant)) + (uint32_t)((127 - bias) << 23);
     const vu32 subnormal_bits = (vu32)(__builtin_convertvector((vi32)mag, vf) * quantum);
     const vu32 signed_value = ((normal_bits & ~subnormal) | (subnormal_bits & subnormal)) |
                               ((c & 0x80u) << 24);
-    /* e4m3: 0x7F is NaN; e5m2: exponent 31 is inf (mantissa 0) or NaN */
-    const vu32 nan = e5m2 ? (vu32)((mag & 0x7Cu) == 0x7Cu) & (vu32)((mag & 3u) != 0)
-                          : (vu32)(mag == 0x7Fu);
-    const vu32 inf = e5m2 ? (vu32)(mag == 0x7Cu) : (vu32){0};
+    const vu32 nan = (vu32)(mag > f->nan_above);
+    const vu32 inf = f->inf ? (vu32)(mag == f->inf) : (vu32){0};
     const vu32 value = (signed_value & ~inf) | (inf & (0x7F800000u | ((c & 0x80u) << 24)));
     return (vf)((value & ~nan) | (nan & 0x7FC00000u));
 }
@@ -1504,8 +1483,9 @@ static inline vf fp8_value_vec(vu32 c, int e5m2)
  * *over. */
 static inline vu32 fp8_nearest_vec(vu32 h, int e5m2, vu32 *over)
 {
-    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
-    const int32_t largest = e5m2 ? 0x7B : 0x7E;
+    const int mant = LTX_FP8[e5m2].mant, bias = LTX_FP8[e5m2].bias;
+    const int32_t largest = (int32_t)LTX_FP8[e5m2].largest;
+    const uint32_t over_code = LTX_FP8[e5m2].over;
     const vu32 sign = (h >> 8) & 0x80u;
     const vu32 E = (h >> 7) & 0xFFu, M = h & 0x7Fu;
     const vu32 normal = (vu32)(E != 0);
@@ -1522,8 +1502,8 @@ static inline vu32 fp8_nearest_vec(vu32 h, int e5m2, vu32 *over)
     vu32 code = (R & (vu32)sub) | (normal_code & ~(vu32)sub);
     const vu32 special = (vu32)(E == 0xFFu), nan = (vu32)(M != 0);
     const vu32 o = (vu32)((vi32)code > largest) & ~special;
-    code = (code & ~o) | (o & (uint32_t)(e5m2 ? 0x7C : largest));
-    const vu32 special_code = (nan & 0x7Fu) | (~nan & (e5m2 ? 0x7Cu : 0x7Eu));
+    code = (code & ~o) | (o & over_code);
+    const vu32 special_code = (nan & 0x7Fu) | (~nan & over_code);
     code = (code & ~special) | (special_code & special);
     *over = o;
     return code | sign;
@@ -1705,8 +1685,10 @@ static ltx_idx scan_bf16(const uint16_t *src, ltx_idx n, uint16_t *max_mag, uint
     return worst >= 0x7F80u ? first_nonfinite_bf16(src, n) : -1;
 }
 
-const ltx_kernels TABLE = {
-    .name = TABLE_NAME,
+/* This instruction set's kernels; dispatch.c joins them with quant.c's layout passes of the
+ * same build into the table it hands out. */
+const ltx_kernels LTX_KERNELS_TABLE = {
+    .name = LTX_VARIANT_NAME,
     .seq_gemm = seq_gemm,
     .widen_bf16 = widen_bf16,
     .scale_round_widen = scale_round_widen,

@@ -52,27 +52,51 @@ static inline float ltx_bf16_round(float f) { return ltx_bits_f32(ltx_bf16_high(
 /* The value of bf16 bits, exactly. */
 static inline float ltx_bf16_value(uint16_t h) { return ltx_bits_f32((uint32_t)h << 16); }
 
+/* The fp8 formats, each described once, indexed by e5m2: 0, F8_E4M3 (float8_e4m3fn: no inf,
+ * NaN x111_1111, largest 448); 1, F8_E5M2 (IEEE-like: exponent 31 is inf, or NaN with a
+ * mantissa). Codes are sign | magnitude code. */
+typedef struct {
+    int mant, bias;       /* mantissa bits, exponent bias */
+    uint32_t largest;     /* the magnitude code of the largest finite value */
+    uint32_t over;        /* what a finite value past it rounds to: e4m3 saturates, e5m2 is inf */
+    uint32_t nan_above;   /* magnitude codes above this are NaN */
+    uint32_t inf;         /* the magnitude code of inf, 0 where the format has none */
+    float quantum;        /* the subnormal step, 2^(1 - bias - mant) */
+} ltx_fp8_format;
+
+static const ltx_fp8_format LTX_FP8[2] = {
+    {.mant = 3, .bias = 7, .largest = 0x7Eu, .over = 0x7Eu, .nan_above = 0x7Eu, .inf = 0,
+     .quantum = 0x1p-9f},
+    {.mant = 2, .bias = 15, .largest = 0x7Bu, .over = 0x7Cu, .nan_above = 0x7Cu, .inf = 0x7Cu,
+     .quantum = 0x1p-16f},
+};
+
 /* Value of an fp8 code: F8_E4M3 (e5m2 = 0) or F8_E5M2, exactly. Every NaN code, whatever its
  * sign bit, is the positive quiet NaN: torch widens them so, and upstream fuses through it. */
 static inline float ltx_fp8_value(uint32_t code, int e5m2)
 {
-    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
-    const uint32_t e = (code & 0x7Fu) >> mant, m = code & ((1u << mant) - 1u);
+    const ltx_fp8_format *f = &LTX_FP8[e5m2];
+    const uint32_t mag = code & 0x7Fu, e = mag >> f->mant, m = code & ((1u << f->mant) - 1u);
     float v;
-    if ((!e5m2 && (code & 0x7Fu) == 0x7Fu) || (e5m2 && e == 31 && m))
+    if (mag > f->nan_above)
         return __builtin_nanf("");
-    else if (e5m2 && e == 31)
+    else if (f->inf && mag == f->inf)
         v = __builtin_inff();
     else if (e == 0)
-        v = (float)m * __builtin_ldexpf(1.0f, 1 - bias - mant);
+        v = (float)m * f->quantum;
     else
-        v = (1.0f + (float)m / (float)(1u << mant)) * __builtin_ldexpf(1.0f, (int)e - bias);
+        v = (1.0f + (float)m / (float)(1u << f->mant)) * __builtin_ldexpf(1.0f, (int)e - f->bias);
     return (code & 0x80u) ? -v : v;
 }
 
-/* ltx_fp8_value of every code of one format, a table built once (in quant.c) and shared by
- * every kernel table. */
+/* ltx_fp8_value of every code of one format, a table built once (common.c, the unit every
+ * kernel build shares). */
 const float *ltx_fp8_table(int e5m2);
+/* dst[i] = bf16(src[i]): the library's bf16 rounding, for arrays the Python layers round. */
+void ltx_round_bf16(const float *src, uint16_t *dst, ltx_idx n);
+/* The stochastic rounding's per-tensor key (docs/arithmetic.md §2): splitmix64(seed) xor the
+ * 64-bit FNV-1a hash of the tensor's name (len bytes of UTF-8). */
+uint64_t ltx_stochastic_key(uint64_t seed, const unsigned char *name, size_t len);
 
 /* The stochastic rounding's generator (docs/arithmetic.md §2): splitmix64, wrapping. */
 static inline uint64_t ltx_splitmix64(uint64_t x)
@@ -118,6 +142,9 @@ static inline uint64_t ltx_splitmix64(uint64_t x)
 #define LTX_LAYER_TABLE_PAD 16
 
 #define LTX_PANEL_SCRATCH(mt) (((mt) + 40) * (LTX_PANEL_CHUNK + 8))
+
+/* The scaled and quantised layouts' passes of one instruction set (quant.h). */
+typedef struct ltx_layout_passes ltx_layout_passes;
 
 typedef struct {
     const char *name;
@@ -253,9 +280,13 @@ typedef struct {
      * with row stride ldo: a bare delta, for layouts whose rule needs all of it first */
     void (*store_rounded)(const float *acc, uint16_t *out, ltx_idx ldo, ltx_idx rows,
                           ltx_idx cols);
+    /* The layouts' passes of the same instruction set (quant.h); set by dispatch.c, which
+     * joins each build of kernels.c with the build of quant.c for its instruction set. */
+    const ltx_layout_passes *layout;
 } ltx_kernels;
 
-/* The fastest table this CPU runs (may contract into FMA). */
+/* The tables dispatch.c hands out, each with its layout passes. The fastest this CPU runs (may
+ * contract into FMA). */
 const ltx_kernels *ltx_fast_kernels(void);
 /* Never contracts: mul then add, as the reference loop does. */
 const ltx_kernels *ltx_strict_kernels(void);

@@ -1,39 +1,30 @@
-/* The scaled and quantised layouts' element kernels (quant.h). Built with no contraction: each
- * operation written is one IEEE f32 operation, rounded once. */
+/* The scaled and quantised layouts' element passes (quant.h). One source, built once per
+ * instruction set like kernels.c (the AVX-512 builds take sixteen elements at a time where a
+ * pass has a vector form, the same bytes), but always with no contraction: each operation
+ * written is one IEEE f32 operation, rounded once. Its table, ltx_layout_<variant>, is joined
+ * to the kernel table of the same instruction set by dispatch.c. */
 #include <math.h>
 #include <string.h>
 
-#include "fp8_avx512.h"
+#include "variant.h"
 #include "kernels.h"
 #include "quant.h"
+#if defined(LTX_VARIANT_AVX512)
+#include "fp8_avx512.h"
+#endif
 
 static inline float absf(float f) { return ltx_bits_f32(ltx_f32_bits(f) & 0x7FFFFFFFu); }
 
-/* Built on first use; threads racing there write identical values. The flag is published
- * with release and read with acquire, so that a thread that sees it set sees the whole table
- * (on weakly ordered CPUs too). */
-static float fp8_table[2][256];
-static int fp8_table_ready;
-
-const float *ltx_fp8_table(int e5m2)
-{
-    if (!__atomic_load_n(&fp8_table_ready, __ATOMIC_ACQUIRE)) {
-        for (int f = 0; f < 2; f++)
-            for (uint32_t c = 0; c < 256; c++)
-                fp8_table[f][c] = ltx_fp8_value(c, f);
-        __atomic_store_n(&fp8_table_ready, 1, __ATOMIC_RELEASE);
-    }
-    return fp8_table[e5m2 ? 1 : 0];
-}
-
-/* The same rounding as ltx_fp8_from_f32, branch-light for the passes' inner loops: below the
- * smallest normal the magnitude is rounded to the subnormal quantum by one f32 addition of a
- * constant whose unit in the last place is that quantum (nearest-even, exact); above it the
- * f32 bits are rounded nearest-even at the fp8 mantissa and rebiased. Finite input only. */
+/* f32 -> fp8 code, nearest-even, past the largest finite code to the format's `over` (e4m3
+ * saturates at 448, e5m2 goes to inf), the sign kept: torch's cast on the CPU for finite input,
+ * branch-light for the passes' inner loops. Below the smallest normal the magnitude is rounded
+ * to the subnormal quantum by one f32 addition of a constant whose unit in the last place is
+ * that quantum (nearest-even, exact); above it the f32 bits are rounded nearest-even at the
+ * fp8 mantissa and rebiased. Finite input only. */
 static inline uint32_t fp8_encode(float x, int e5m2)
 {
     const uint32_t u = ltx_f32_bits(x), sign = (u >> 24) & 0x80u, a = u & 0x7FFFFFFFu;
-    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    const int mant = LTX_FP8[e5m2].mant, bias = LTX_FP8[e5m2].bias;
     const uint32_t min_normal = (uint32_t)(127 - bias + 1) << 23;
     /* ulp of 1.5 * 2^(23 - bias - mant + 1) ... is 2^(1 - bias - mant), the subnormal quantum */
     const float magic = ltx_bits_f32((uint32_t)(127 + 23 + 1 - bias - mant) << 23 | 0x400000u);
@@ -42,32 +33,7 @@ static inline uint32_t fp8_encode(float x, int e5m2)
     const uint32_t rounded = (a + (1u << (shift - 1)) - 1u + ((a >> shift) & 1u)) >> shift;
     const uint32_t normal = rounded - ((uint32_t)(127 - bias) << mant);
     uint32_t code = a < min_normal ? sub : normal;
-    const uint32_t largest = e5m2 ? 0x7Bu : 0x7Eu, over = e5m2 ? 0x7Cu : 0x7Eu;
-    code = code > largest ? over : code;
-    return code | sign;
-}
-
-uint32_t ltx_fp8_from_f32(float x, int e5m2)
-{
-    const uint32_t u = ltx_f32_bits(x), sign = (u >> 24) & 0x80u, a = u & 0x7FFFFFFFu;
-    const int mant = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
-    const uint32_t largest = e5m2 ? 0x7Bu : 0x7Eu, over = e5m2 ? 0x7Cu : 0x7Eu;
-    if (a > 0x7F800000u)
-        return 0x7Fu | sign;
-    if (a == 0x7F800000u)
-        return over | sign;
-    if (a == 0)
-        return sign;
-    const int E = (int)(a >> 23);
-    const uint32_t S = E ? ((a & 0x7FFFFFu) | 0x800000u) : (a & 0x7FFFFFu); /* 23 fraction bits */
-    const int f = (E ? E : 1) - 127 + bias;                                 /* field if normal */
-    int shift = 23 - mant + (f < 1 ? 1 - f : 0);
-    if (shift > 25) /* below half the smallest subnormal: rounds to zero */
-        return sign;
-    const uint32_t R = (S + (1u << (shift - 1)) - 1u + ((S >> shift) & 1u)) >> shift;
-    uint32_t code = f < 1 ? R : (uint32_t)((f - 1) << mant) + R;
-    if (code > largest)
-        code = over;
+    code = code > LTX_FP8[e5m2].largest ? LTX_FP8[e5m2].over : code;
     return code | sign;
 }
 
@@ -76,7 +42,7 @@ uint32_t ltx_fp8_from_f32(float x, int e5m2)
  * is >= below an even code (odd k) and > below an odd one. */
 static const float e2m1_midpoint[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
 
-uint32_t ltx_e2m1_from_f32(float x)
+static uint32_t e2m1_from_f32(float x)
 {
     const float a = absf(x);
     uint32_t code = 0;
@@ -87,7 +53,7 @@ uint32_t ltx_e2m1_from_f32(float x)
 
 /* ---- per-tensor scaled fp8 ---- */
 
-#if defined(__x86_64__)
+#if defined(LTX_VARIANT_AVX512)
 /* Sixteen bf16 values (any alignment) as f32. */
 static inline LTX_AVX512_TARGET __m512 widen16_avx512(const uint16_t *p)
 {
@@ -95,8 +61,8 @@ static inline LTX_AVX512_TARGET __m512 widen16_avx512(const uint16_t *p)
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* The two passes below, sixteen elements at a time where the caller says the CPU has AVX-512
- * (the kernel table in use is an AVX-512 one), with the same f32 operations in the same
+/* The two passes below, sixteen elements at a time in the AVX-512 builds, with the same f32
+ * operations in the same
  * order: the table's entry (the code's value times scale) computed, the delta widened and
  * added; then the magnitude's maximum (which, like the scalar comparison, keeps the running
  * maximum where a value is NaN), or the product by mult clamped by comparisons and rounded by
@@ -141,15 +107,15 @@ static LTX_AVX512_TARGET ltx_idx scaled_fp8_store_avx512(uint8_t *codes, const u
 }
 #endif
 
-float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx count,
-                         float scale, int e5m2, int avx512)
+static float scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx count,
+                         float scale, int e5m2)
 {
     const float *values = ltx_fp8_table(e5m2);
     float table[256], top = 0.0f;
     for (int c = 0; c < 256; c++)
         table[c] = values[c] * scale;
-#if defined(__x86_64__)
-    if (avx512) {
+#if defined(LTX_VARIANT_AVX512)
+    {
         const ltx_idx done = scaled_fp8_max_avx512(codes, delta, count, scale, e5m2, &top);
         codes += done, delta += done, count -= done;
     }
@@ -163,8 +129,8 @@ float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx co
     return top;
 }
 
-void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, float scale,
-                          float mult, float fmax, int e5m2, int avx512)
+static void scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, float scale,
+                          float mult, float fmax, int e5m2)
 {
     const float *values = ltx_fp8_table(e5m2);
     float table[256];
@@ -176,8 +142,8 @@ void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, 
             codes[i] = (uint8_t)fp8_encode(table[codes[i]] + ltx_bf16_value(delta[i]), e5m2);
         return;
     }
-#if defined(__x86_64__)
-    if (avx512) {
+#if defined(LTX_VARIANT_AVX512)
+    {
         const ltx_idx done = scaled_fp8_store_avx512(codes, delta, count, scale, mult, fmax,
                                                      e5m2);
         codes += done, delta += done, count -= done;
@@ -203,7 +169,7 @@ static inline uint32_t fp6_code(const uint8_t *row, ltx_idx i)
     return ((six >> 5) << 7) | (six & 0x1Fu);
 }
 
-#if defined(__x86_64__)
+#if defined(LTX_VARIANT_AVX512)
 /* ltx_bf16_high of sixteen f32 values, lane by lane (the same macros), on AVX-512. */
 static inline LTX_AVX512_TARGET __m512i bf16_high_avx512(__m512 f)
 {
@@ -224,8 +190,8 @@ static inline LTX_AVX512_TARGET __m512 merge16_avx512(__m512 w, uint16_t *d, __m
     return _mm512_max_ps(_mm512_abs_ps(_mm512_castsi512_ps(m)), best);
 }
 
-/* The blockwise fp8 passes below on AVX-512 (where the caller says the kernel table in use is
- * an AVX-512 one), sixteen elements at a time, with the same f32 operations in the same
+/* The blockwise fp8 passes below in the AVX-512 builds, sixteen elements at a time, with the
+ * same f32 operations in the same
  * order: the merge of rows r0 .. r1 (returns their max |merged|, the running maximum kept
  * where a value is NaN, as the scalar comparison does), and one block's requantisation by
  * ltx_fp8_round_avx512, fp8_encode's rounding. fp6 keeps the scalar loops. */
@@ -273,14 +239,14 @@ static LTX_AVX512_TARGET void block_quantize_avx512(const uint16_t *m, ltx_idx c
 }
 #endif
 
-float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales, uint16_t *delta,
-                           ltx_idx cols, ltx_idx r0, ltx_idx r1, int avx512)
+static float block_merge_rows(const uint8_t *codes, int fp6, const float *scales, uint16_t *delta,
+                           ltx_idx cols, ltx_idx r0, ltx_idx r1)
 {
     const ltx_idx ldc = fp6 ? cols / 4 * 3 : cols, blocks = cols / BLOCK;
     const float *values = ltx_fp8_table(0);
     float top = 0.0f;
-#if defined(__x86_64__)
-    if (avx512 && !fp6)
+#if defined(LTX_VARIANT_AVX512)
+    if (!fp6)
         return block_merge_rows_avx512(codes, scales, delta, cols, r0, r1);
 #endif
     for (ltx_idx r = r0; r < r1; r++) {
@@ -301,13 +267,13 @@ float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales, u
     return top;
 }
 
-void ltx_block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj, int fp6,
-                        uint8_t *codes, float *scales, int avx512)
+static void block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj, int fp6,
+                        uint8_t *codes, float *scales)
 {
     const ltx_idx ldc = fp6 ? cols / 4 * 3 : cols;
     const uint16_t *m = merged + bi * BLOCK * cols + bj * BLOCK;
-#if defined(__x86_64__)
-    if (avx512 && !fp6) {
+#if defined(LTX_VARIANT_AVX512)
+    if (!fp6) {
         block_quantize_avx512(m, cols, codes + bi * BLOCK * ldc + bj * BLOCK, ldc,
                               scales + bi * (cols / BLOCK) + bj);
         return;
@@ -352,11 +318,6 @@ void ltx_block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_id
 
 #define GROUP 16
 
-ltx_idx ltx_nvfp4_scale_offset(ltx_idx row, ltx_idx col, ltx_idx padded_cols)
-{
-    const ltx_idx tile = (row / 128) * (padded_cols / 4) + col / 4, r = row % 128;
-    return tile * 512 + (r % 32) * 16 + (r / 32) * 4 + col % 4;
-}
 
 static const float e2m1_value[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -376,9 +337,9 @@ static inline float nvfp4_group_scale(float top, float t, uint32_t *code)
     return total > 0.0f ? 1.0f / total : 0.0f;
 }
 
-#if defined(__x86_64__)
-/* The NVFP4 passes below on AVX-512 (where the caller says the kernel table in use is an
- * AVX-512 one), a group of 16 elements -- one vector -- at a time, with the same f32
+#if defined(LTX_VARIANT_AVX512)
+/* The NVFP4 passes below in the AVX-512 builds, a group of 16 elements -- one vector -- at a
+ * time, with the same f32
  * operations in the same order: the nibbles' values from the table by a permute, the merge
  * and its maximum (the running maximum kept where a value is NaN, as the scalar comparison
  * does); the group's maximum, scale and code by the scalar rules, then the E2M1 codes by the
@@ -443,13 +404,11 @@ static LTX_AVX512_TARGET void nvfp4_quantize_rows_avx512(const uint16_t *merged,
 }
 #endif
 
-float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx padded_cols,
-                           float scale_2, uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1,
-                           int avx512)
+static float nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx padded_cols,
+                           float scale_2, uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1)
 {
     float top = 0.0f;
-#if defined(__x86_64__)
-    if (avx512)
+#if defined(LTX_VARIANT_AVX512)
         return nvfp4_merge_rows_avx512(packed, scales, padded_cols, scale_2, delta, cols, r0, r1);
 #endif
     for (ltx_idx r = r0; r < r1; r++) {
@@ -472,12 +431,11 @@ float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx
     return top;
 }
 
-void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, uint8_t *scales,
-                             ltx_idx padded_cols, ltx_idx cols, ltx_idx r0, ltx_idx r1,
-                             int avx512)
+static void nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, uint8_t *scales,
+                             ltx_idx padded_cols, ltx_idx cols, ltx_idx r0, ltx_idx r1)
 {
-#if defined(__x86_64__)
-    if (avx512) {
+#if defined(LTX_VARIANT_AVX512)
+    {
         nvfp4_quantize_rows_avx512(merged, t, packed, scales, padded_cols, cols, r0, r1);
         return;
     }
@@ -495,8 +453,8 @@ void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, u
             const float inv = nvfp4_group_scale(top, t, &sf);
             scales[ltx_nvfp4_scale_offset(r, g, padded_cols)] = (uint8_t)sf;
             for (ltx_idx j = 0; j < GROUP; j += 2) {
-                const uint32_t hi = ltx_e2m1_from_f32(ltx_bf16_value(m[g * GROUP + j]) * inv);
-                const uint32_t lo = ltx_e2m1_from_f32(ltx_bf16_value(m[g * GROUP + j + 1]) * inv);
+                const uint32_t hi = e2m1_from_f32(ltx_bf16_value(m[g * GROUP + j]) * inv);
+                const uint32_t lo = e2m1_from_f32(ltx_bf16_value(m[g * GROUP + j + 1]) * inv);
                 row[(g * GROUP + j) / 2] = (uint8_t)(hi << 4 | lo);
             }
         }
@@ -514,7 +472,7 @@ static inline float max_nan(float top, float a)
     return (a > top || a != a) ? a : top;
 }
 
-float ltx_comfy_nvfp4_max_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx padded_cols,
+static float comfy_nvfp4_max_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx padded_cols,
                                float scale_2, const uint16_t *delta, ltx_idx cols, ltx_idx r0,
                                ltx_idx r1)
 {
@@ -534,7 +492,7 @@ float ltx_comfy_nvfp4_max_rows(const uint8_t *packed, const uint8_t *scales, ltx
     return top;
 }
 
-void ltx_comfy_nvfp4_quantize_rows(uint8_t *packed, const uint8_t *old_scales, uint8_t *scales,
+static void comfy_nvfp4_quantize_rows(uint8_t *packed, const uint8_t *old_scales, uint8_t *scales,
                                    ltx_idx padded_cols, float scale_2, const uint16_t *delta,
                                    float t, ltx_idx cols, ltx_idx r0, ltx_idx r1)
 {
@@ -560,8 +518,8 @@ void ltx_comfy_nvfp4_quantize_rows(uint8_t *packed, const uint8_t *old_scales, u
             scales[at] = (uint8_t)code;
             const float step = t * ltx_fp8_table(0)[code];
             for (ltx_idx j = 0; j < GROUP; j += 2) {
-                const uint32_t hi = step > 0.0f ? ltx_e2m1_from_f32(n[j] / step) : 0u;
-                const uint32_t lo = step > 0.0f ? ltx_e2m1_from_f32(n[j + 1] / step) : 0u;
+                const uint32_t hi = step > 0.0f ? e2m1_from_f32(n[j] / step) : 0u;
+                const uint32_t lo = step > 0.0f ? e2m1_from_f32(n[j + 1] / step) : 0u;
                 row[(g * GROUP + j) / 2] = (uint8_t)(hi << 4 | lo);
             }
         }
@@ -573,7 +531,7 @@ void ltx_comfy_nvfp4_quantize_rows(uint8_t *packed, const uint8_t *old_scales, u
 /* 2^(e - 127) of an E8M0 byte e in 0..254, 0 for e = 0 (comfy-kitchen's decoding). */
 static inline float e8m0_value(uint32_t e) { return e ? ltx_bits_f32(e << 23) : 0.0f; }
 
-float ltx_comfy_mxfp8_max_rows(const uint8_t *codes, const uint8_t *scales, ltx_idx padded_cols,
+static float comfy_mxfp8_max_rows(const uint8_t *codes, const uint8_t *scales, ltx_idx padded_cols,
                                const uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1)
 {
     const float *value = ltx_fp8_table(0);
@@ -597,7 +555,7 @@ static inline uint32_t e8m0_for(float top)
     return (uint32_t)(e < 0 ? 0 : e > 254 ? 254 : e);
 }
 
-void ltx_comfy_mxfp8_quantize_rows(uint8_t *codes, const uint8_t *old_scales, uint8_t *scales,
+static void comfy_mxfp8_quantize_rows(uint8_t *codes, const uint8_t *old_scales, uint8_t *scales,
                                    ltx_idx padded_cols, const uint16_t *delta, ltx_idx cols,
                                    ltx_idx r0, ltx_idx r1)
 {
@@ -626,7 +584,7 @@ void ltx_comfy_mxfp8_quantize_rows(uint8_t *codes, const uint8_t *old_scales, ui
         }
 }
 
-float ltx_comfy_int8_max_rows(const int8_t *codes, const float *scale, int per_row,
+static float comfy_int8_max_rows(const int8_t *codes, const float *scale, int per_row,
                               const uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1,
                               float *row_top)
 {
@@ -643,7 +601,7 @@ float ltx_comfy_int8_max_rows(const int8_t *codes, const float *scale, int per_r
     return top;
 }
 
-void ltx_comfy_int8_quantize_rows(int8_t *codes, const float *scale, const float *new_scale,
+static void comfy_int8_quantize_rows(int8_t *codes, const float *scale, const float *new_scale,
                                   int per_row, const uint16_t *delta, ltx_idx cols, ltx_idx r0,
                                   ltx_idx r1)
 {
@@ -660,7 +618,7 @@ void ltx_comfy_int8_quantize_rows(int8_t *codes, const float *scale, const float
 
 /* ---- DoRA ---- */
 
-void ltx_dora_merge_rows(const uint16_t *w, uint16_t *delta, ltx_idx cols, ltx_idx r0,
+static void dora_merge_rows(const uint16_t *w, uint16_t *delta, ltx_idx cols, ltx_idx r0,
                          ltx_idx r1, double *row_sq)
 {
     for (ltx_idx r = r0; r < r1; r++) {
@@ -678,7 +636,7 @@ void ltx_dora_merge_rows(const uint16_t *w, uint16_t *delta, ltx_idx cols, ltx_i
     }
 }
 
-void ltx_sum_squares_rows(const uint16_t *x, ltx_idx cols, ltx_idx r0, ltx_idx r1, double *out)
+static void sum_squares_rows(const uint16_t *x, ltx_idx cols, ltx_idx r0, ltx_idx r1, double *out)
 {
     for (ltx_idx r = r0; r < r1; r++) {
         double acc = 0.0;
@@ -690,7 +648,7 @@ void ltx_sum_squares_rows(const uint16_t *x, ltx_idx cols, ltx_idx r0, ltx_idx r
     }
 }
 
-void ltx_sum_squares_cols(const uint16_t *x, ltx_idx rows, ltx_idx cols, ltx_idx c0, ltx_idx c1,
+static void sum_squares_cols(const uint16_t *x, ltx_idx rows, ltx_idx cols, ltx_idx c0, ltx_idx c1,
                           double *out)
 {
     for (ltx_idx c = c0; c < c1; c++)
@@ -702,7 +660,7 @@ void ltx_sum_squares_cols(const uint16_t *x, ltx_idx rows, ltx_idx cols, ltx_idx
         }
 }
 
-void ltx_dora_store_rows(const uint16_t *v, const float *row_factor, const float *col_factor,
+static void dora_store_rows(const uint16_t *v, const float *row_factor, const float *col_factor,
                          const uint16_t *w, uint16_t *out, ltx_idx cols, ltx_idx r0, ltx_idx r1,
                          float strength, int blend)
 {
@@ -720,16 +678,21 @@ void ltx_dora_store_rows(const uint16_t *v, const float *row_factor, const float
     }
 }
 
-void ltx_round_bf16(const float *src, uint16_t *dst, ltx_idx n)
-{
-    for (ltx_idx i = 0; i < n; i++)
-        dst[i] = ltx_bf16_of(src[i]);
-}
-
-uint64_t ltx_stochastic_key(uint64_t seed, const unsigned char *name, size_t len)
-{
-    uint64_t h = 0xCBF29CE484222325ull;
-    for (size_t i = 0; i < len; i++)
-        h = (h ^ name[i]) * 0x100000001B3ull;
-    return ltx_splitmix64(seed) ^ h;
-}
+const ltx_layout_passes LTX_LAYOUT_TABLE = {
+    .scaled_fp8_max = scaled_fp8_max,
+    .scaled_fp8_store = scaled_fp8_store,
+    .block_merge_rows = block_merge_rows,
+    .block_quantize = block_quantize,
+    .nvfp4_merge_rows = nvfp4_merge_rows,
+    .nvfp4_quantize_rows = nvfp4_quantize_rows,
+    .comfy_nvfp4_max_rows = comfy_nvfp4_max_rows,
+    .comfy_nvfp4_quantize_rows = comfy_nvfp4_quantize_rows,
+    .comfy_mxfp8_max_rows = comfy_mxfp8_max_rows,
+    .comfy_mxfp8_quantize_rows = comfy_mxfp8_quantize_rows,
+    .comfy_int8_max_rows = comfy_int8_max_rows,
+    .comfy_int8_quantize_rows = comfy_int8_quantize_rows,
+    .dora_merge_rows = dora_merge_rows,
+    .sum_squares_rows = sum_squares_rows,
+    .sum_squares_cols = sum_squares_cols,
+    .dora_store_rows = dora_store_rows,
+};

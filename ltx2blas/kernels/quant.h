@@ -1,10 +1,10 @@
 /*
- * Element kernels of the scaled and quantised weight layouts: dequantise, add a bf16 delta,
+ * Element passes of the scaled and quantised weight layouts: dequantise, add a bf16 delta,
  * requantise, by the rules of ltx2blas.reference (its "Scaled and quantised layouts" section).
- * Plain C, built once for the baseline instruction set with no contraction: these passes cost
- * a few operations per element beside the rank-r product, and the rounding is the contract.
- * Every function works on a range of rows (or one block) so that a driver can share a weight
- * out among threads; none allocates.
+ * quant.c is built once per instruction set, always with no contraction (the rounding is the
+ * contract), into a table of these passes that dispatch.c hangs on the kernel table of the same
+ * instruction set (ltx_kernels.layout). Every pass works on a range of rows (or one block) so
+ * that a driver can share a weight out among threads; none allocates.
  */
 #ifndef LTX2BLAS_QUANT_H
 #define LTX2BLAS_QUANT_H
@@ -12,114 +12,111 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef ptrdiff_t ltx_idx;
+#include "kernels.h"
 
-/* f32 -> fp8 code, nearest-even; e4m3 saturates at +-448 (inf too), e5m2 overflows to inf; NaN
- * to 0x7F with its sign (torch's cast on the CPU). */
-uint32_t ltx_fp8_from_f32(float x, int e5m2);
-/* f32 -> FP4 E2M1 code (sign in bit 3), nearest-even on the grid, saturating at +-6. */
-uint32_t ltx_e2m1_from_f32(float x);
+/* Offset of block scale (row, col) in the cuBLAS 128 x 4 tiled layout of a
+ * [roundup(rows, 128), padded_cols] array (NVFP4's and MXFP8's block scales). */
+static inline ltx_idx ltx_nvfp4_scale_offset(ltx_idx row, ltx_idx col, ltx_idx padded_cols)
+{
+    const ltx_idx tile = (row / 128) * (padded_cols / 4) + col / 4, r = row % 128;
+    return tile * 512 + (r % 32) * 16 + (r / 32) * 4 + col % 4;
+}
 
-/* ---- per-tensor scaled fp8: n = f32(f32(code) * scale) + f32(delta) ---- */
+struct ltx_layout_passes {
+    /* ---- per-tensor scaled fp8: n = f32(f32(code) * scale) + f32(delta) ---- */
 
-/* max |n| over n elements (codes and delta of one run of the weight). avx512: the CPU has
- * AVX-512 (F, BW, DQ, VL), and the pass may use it (the same bytes). */
-float ltx_scaled_fp8_max(const uint8_t *codes, const uint16_t *delta, ltx_idx count,
-                         float scale, int e5m2, int avx512);
-/* codes[i] = fp8(clamp(f32(n * mult), -fmax, fmax)), in place; fp8(n) when mult is infinite
- * (the whole tensor is zero). avx512 as above. */
-void ltx_scaled_fp8_store(uint8_t *codes, const uint16_t *delta, ltx_idx count, float scale,
-                          float mult, float fmax, int e5m2, int avx512);
+    /* max |n| over n elements (codes and delta of one run of the weight). */
+    float (*scaled_fp8_max)(const uint8_t *codes, const uint16_t *delta, ltx_idx count,
+                            float scale, int e5m2);
+    /* codes[i] = fp8(clamp(f32(n * mult), -fmax, fmax)), in place; fp8(n) when mult is
+     * infinite (the whole tensor is zero). */
+    void (*scaled_fp8_store)(uint8_t *codes, const uint16_t *delta, ltx_idx count, float scale,
+                             float mult, float fmax, int e5m2);
 
-/* ---- blockwise fp8 / fp6: 128 x 128 blocks, one f32 scale each ([rows/128, cols/128]) ----
- * fp8: e4m3 codes [rows, cols]; fp6: packed [rows, cols * 3 / 4] (4 six-bit codes in 3 bytes). */
+    /* ---- blockwise fp8 / fp6: 128 x 128 blocks, one f32 scale each ([rows/128, cols/128]);
+     * fp8: e4m3 codes [rows, cols]; fp6: packed [rows, cols * 3 / 4] (4 six-bit codes in 3
+     * bytes) ---- */
 
-/* Rows r0..r1: delta[r, i] = bf16(bf16(f32(code) * scale[block]) + delta), in place; returns
- * max |merged| over the rows. avx512 as above (fp8 only; fp6 ignores it). */
-float ltx_block_merge_rows(const uint8_t *codes, int fp6, const float *scales, uint16_t *delta,
-                           ltx_idx cols, ltx_idx r0, ltx_idx r1, int avx512);
-/* Block (bi, bj) of merged bf16 [rows, cols]: m = scale_max * f32(1 / max|merged|) (448, or
- * 0.1172 for fp6), code = e4m3(f32(merged * m)), scale = f32(1 / m). avx512 as above (fp8
- * only). */
-void ltx_block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj, int fp6,
-                        uint8_t *codes, float *scales, int avx512);
+    /* Rows r0..r1: delta[r, i] = bf16(bf16(f32(code) * scale[block]) + delta), in place;
+     * returns max |merged| over the rows. */
+    float (*block_merge_rows)(const uint8_t *codes, int fp6, const float *scales,
+                              uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1);
+    /* Block (bi, bj) of merged bf16 [rows, cols]: m = scale_max * f32(1 / max|merged|) (448,
+     * or 0.1172 for fp6), code = e4m3(f32(merged * m)), scale = f32(1 / m). */
+    void (*block_quantize)(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj,
+                           int fp6, uint8_t *codes, float *scales);
 
-/* ---- NVFP4: packed E2M1 rows (element 2j in the high nibble), E4M3 block scales of 16
- * elements in the cuBLAS 128 x 4 tiled layout of `padded_cols` columns, one f32 scale_2 ---- */
+    /* ---- NVFP4: packed E2M1 rows (element 2j in the high nibble), E4M3 block scales of 16
+     * elements in the tiled layout of `padded_cols` columns, one f32 scale_2 ---- */
 
-/* Offset of block scale (row, col) in the tiled layout. */
-ltx_idx ltx_nvfp4_scale_offset(ltx_idx row, ltx_idx col, ltx_idx padded_cols);
-/* Rows r0..r1: delta[r, :] = bf16(bf16(e2m1 * f32(scale_2 * block scale)) + delta), in place;
- * returns max |merged| over the rows. */
-float ltx_nvfp4_merge_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx padded_cols,
-                           float scale_2, uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1,
-                           int avx512);
-/* Rows r0..r1 of merged bf16 quantised with the new scale_2 `t`: packed codes and their block
- * scales (the caller zeroes the scale array's padding). avx512, here and above, as for the
- * per-tensor passes. */
-void ltx_nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed, uint8_t *scales,
-                             ltx_idx padded_cols, ltx_idx cols, ltx_idx r0, ltx_idx r1,
-                             int avx512);
+    /* Rows r0..r1: delta[r, :] = bf16(bf16(e2m1 * f32(scale_2 * block scale)) + delta), in
+     * place; returns max |merged| over the rows. */
+    float (*nvfp4_merge_rows)(const uint8_t *packed, const uint8_t *scales, ltx_idx padded_cols,
+                              float scale_2, uint16_t *delta, ltx_idx cols, ltx_idx r0,
+                              ltx_idx r1);
+    /* Rows r0..r1 of merged bf16 quantised with the new scale_2 `t`: packed codes and their
+     * block scales (the caller zeroes the scale array's padding). */
+    void (*nvfp4_quantize_rows)(const uint16_t *merged, float t, uint8_t *packed,
+                                uint8_t *scales, ltx_idx padded_cols, ltx_idx cols, ltx_idx r0,
+                                ltx_idx r1);
 
-/* ---- ComfyUI's nvfp4, mxfp8 and int8 (reference.fuse_comfy_*): dequantised into f32 and
- * merged in f32, n = f32(w + f32(delta)), never rounded to bf16; requantised to nearest. Each
- * layout has a pass that returns max |n| (NaN where an n is NaN), read before anything is
- * written, and a pass that requantises in place: a group's codes are read before they are
- * written, its old scale from `old_scales` (a copy), its new one to `scales`, whose padding
- * the caller zeroes. ---- */
+    /* ---- ComfyUI's nvfp4, mxfp8 and int8 (reference.fuse_comfy_*): dequantised into f32 and
+     * merged in f32, n = f32(w + f32(delta)), never rounded to bf16; requantised to nearest.
+     * Each layout has a pass that returns max |n| (NaN where an n is NaN), read before
+     * anything is written, and a pass that requantises in place: a group's codes are read
+     * before they are written, its old scale from `old_scales` (a copy), its new one to
+     * `scales`, whose padding the caller zeroes. ---- */
 
-/* nvfp4 (packed E2M1, E4M3 block scales of 16 in the tiled layout, f32 scale_2), rows r0..r1:
- * w = f32(e2m1 * f32(scale_2 * block scale)). */
-float ltx_comfy_nvfp4_max_rows(const uint8_t *packed, const uint8_t *scales, ltx_idx padded_cols,
-                               float scale_2, const uint16_t *delta, ltx_idx cols, ltx_idx r0,
-                               ltx_idx r1);
-/* ... requantised with the new scale_2 t > 0: s = e4m3(min(f32(f32(max|group| / 6) / t), 448)),
- * code = e2m1(f32(n / f32(t * s))), +0 where t * s is 0. */
-void ltx_comfy_nvfp4_quantize_rows(uint8_t *packed, const uint8_t *old_scales, uint8_t *scales,
-                                   ltx_idx padded_cols, float scale_2, const uint16_t *delta,
-                                   float t, ltx_idx cols, ltx_idx r0, ltx_idx r1);
-/* mxfp8 (e4m3 codes [rows, cols], an E8M0 exponent per 32 in the tiled layout), rows r0..r1:
- * w = f32(f32(code) * 2^(e - 127)), 0 for e = 0. */
-float ltx_comfy_mxfp8_max_rows(const uint8_t *codes, const uint8_t *scales, ltx_idx padded_cols,
-                               const uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1);
-/* ... requantised: e = ceil(f32 log2(max(f32(max|group| / 448), 2^-127))) + 127 in 0..254,
- * code = e4m3(clamp(f32(n / 2^(e - 127)), +-448)); a group of maximum 0, or with e = 0, is
- * zero codes and e = 0. */
-void ltx_comfy_mxfp8_quantize_rows(uint8_t *codes, const uint8_t *old_scales, uint8_t *scales,
-                                   ltx_idx padded_cols, const uint16_t *delta, ltx_idx cols,
-                                   ltx_idx r0, ltx_idx r1);
-/* int8 (codes [rows, cols], one f32 scale, or one per row where per_row), rows r0..r1:
- * w = f32(f32(code) * scale); row_top[r] = max over the row (row_top may be NULL). */
-float ltx_comfy_int8_max_rows(const int8_t *codes, const float *scale, int per_row,
-                              const uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1,
-                              float *row_top);
-/* ... requantised with the new scale(s): code = clamp(round_half_even(f32(n / new)), -128, 127);
- * scale may not be new_scale (the old one is read for each element). */
-void ltx_comfy_int8_quantize_rows(int8_t *codes, const float *scale, const float *new_scale,
-                                  int per_row, const uint16_t *delta, ltx_idx cols, ltx_idx r0,
-                                  ltx_idx r1);
+    /* nvfp4 (stored as NVFP4 above), rows r0..r1: w = f32(e2m1 * f32(scale_2 * block scale)). */
+    float (*comfy_nvfp4_max_rows)(const uint8_t *packed, const uint8_t *scales,
+                                  ltx_idx padded_cols, float scale_2, const uint16_t *delta,
+                                  ltx_idx cols, ltx_idx r0, ltx_idx r1);
+    /* ... requantised with the new scale_2 t > 0: s = e4m3(min(f32(f32(max|group| / 6) / t),
+     * 448)), code = e2m1(f32(n / f32(t * s))), +0 where t * s is 0. */
+    void (*comfy_nvfp4_quantize_rows)(uint8_t *packed, const uint8_t *old_scales,
+                                      uint8_t *scales, ltx_idx padded_cols, float scale_2,
+                                      const uint16_t *delta, float t, ltx_idx cols, ltx_idx r0,
+                                      ltx_idx r1);
+    /* mxfp8 (e4m3 codes [rows, cols], an E8M0 exponent per 32 in the tiled layout), rows
+     * r0..r1: w = f32(f32(code) * 2^(e - 127)), 0 for e = 0. */
+    float (*comfy_mxfp8_max_rows)(const uint8_t *codes, const uint8_t *scales,
+                                  ltx_idx padded_cols, const uint16_t *delta, ltx_idx cols,
+                                  ltx_idx r0, ltx_idx r1);
+    /* ... requantised: e = ceil(f32 log2(max(f32(max|group| / 448), 2^-127))) + 127 in 0..254,
+     * code = e4m3(clamp(f32(n / 2^(e - 127)), +-448)); a group of maximum 0, or with e = 0, is
+     * zero codes and e = 0. */
+    void (*comfy_mxfp8_quantize_rows)(uint8_t *codes, const uint8_t *old_scales,
+                                      uint8_t *scales, ltx_idx padded_cols,
+                                      const uint16_t *delta, ltx_idx cols, ltx_idx r0,
+                                      ltx_idx r1);
+    /* int8 (codes [rows, cols], one f32 scale, or one per row where per_row), rows r0..r1:
+     * w = f32(f32(code) * scale); row_top[r] = max over the row (row_top may be NULL). */
+    float (*comfy_int8_max_rows)(const int8_t *codes, const float *scale, int per_row,
+                                 const uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                                 float *row_top);
+    /* ... requantised with the new scale(s): code = clamp(round_half_even(f32(n / new)), -128,
+     * 127); scale may not be new_scale (the old one is read for each element). */
+    void (*comfy_int8_quantize_rows)(int8_t *codes, const float *scale, const float *new_scale,
+                                     int per_row, const uint16_t *delta, ltx_idx cols,
+                                     ltx_idx r0, ltx_idx r1);
 
-/* ---- DoRA (reference.fuse_dora) ----
- * Rows r0..r1: delta = V = bf16(W + delta) in place, and row_sq[r] = sum_i V[r, i]^2 in f64 in
- * order (row_sq may be NULL). */
-void ltx_dora_merge_rows(const uint16_t *w, uint16_t *delta, ltx_idx cols, ltx_idx r0,
-                         ltx_idx r1, double *row_sq);
-/* out[r] = sum_i x[r, i]^2, f64, in order, for rows r0..r1 of bf16 x [., cols]. */
-void ltx_sum_squares_rows(const uint16_t *x, ltx_idx cols, ltx_idx r0, ltx_idx r1, double *out);
-/* out[c] = sum_r x[r, c]^2, f64, rows in order, for columns c0..c1. */
-void ltx_sum_squares_cols(const uint16_t *x, ltx_idx rows, ltx_idx cols, ltx_idx c0, ltx_idx c1,
-                          double *out);
-/* out = bf16(f32(V) * f) with f per row (row_factor) or per column (col_factor); with blend,
- * out = bf16(W + f32(strength * f32(full - W))). out may be w. */
-void ltx_dora_store_rows(const uint16_t *v, const float *row_factor, const float *col_factor,
-                         const uint16_t *w, uint16_t *out, ltx_idx cols, ltx_idx r0, ltx_idx r1,
-                         float strength, int blend);
+    /* ---- DoRA (reference.fuse_dora) ---- */
 
-/* The stochastic rounding's per-tensor key (docs/arithmetic.md §2): splitmix64(seed) xor the
- * 64-bit FNV-1a hash of the tensor's name (len bytes of UTF-8). */
-uint64_t ltx_stochastic_key(uint64_t seed, const unsigned char *name, size_t len);
-
-/* dst[i] = bf16(src[i]): the library's bf16 rounding, for arrays the Python layers round. */
-void ltx_round_bf16(const float *src, uint16_t *dst, ltx_idx n);
+    /* Rows r0..r1: delta = V = bf16(W + delta) in place, and row_sq[r] = sum_i V[r, i]^2 in
+     * f64 in order (row_sq may be NULL). */
+    void (*dora_merge_rows)(const uint16_t *w, uint16_t *delta, ltx_idx cols, ltx_idx r0,
+                            ltx_idx r1, double *row_sq);
+    /* out[r] = sum_i x[r, i]^2, f64, in order, for rows r0..r1 of bf16 x [., cols]. */
+    void (*sum_squares_rows)(const uint16_t *x, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                             double *out);
+    /* out[c] = sum_r x[r, c]^2, f64, rows in order, for columns c0..c1. */
+    void (*sum_squares_cols)(const uint16_t *x, ltx_idx rows, ltx_idx cols, ltx_idx c0,
+                             ltx_idx c1, double *out);
+    /* out = bf16(f32(V) * f) with f per row (row_factor) or per column (col_factor); with
+     * blend, out = bf16(W + f32(strength * f32(full - W))). out may be w. */
+    void (*dora_store_rows)(const uint16_t *v, const float *row_factor, const float *col_factor,
+                            const uint16_t *w, uint16_t *out, ltx_idx cols, ltx_idx r0,
+                            ltx_idx r1, float strength, int blend);
+};
 
 #endif

@@ -5,7 +5,8 @@ top-level module; ltx2blas never imports it.
 """
 from libc.stdint cimport uint8_t, uint16_t, uint32_t
 
-from ltx2blas._gemm cimport ltx_kernels, sgemm_rowmajor
+from ltx2blas._gemm cimport sgemm_rowmajor
+from ltx2blas._kernels cimport ltx_kernels
 
 import numpy as np
 
