@@ -86,12 +86,7 @@ def quantized_cases(ref):
              ("comfy_int8", "rows", 40, 72)]
 
     def tiled(rows, groups, low, high):
-        padded = (-(-rows // 128) * 128, -(-groups // 4) * 4)
-        block = np.zeros(padded, np.uint8)
-        r, c = np.meshgrid(np.arange(rows), np.arange(groups), indexing="ij")
-        block.reshape(-1)[ref.nvfp4_scale_offset(r, c, padded[1])] = rng.integers(
-            low, high, (rows, groups))
-        return block
+        return ref.to_tiled(rng.integers(low, high, (rows, groups)))
 
     for layout, fmt, rows, cols in specs:
         w = rng.standard_normal((rows, cols)).astype(np.float32)

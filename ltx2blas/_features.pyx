@@ -270,11 +270,6 @@ cdef class FeaturePlan:
     cdef readonly Py_ssize_t tasks
     cdef object keep
 
-    def __cinit__(self):
-        self.proj = NULL
-        self.panels = NULL
-        self.rows_bf16 = NULL
-
     def __init__(self, hidden, const int64_t[::1] rows, const int64_t[::1] sample, bint v2,
                  mean, range_, inv, list weights, list biases, list accs, list xs, list scales,
                  list cuts, int task_rows, int task_feats, int chunk, int product, int threads,

@@ -366,12 +366,6 @@ cdef class FusePlan:
     cdef readonly Py_ssize_t tiles
     cdef object keep
 
-    def __cinit__(self):
-        self.ad = NULL
-        self.per_thread = NULL
-        self.buffers = NULL
-        self.shared = NULL
-
     def __init__(self, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list adapters,
                  int tile_rows, int tile_cols, int threads, bint allow_fma, int rule,
                  bint fused_pairs=False, bint plus_zero=False, bint stochastic=False,

@@ -195,6 +195,20 @@ def thread_buffer_bytes(int task_rows, int task_feats, int chunk, bint f64, int 
     return w_len + x_len + acc_len
 
 
+cdef void bf16_or_f32(a, const uint16_t **bf16, const float **f32):
+    """Points *bf16 at a C-contiguous bf16 (uint16) matrix's first element, or *f32 at an f32
+    one's; the other is NULL."""
+    cdef const uint16_t[:, ::1] a16
+    cdef const float[:, ::1] a32
+    bf16[0], f32[0] = NULL, NULL
+    if a.dtype.itemsize == 2:
+        a16 = a
+        bf16[0] = &a16[0, 0]
+    else:
+        a32 = a
+        f32[0] = &a32[0, 0]
+
+
 cdef class LinearPlan:
     """The arrays, block sizes and per-thread buffers of one linear() call; run(first, stop)
     computes tasks [first, stop) in parallel and can be called wave after wave (progress,
@@ -207,17 +221,9 @@ cdef class LinearPlan:
     cdef readonly Py_ssize_t tasks
     cdef object keep
 
-    def __cinit__(self):
-        self.per_thread = NULL
-        self.buffers = NULL
-
     def __init__(self, x, w, bias32, bias64, float[:, ::1] y, int task_rows, int task_feats,
                  int chunk, int threads, bint f64, int product, Py_ssize_t seg_len, partial,
                  packed=None):
-        cdef const float[:, ::1] x32
-        cdef const uint16_t[:, ::1] x16
-        cdef const float[:, ::1] w32
-        cdef const uint16_t[:, ::1] w16
         cdef const float[::1] b32
         cdef const double[::1] b64
         cdef size_t w_len, x_len, acc_len, buffer_len
@@ -225,24 +231,10 @@ cdef class LinearPlan:
         self.keep = (x, w, bias32, bias64, y, partial, packed)
         self.job.rows, self.job.cols = x.shape[0], x.shape[1]
         self.job.feats = w.shape[0]
-        self.job.x32 = NULL
-        self.job.x16 = NULL
-        self.job.w32 = NULL
-        self.job.w16 = NULL
+        bf16_or_f32(x, &self.job.x16, &self.job.x32)
+        bf16_or_f32(w, &self.job.w16, &self.job.w32)
         self.job.bias32 = NULL
         self.job.bias64 = NULL
-        if x.dtype.itemsize == 2:
-            x16 = x
-            self.job.x16 = &x16[0, 0]
-        else:
-            x32 = x
-            self.job.x32 = &x32[0, 0]
-        if w.dtype.itemsize == 2:
-            w16 = w
-            self.job.w16 = &w16[0, 0]
-        else:
-            w32 = w
-            self.job.w32 = &w32[0, 0]
         if bias32 is not None:
             b32 = bias32
             self.job.bias32 = &b32[0]

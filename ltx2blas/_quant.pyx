@@ -24,6 +24,16 @@ cdef enum:
     ROWS_PER_TASK = 16
 
 
+cdef inline Py_ssize_t row_tasks(Py_ssize_t rows) noexcept nogil:
+    return (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+
+
+cdef float[::1] task_tops(Py_ssize_t rows):
+    """A slot for each row task's running maximum, for _max to join (one when there are no
+    rows)."""
+    return np.zeros(max(row_tasks(rows), 1), np.float32)
+
+
 cdef inline float fmax_nan(float a, float b) noexcept nogil:
     """max that lets a NaN through (a NaN anywhere must show in the result)."""
     if a != a or b != b:
@@ -34,10 +44,10 @@ cdef inline float fmax_nan(float a, float b) noexcept nogil:
 def scaled_fp8_max(const uint8_t[::1] codes, const uint16_t[::1] delta, float scale, bint e5m2,
                    int threads):
     """max |f32(f32(code) * scale) + f32(delta)| over the tensor."""
+    cdef const ltx_layout_passes *passes = kernels(True).layout
     cdef Py_ssize_t n = codes.shape[0], chunk = 1 << 16, tasks = (n + chunk - 1) // chunk, t
     cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
     cdef Py_ssize_t a
-    cdef const ltx_layout_passes *passes = kernels(True).layout
     with nogil:
         for t in prange(tasks, num_threads=threads, schedule="dynamic"):
             a = t * chunk
@@ -48,8 +58,8 @@ def scaled_fp8_max(const uint8_t[::1] codes, const uint16_t[::1] delta, float sc
 def scaled_fp8_store(uint8_t[::1] codes, const uint16_t[::1] delta, float scale, float mult,
                      float fmax, bint e5m2, int threads):
     """codes = fp8(clamp(f32(n * mult), -fmax, fmax)) in place (fp8(n) for an infinite mult)."""
-    cdef Py_ssize_t n = codes.shape[0], chunk = 1 << 16, tasks = (n + chunk - 1) // chunk, t, a
     cdef const ltx_layout_passes *passes = kernels(True).layout
+    cdef Py_ssize_t n = codes.shape[0], chunk = 1 << 16, tasks = (n + chunk - 1) // chunk, t, a
     with nogil:
         for t in prange(tasks, num_threads=threads, schedule="dynamic"):
             a = t * chunk
@@ -60,12 +70,11 @@ def scaled_fp8_store(uint8_t[::1] codes, const uint16_t[::1] delta, float scale,
 def block_merge(const uint8_t[:, ::1] codes, bint fp6, const float[:, ::1] scales,
                 uint16_t[:, ::1] delta, int threads):
     """delta = bf16(bf16(code * scale) + delta) in place; returns max |merged|."""
-    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0
-    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
     cdef const ltx_layout_passes *passes = kernels(True).layout
+    cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0
+    cdef float[::1] tops = task_tops(rows)
     with nogil:
-        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+        for t in prange(row_tasks(rows), num_threads=threads, schedule="dynamic"):
             r0 = t * ROWS_PER_TASK
             tops[t] = passes.block_merge_rows(&codes[0, 0], fp6, &scales[0, 0], &delta[0, 0], cols,
                                            r0, min(r0 + ROWS_PER_TASK, rows))
@@ -75,8 +84,8 @@ def block_merge(const uint8_t[:, ::1] codes, bint fp6, const float[:, ::1] scale
 def block_quantize(const uint16_t[:, ::1] merged, bint fp6, uint8_t[:, ::1] codes,
                    float[:, ::1] scales, int threads):
     """Each 128 x 128 block of merged requantised into codes and its scale."""
-    cdef Py_ssize_t cols = merged.shape[1], nb = scales.shape[1], blocks = scales.size, b
     cdef const ltx_layout_passes *passes = kernels(True).layout
+    cdef Py_ssize_t cols = merged.shape[1], nb = scales.shape[1], blocks = scales.size, b
     with nogil:
         for b in prange(blocks, num_threads=threads, schedule="dynamic"):
             passes.block_quantize(&merged[0, 0], cols, b // nb, b % nb, fp6, &codes[0, 0],
@@ -87,13 +96,12 @@ def nvfp4_merge(const uint8_t[:, ::1] packed, const uint8_t[:, ::1] scales, floa
                 uint16_t[:, ::1] delta, int threads):
     """delta = bf16(bf16(e2m1 * f32(scale_2 * block scale)) + delta) in place; returns
     max |merged|."""
+    cdef const ltx_layout_passes *passes = kernels(True).layout
     cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0
     cdef Py_ssize_t padded = scales.shape[1]
-    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
-    cdef const ltx_layout_passes *passes = kernels(True).layout
+    cdef float[::1] tops = task_tops(rows)
     with nogil:
-        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+        for t in prange(row_tasks(rows), num_threads=threads, schedule="dynamic"):
             r0 = t * ROWS_PER_TASK
             tops[t] = passes.nvfp4_merge_rows(&packed[0, 0], &scales[0, 0], padded, scale_2,
                                            &delta[0, 0], cols, r0, min(r0 + ROWS_PER_TASK, rows))
@@ -104,10 +112,10 @@ def nvfp4_quantize(const uint16_t[:, ::1] merged, float t, uint8_t[:, ::1] packe
                    uint8_t[:, ::1] scales, int threads):
     """merged requantised with the new scale_2 ``t``: packed codes and block scales (padding
     zeroed)."""
+    cdef const ltx_layout_passes *passes = kernels(True).layout
     cdef Py_ssize_t rows = merged.shape[0], cols = merged.shape[1], task, r0
     cdef Py_ssize_t padded = scales.shape[1]
-    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    cdef const ltx_layout_passes *passes = kernels(True).layout
+    cdef Py_ssize_t tasks = row_tasks(rows)
     scales[:, :] = 0
     with nogil:
         for task in prange(tasks, num_threads=threads, schedule="dynamic"):
@@ -123,10 +131,9 @@ def comfy_tiled_max(const uint8_t[:, ::1] codes, const uint8_t[:, ::1] scales, b
     cdef const ltx_layout_passes *passes = kernels(True).layout
     cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0, r1
     cdef Py_ssize_t padded = scales.shape[1]
-    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
+    cdef float[::1] tops = task_tops(rows)
     with nogil:
-        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+        for t in prange(row_tasks(rows), num_threads=threads, schedule="dynamic"):
             r0 = t * ROWS_PER_TASK
             r1 = min(r0 + ROWS_PER_TASK, rows)
             if nvfp4:
@@ -145,7 +152,7 @@ def comfy_tiled_quantize(uint8_t[:, ::1] codes, uint8_t[:, ::1] scales, bint nvf
     cdef const ltx_layout_passes *passes = kernels(True).layout
     cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], task, r0, r1
     cdef Py_ssize_t padded = scales.shape[1]
-    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    cdef Py_ssize_t tasks = row_tasks(rows)
     cdef uint8_t[:, ::1] old = np.array(scales, copy=True)
     scales[:, :] = 0
     with nogil:
@@ -166,14 +173,13 @@ def comfy_int8_max(const int8_t[:, ::1] codes, const float[::1] scale, bint per_
     scale, or one a row with ``per_row``."""
     cdef const ltx_layout_passes *passes = kernels(True).layout
     cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0
-    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    cdef float[::1] tops = np.zeros(max(tasks, 1), np.float32)
+    cdef float[::1] tops = task_tops(rows)
     row_tops = np.zeros(rows, np.float32)
     cdef float[::1] rt = row_tops
     if rows == 0:
         return 0.0, row_tops
     with nogil:
-        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+        for t in prange(row_tasks(rows), num_threads=threads, schedule="dynamic"):
             r0 = t * ROWS_PER_TASK
             tops[t] = passes.comfy_int8_max_rows(&codes[0, 0], &scale[0], per_row, &delta[0, 0],
                                               cols, r0, min(r0 + ROWS_PER_TASK, rows), &rt[0])
@@ -186,7 +192,7 @@ def comfy_int8_quantize(int8_t[:, ::1] codes, const float[::1] scale,
     """codes requantised in place with the new scale(s), one a row with ``per_row``."""
     cdef const ltx_layout_passes *passes = kernels(True).layout
     cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], task, r0
-    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    cdef Py_ssize_t tasks = row_tasks(rows)
     if rows == 0:
         return
     with nogil:
@@ -219,7 +225,7 @@ def dora_merge(const uint16_t[:, ::1] weight, uint16_t[:, ::1] delta, int norm_o
     norm_of 0, V's rows; 1, W's rows; 2, V's columns."""
     cdef const ltx_layout_passes *passes = kernels(True).layout
     cdef Py_ssize_t rows = delta.shape[0], cols = delta.shape[1], t, r0, c0
-    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    cdef Py_ssize_t tasks = row_tasks(rows)
     out = np.zeros(cols if norm_of == 2 else rows, np.float64)
     cdef double[::1] sq = out
     cdef Py_ssize_t col_tasks = (cols + 63) // 64
@@ -247,7 +253,7 @@ def dora_store(const uint16_t[:, ::1] v, const float[::1] factor, bint per_row,
     """out = bf16(V * factor) (per row or per column), blended with the weight by strength."""
     cdef const ltx_layout_passes *passes = kernels(True).layout
     cdef Py_ssize_t rows = v.shape[0], cols = v.shape[1], t, r0
-    cdef Py_ssize_t tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    cdef Py_ssize_t tasks = row_tasks(rows)
     if rows == 0 or cols == 0:
         return
     cdef const float *row_factor = &factor[0] if per_row else NULL

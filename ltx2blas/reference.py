@@ -408,11 +408,23 @@ def nvfp4_pack(codes):
     return ((c[..., 0] << 4) | c[..., 1]).astype(np.uint8)
 
 
-def _nvfp4_block_scales(swizzled, rows, cols):
-    """The [rows, cols / 16] block scales (f32) out of the tiled array."""
-    flat = bits(swizzled, np.uint8).reshape(-1)
-    r, c = np.meshgrid(np.arange(rows), np.arange(cols // NVFP4_GROUP), indexing="ij")
-    return fp8_widen(flat[nvfp4_scale_offset(r, c, swizzled.shape[1])], "F8_E4M3")
+def from_tiled(tiled, rows, groups):
+    """The [rows, groups] block scale bytes out of an array in the 128 x 4 tiled layout."""
+    flat = bits(tiled, np.uint8).reshape(-1)
+    r, c = np.meshgrid(np.arange(rows), np.arange(groups), indexing="ij")
+    return flat[nvfp4_scale_offset(r, c, tiled.shape[1])]
+
+
+def to_tiled(values, shape=None):
+    """[rows, groups] block scale bytes placed in an array of the 128 x 4 tiled layout, of
+    ``shape`` (by default rows rounded up to 128, groups to 4), zeros in its padding."""
+    rows, groups = values.shape
+    if shape is None:
+        shape = (-(-rows // 128) * 128, -(-groups // 4) * 4)
+    out = np.zeros(int(np.prod(shape)), np.uint8)
+    r, c = np.meshgrid(np.arange(rows), np.arange(groups), indexing="ij")
+    out[nvfp4_scale_offset(r, c, shape[1])] = values
+    return out.reshape(shape)
 
 
 def fuse_nvfp4(packed, block_scales, scale_2, delta):
@@ -428,7 +440,7 @@ def fuse_nvfp4(packed, block_scales, scale_2, delta):
         code   = e2m1(f32(merged * inv))"""
     rows, cols = packed.shape[0], packed.shape[1] * 2
     groups = cols // NVFP4_GROUP
-    bs = _nvfp4_block_scales(block_scales, rows, cols)
+    bs = fp8_widen(from_tiled(block_scales, rows, groups), "F8_E4M3")
     total = np.float32(scale_2) * bs
     w = bf16_round(e2m1_widen(nvfp4_unpack(packed)) * np.repeat(total, NVFP4_GROUP, 1))
     merged = bf16_widen(bf16_round(bf16_widen(w) + bf16_widen(delta)))
@@ -441,10 +453,7 @@ def fuse_nvfp4(packed, block_scales, scale_2, delta):
     tot = t * fp8_widen(s_codes, "F8_E4M3")
     inv = np.where(tot > 0, _recip(np.where(tot > 0, tot, 1)), 0).astype(np.float32)
     codes = e2m1_round(g * inv[:, :, None]).reshape(rows, cols)
-    out_scales = np.zeros(block_scales.size, np.uint8)
-    r, c = np.meshgrid(np.arange(rows), np.arange(groups), indexing="ij")
-    out_scales[nvfp4_scale_offset(r, c, block_scales.shape[1])] = s_codes
-    return nvfp4_pack(codes), out_scales.reshape(block_scales.shape), t
+    return nvfp4_pack(codes), to_tiled(s_codes, block_scales.shape), t
 
 
 # --------------------------------------------------------------------------------------------
@@ -462,22 +471,6 @@ INT8_MAX = np.float32(127.0)
 INT8_SCALE_MIN = np.float32(1e-30)   # comfy-kitchen's floor on an int8 scale
 
 
-def _tiled(swizzled, rows, groups):
-    """[rows, groups] of a scale array in the cuBLAS 128 x 4 tiled layout (bytes)."""
-    flat = bits(swizzled, np.uint8).reshape(-1)
-    r, c = np.meshgrid(np.arange(rows), np.arange(groups), indexing="ij")
-    return flat[nvfp4_scale_offset(r, c, swizzled.shape[1])]
-
-
-def _untiled(values, shape):
-    """[rows, groups] bytes placed in a tiled array of ``shape``, zeros in its padding."""
-    out = np.zeros(int(np.prod(shape)), np.uint8)
-    rows, groups = values.shape
-    r, c = np.meshgrid(np.arange(rows), np.arange(groups), indexing="ij")
-    out[nvfp4_scale_offset(r, c, shape[1])] = values
-    return out.reshape(shape)
-
-
 def fuse_comfy_nvfp4(packed, block_scales, scale_2, delta):
     """ComfyUI's nvfp4 (the same storage as upstream's: packed E2M1, E4M3 block scales of 16
     in the tiled layout, one f32 ``scale_2``); returns (packed, block scales, scale_2).
@@ -491,7 +484,7 @@ def fuse_comfy_nvfp4(packed, block_scales, scale_2, delta):
     f32(1 / total) where ComfyUI divides."""
     rows, cols = packed.shape[0], packed.shape[1] * 2
     groups = cols // NVFP4_GROUP
-    bs = fp8_widen(_tiled(block_scales, rows, groups), "F8_E4M3")
+    bs = fp8_widen(from_tiled(block_scales, rows, groups), "F8_E4M3")
     w = e2m1_widen(nvfp4_unpack(packed)) * np.repeat(np.float32(scale_2) * bs, NVFP4_GROUP, 1)
     n = w + bf16_widen(delta)
     t = np.float32(_max_abs(n) / np.float32(2688.0))
@@ -505,7 +498,7 @@ def fuse_comfy_nvfp4(packed, block_scales, scale_2, delta):
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(total[:, :, None] > 0, g / total[:, :, None], np.float32(0.0))
     codes = e2m1_round(q.astype(np.float32)).reshape(rows, cols)
-    return nvfp4_pack(codes), _untiled(s_codes, block_scales.shape), t
+    return nvfp4_pack(codes), to_tiled(s_codes, block_scales.shape), t
 
 
 def e8m0_widen(codes):
@@ -537,7 +530,7 @@ def fuse_comfy_mxfp8(codes, block_scales, delta):
     written as zero codes with e' = 0; the owner's rule divides by that zero."""
     rows, cols = codes.shape
     groups = cols // MXFP8_GROUP
-    scale = e8m0_widen(_tiled(block_scales, rows, groups))
+    scale = e8m0_widen(from_tiled(block_scales, rows, groups))
     w = fp8_widen(codes, "F8_E4M3") * np.repeat(scale, MXFP8_GROUP, 1)
     n = (w + bf16_widen(delta)).reshape(rows, groups, MXFP8_GROUP)
     top = np.max(np.abs(n), axis=2)
@@ -547,7 +540,7 @@ def fuse_comfy_mxfp8(codes, block_scales, delta):
     step = np.ldexp(np.float32(1.0), np.where(zero, 127, e) - 127).astype(np.float32)
     q = np.clip(n / step[:, :, None], -E4M3_MAX, E4M3_MAX)
     out = np.where(zero[:, :, None], np.uint8(0), fp8_round(q, "F8_E4M3"))
-    return out.reshape(rows, cols), _untiled(e.astype(np.uint8), block_scales.shape)
+    return out.reshape(rows, cols), to_tiled(e.astype(np.uint8), block_scales.shape)
 
 
 def fuse_comfy_int8(codes, scale, delta):

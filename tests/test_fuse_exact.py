@@ -145,7 +145,7 @@ def test_pairs_product_alone(pairs_table, rng, shape, k):
     assert np.all(np.isnan(got[:, n:]))
 
 
-def _recording_fuse_tiles(monkeypatch):
+def _recording_fuse_plans(monkeypatch):
     """The plans the fuses make (their decided routes, as run)."""
     from ltx2blas import _fuse
 
@@ -165,7 +165,7 @@ def test_pairs_route_is_taken_for_ordinary_adapters(rng, monkeypatch, rank):
     """An adapter of ordinary magnitudes goes to the dot-product fuse at every rank where the
     CPU has one, and no sgemm depth is probed for it; the same bytes as the reference either
     way, on edge tiles and two threads."""
-    seen = _recording_fuse_tiles(monkeypatch)
+    seen = _recording_fuse_plans(monkeypatch)
     weight = random_bf16(rng, (70, 100), 0.02)
     lora_a, lora_b = adapter(rng, 70, 100, rank)
     got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=2, tile=(32, 64))
@@ -182,7 +182,7 @@ def test_pairs_serve_every_adapter_of_several(rng, monkeypatch, rule, ranks):
     kernel where the CPU has one (no sgemm probe for it), the bytes the reference's, on edge
     tiles and two threads; a LoRA whose sums could be subnormal keeps the f32 kernels beside
     them."""
-    seen = _recording_fuse_tiles(monkeypatch)
+    seen = _recording_fuse_plans(monkeypatch)
     weight = random_bf16(rng, (70, 100), 0.02)
     items = [(*adapter(rng, 70, 100, r), s) for r, s in zip(ranks, (0.8, -1.5, 0.3))]
     # |products| in [2**-118, 2**-116): normal, so exact in f32, but their sums are multiples
@@ -203,7 +203,7 @@ def test_pairs_serve_every_adapter_of_several(rng, monkeypatch, rule, ranks):
 def test_pairs_serve_fp8_weights(rng, monkeypatch, fmt, rank):
     """An fp8 weight: the adapter's product from the dot-product kernel where the CPU has one,
     then the fp8 rounding, the reference's bytes."""
-    seen = _recording_fuse_tiles(monkeypatch)
+    seen = _recording_fuse_plans(monkeypatch)
     codes = rng.integers(0, 256, size=(70, 100), dtype=np.uint8)
     codes[(codes & 0x7F) >= (0x7F if fmt == "F8_E4M3" else 0x7C)] = 0x10  # finite codes
     lora_a, lora_b = adapter(rng, 70, 100, rank)
@@ -218,7 +218,7 @@ def test_pairs_serve_the_bare_delta(rng, monkeypatch):
     kernel where the CPU has one, the reference's bytes."""
     from ltx2blas.fuse import aggregate_delta
 
-    seen = _recording_fuse_tiles(monkeypatch)
+    seen = _recording_fuse_plans(monkeypatch)
     items = [(*adapter(rng, 70, 100, 384), 0.8), (*adapter(rng, 70, 100, 32), -1.5)]
     for rule in ("addmm", "sum"):
         got = aggregate_delta(70, 100, items, rule=rule, threads=2, tile=(32, 64))
@@ -395,7 +395,7 @@ def test_one_adapter_by_the_rule_takes_the_one_adapter_routes(rng, monkeypatch, 
     reference's."""
     from ltx2blas import _fuse
 
-    seen = _recording_fuse_tiles(monkeypatch)
+    seen = _recording_fuse_plans(monkeypatch)
     weight = random_bf16(rng, (100, 140), 0.02)
     weight[::3, ::5] = 0x8000
     weight[1::3, ::7] = 0x0000

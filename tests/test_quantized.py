@@ -43,12 +43,7 @@ def nvfp4_case(rng, rows=ROWS, cols=COLS):
 
 def tiled_scales(rng, rows, groups, low, high):
     """Block scale bytes drawn from [low, high) in the tiled layout, zeros in its padding."""
-    padded = (-(-rows // 128) * 128, -(-groups // 4) * 4)
-    scales = np.zeros(padded, np.uint8)
-    r, c = np.meshgrid(np.arange(rows), np.arange(groups), indexing="ij")
-    scales.reshape(-1)[reference.nvfp4_scale_offset(r, c, padded[1])] = rng.integers(
-        low, high, (rows, groups))
-    return scales
+    return reference.to_tiled(rng.integers(low, high, (rows, groups)))
 
 
 def mxfp8_case(rng, rows=ROWS, cols=COLS):

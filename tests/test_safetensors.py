@@ -1,5 +1,5 @@
 """The safetensors reader and writer: round trips with the reference package both ways, and
-strict refusal of malformed or hostile files (reliability.md items 1-12, 26-28)."""
+strict refusal of malformed or hostile files (RELIABILITY.md rows 1-12, 26-28)."""
 import json
 import os
 import struct

@@ -1,50 +1,29 @@
 /* Picks the kernel table for this CPU, and joins each build of kernels.c with the build of
  * quant.c for the same instruction set into the one table handed out: every per-instruction-set
- * entry point is reached through it, chosen once. Built once, for the baseline instruction set. */
+ * entry point is reached through it, chosen once. Built once, for the baseline instruction set.
+ *
+ * The instruction sets built in are listed once, in `builds` below, best first, each with the
+ * test of whether this CPU runs it; a new instruction set is one DECLARE and one entry. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
 #include "quant.h"
 
-/* Each instruction set built in: its builds' pair of tables, and the table joined from them
- * (made when the library is loaded, before any caller can ask for one). */
 #define DECLARE(v)                                                                          \
     extern const ltx_kernels ltx_kernels_##v;                                               \
-    extern const ltx_layout_passes ltx_layout_##v;                                          \
-    static ltx_kernels joined_##v;
-DECLARE(base)
-#ifdef LTX_HAVE_AVX2
-DECLARE(avx2)
-#endif
-#ifdef LTX_HAVE_AVX512
-DECLARE(avx512)
-#endif
-#ifdef LTX_HAVE_AVX512BF16
-DECLARE(avx512bf16)
-#endif
-#ifdef LTX_HAVE_NEON
-DECLARE(neon)
-#endif
+    extern const ltx_layout_passes ltx_layout_##v;
+#define BUILD(v, runs_here) {#v, &ltx_kernels_##v, &ltx_layout_##v, runs_here, {0}}
 
-#define JOIN(v) (joined_##v = ltx_kernels_##v, joined_##v.layout = &ltx_layout_##v)
+typedef struct {
+    const char *name;
+    const ltx_kernels *kernels;      /* kernels.c's table of this instruction set */
+    const ltx_layout_passes *layout; /* quant.c's passes of the same build */
+    int (*runs_here)(void);          /* whether this CPU has every instruction the build uses */
+    ltx_kernels joined;              /* the two joined: the table handed out */
+} build;
 
-__attribute__((constructor)) static void join_tables(void)
-{
-    JOIN(base);
-#ifdef LTX_HAVE_AVX2
-    JOIN(avx2);
-#endif
-#ifdef LTX_HAVE_AVX512
-    JOIN(avx512);
-#endif
-#ifdef LTX_HAVE_AVX512BF16
-    JOIN(avx512bf16);
-#endif
-#ifdef LTX_HAVE_NEON
-    JOIN(neon);
-#endif
-}
+static int always(void) { return 1; }
 
 #if defined(__x86_64__) || defined(__i386__)
 static int cpu_has_avx2(void)
@@ -70,67 +49,69 @@ static int cpu_has_avx512bf16(void)
 #endif
 #endif
 
-const ltx_kernels *ltx_kernels_by_name(const char *name)
-{
-    if (name == NULL)
-        return NULL;
-    if (strcmp(name, "base") == 0)
-        return &joined_base;
+DECLARE(base)
 #ifdef LTX_HAVE_AVX2
-    if (strcmp(name, "avx2") == 0)
-        return cpu_has_avx2() ? &joined_avx2 : NULL;
+DECLARE(avx2)
 #endif
 #ifdef LTX_HAVE_AVX512
-    if (strcmp(name, "avx512") == 0)
-        return cpu_has_avx512() ? &joined_avx512 : NULL;
+DECLARE(avx512)
 #endif
 #ifdef LTX_HAVE_AVX512BF16
-    if (strcmp(name, "avx512bf16") == 0)
-        return cpu_has_avx512bf16() ? &joined_avx512bf16 : NULL;
+DECLARE(avx512bf16)
 #endif
 #ifdef LTX_HAVE_NEON
-    if (strcmp(name, "neon") == 0)
-        return &joined_neon;
+DECLARE(neon)
 #endif
+
+/* Best first; the baseline last, which every CPU runs and which is the strict table. */
+static build builds[] = {
+#ifdef LTX_HAVE_AVX512BF16
+    BUILD(avx512bf16, cpu_has_avx512bf16),
+#endif
+#ifdef LTX_HAVE_AVX512
+    BUILD(avx512, cpu_has_avx512),
+#endif
+#ifdef LTX_HAVE_AVX2
+    BUILD(avx2, cpu_has_avx2),
+#endif
+#ifdef LTX_HAVE_NEON
+    BUILD(neon, always),
+#endif
+    BUILD(base, always),
+};
+#define BUILDS ((int)(sizeof builds / sizeof builds[0]))
+
+/* "base,avx2,...": the names, baseline first. */
+static char built_names[128];
+
+/* Made when the library is loaded, before any caller can ask for a table. */
+__attribute__((constructor)) static void join_tables(void)
+{
+    for (int i = BUILDS - 1; i >= 0; i--) {
+        builds[i].joined = *builds[i].kernels;
+        builds[i].joined.layout = builds[i].layout;
+        if (i < BUILDS - 1)
+            strcat(built_names, ",");
+        strcat(built_names, builds[i].name);
+    }
+}
+
+const ltx_kernels *ltx_kernels_by_name(const char *name)
+{
+    for (int i = 0; name != NULL && i < BUILDS; i++)
+        if (strcmp(name, builds[i].name) == 0)
+            return builds[i].runs_here() ? &builds[i].joined : NULL;
     return NULL;
 }
 
 const ltx_kernels *ltx_fast_kernels(void)
 {
-#ifdef LTX_HAVE_AVX512BF16
-    if (cpu_has_avx512bf16())
-        return &joined_avx512bf16;
-#endif
-#ifdef LTX_HAVE_AVX512
-    if (cpu_has_avx512())
-        return &joined_avx512;
-#endif
-#ifdef LTX_HAVE_AVX2
-    if (cpu_has_avx2())
-        return &joined_avx2;
-#endif
-#ifdef LTX_HAVE_NEON
-    return &joined_neon;
-#endif
-    return &joined_base;
+    for (int i = 0; i < BUILDS - 1; i++)
+        if (builds[i].runs_here())
+            return &builds[i].joined;
+    return ltx_strict_kernels();
 }
 
-const ltx_kernels *ltx_strict_kernels(void) { return &joined_base; }
+const ltx_kernels *ltx_strict_kernels(void) { return &builds[BUILDS - 1].joined; }
 
-const char *ltx_kernels_built(void)
-{
-    return "base"
-#ifdef LTX_HAVE_AVX2
-           ",avx2"
-#endif
-#ifdef LTX_HAVE_AVX512
-           ",avx512"
-#endif
-#ifdef LTX_HAVE_AVX512BF16
-           ",avx512bf16"
-#endif
-#ifdef LTX_HAVE_NEON
-           ",neon"
-#endif
-        ;
-}
+const char *ltx_kernels_built(void) { return built_names; }
