@@ -32,11 +32,7 @@ def block_case(rng, fp6=False, rows=ROWS, cols=COLS):
 
 
 def nvfp4_case(rng, rows=ROWS, cols=COLS):
-    padded = (-(-rows // 128) * 128, -(-(cols // 16) // 4) * 4)
-    scales = np.zeros(padded, np.uint8)
-    r, c = np.meshgrid(np.arange(rows), np.arange(cols // 16), indexing="ij")
-    scales.reshape(-1)[reference.nvfp4_scale_offset(r, c, padded[1])] = rng.integers(
-        0x28, 0x60, (rows, cols // 16))
+    scales = tiled_scales(rng, rows, cols // 16, 0x28, 0x60)
     packed = rng.integers(0, 256, (rows, cols // 2)).astype(np.uint8)
     return packed, scales, np.array(0.0007, np.float32)
 
