@@ -18,7 +18,7 @@ from libc.string cimport memset
 from ._gemm cimport (continue_product, exact_product, exact_product_fused,
                      exact_product_fused_pairs, exact_product_pairs, exact_product_panel,
                      kernels)
-from ._kernels cimport ltx_kernels
+from ._kernels cimport LTX_FP8_E4M3, LTX_FP8_E4M3_NAN, LTX_FP8_E5M2, ltx_kernels
 from ._parallel cimport ltx_aligned_alloc, omp_get_thread_num, up64
 
 import numpy as np
@@ -75,6 +75,7 @@ cdef struct FuseJob:
     bint dry_run              # compute and check, write nothing
     bint check                # record the first non-finite output per tile
     int fmt                   # 0: bf16, 1: F8_E4M3, 2: F8_E5M2, 3: the bare delta
+    int fp8_kind              # fp8 only: the rounding store's ltx_fp8_kind (the overflow rule)
     bint stochastic           # fp8 only: stochastic rounding with random bits from key
     uint64_t key
     bint fused_pairs          # one bf16 adapter fused by the dot-product kernel, in one pass
@@ -158,7 +159,7 @@ cdef void pack_a_pairs(const FuseJob *job, Py_ssize_t tj) noexcept nogil:
 
 
 cdef void fuse_tile(const FuseJob *job, Py_ssize_t t, TileBuffers *buf,
-                    int64_t *bad) noexcept nogil:
+                    int64_t *bad, int64_t *overflows) noexcept nogil:
     cdef Py_ssize_t ti = t // job.tiles_n, tj = t % job.tiles_n
     cdef Py_ssize_t o0 = ti * job.tile_rows, i0 = tj * job.tile_cols
     cdef int mt = <int>min(<Py_ssize_t>job.tile_rows, job.rows - o0)
@@ -275,8 +276,9 @@ cdef void fuse_tile(const FuseJob *job, Py_ssize_t t, TileBuffers *buf,
     elif job.fmt == 3:
         kern.store_rounded(result, <uint16_t *>dst, ldo, mt, nt)
     else:
-        q = kern.store_fused_fp8(result, job.w + origin, job.cols, dst, ldo, mt, nt,
-                                 job.fmt == 2, job.stochastic, job.key, origin, job.cols)
+        overflows[t] = kern.store_fused_fp8(result, job.w + origin, job.cols, dst, ldo, mt, nt,
+                                            job.fp8_kind, job.stochastic, job.key, origin,
+                                            job.cols, &q)
         if job.check and q >= 0:
             bad[t] = origin + q
 
@@ -354,7 +356,8 @@ cdef class FusePlan:
     unscaled), as :func:`ltx2blas.reference.aggregate_delta` states them.  ``fused_pairs``: one
     bf16 adapter by the dot-product kernel, computed, rounded and added in one pass.
     ``plus_zero``: one bf16 adapter fused by the sum rule (``rule`` RULE_ONE): its result is
-    the one-adapter result with -0.0 made +0.0, tile by tile."""
+    the one-adapter result with -0.0 made +0.0, tile by tile.  ``fp8_nan_overflow``: an F8_E4M3
+    value past 448 becomes NaN (torch's cast before 2.13) instead of saturating."""
     cdef FuseJob job
     cdef AdapterSpec *ad
     cdef TileBuffers *per_thread
@@ -364,12 +367,13 @@ cdef class FusePlan:
     cdef bint scratch              # the buffers hold a dry run's scratch tile
     cdef int threads
     cdef readonly Py_ssize_t tiles
+    cdef readonly Py_ssize_t overflows  # fp8: values the last run() rounded past the largest
     cdef object keep
 
     def __init__(self, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list adapters,
                  int tile_rows, int tile_cols, int threads, bint allow_fma, int rule,
                  bint fused_pairs=False, bint plus_zero=False, bint stochastic=False,
-                 uint64_t key=0, bint dry_run=False):
+                 uint64_t key=0, bint dry_run=False, bint fp8_nan_overflow=False):
         cdef Py_ssize_t esize = 1 if fmt == 1 or fmt == 2 else 2
         cdef Py_ssize_t rows = weight.shape[0], cols = weight.shape[1] // esize
         cdef int count = len(adapters), a, s
@@ -395,6 +399,8 @@ cdef class FusePlan:
         self.job.tiles_n = (cols + tile_cols - 1) // tile_cols
         self.tiles = (rows + tile_rows - 1) // tile_rows * self.job.tiles_n
         self.job.rule, self.job.fmt = rule, fmt
+        self.job.fp8_kind = (LTX_FP8_E5M2 if fmt == 2 else
+                             LTX_FP8_E4M3_NAN if fp8_nan_overflow else LTX_FP8_E4M3)
         self.job.stochastic, self.job.key = stochastic, key
         self.job.fused_pairs, self.job.plus_zero = fused_pairs, plus_zero
         self.job.dry_run = self.job.check = False
@@ -466,12 +472,15 @@ cdef class FusePlan:
     def run(self, bint check=False, bint dry_run=False):
         """Every tile, in parallel; with ``dry_run`` each is computed and checked but nothing
         is written (the plan must have been made with dry_run).  Returns the flat index of the
-        first non-finite (bf16) or overflowing (fp8) output, or -1, when ``check`` is set."""
+        first non-finite (bf16) or overflowing (fp8) output, or -1, when ``check`` is set; an
+        fp8 weight's count of finite sums that rounded past its largest finite value is left
+        in ``overflows``."""
         cdef Py_ssize_t t, tj
         cdef int s
         cdef int threads = <int>min(<Py_ssize_t>self.threads, self.tiles)
         if dry_run and not self.scratch:
             raise ValueError("a dry run needs a plan made for one (its scratch tiles)")
+        self.overflows = 0
         if self.tiles == 0 or self.job.count == 0 or threads < 1:
             return -1
         self.job.check, self.job.dry_run = check or dry_run, dry_run
@@ -479,6 +488,8 @@ cdef class FusePlan:
             self.per_thread[s].strip = -1
         bad_array = np.full(self.tiles, -1, dtype=np.int64)
         cdef int64_t[::1] bad = bad_array
+        over_array = np.zeros(self.tiles, dtype=np.int64)
+        cdef int64_t[::1] over = over_array
         if self.shared != NULL and not self.a_packed:
             # a region of its own: every block is packed before any tile reads it
             with nogil, parallel(num_threads=threads):
@@ -490,7 +501,9 @@ cdef class FusePlan:
         # late (an idle worker waking, a core busy with file I/O) does not hold up the call.
         with nogil, parallel(num_threads=threads):
             for t in prange(self.tiles, schedule="guided"):
-                fuse_tile(&self.job, t, &self.per_thread[omp_get_thread_num()], &bad[0])
+                fuse_tile(&self.job, t, &self.per_thread[omp_get_thread_num()], &bad[0],
+                          &over[0])
+        self.overflows = int(over_array.sum())
         hits = bad_array[bad_array >= 0]
         return int(hits.min()) if hits.size else -1
 

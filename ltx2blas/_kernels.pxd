@@ -53,6 +53,12 @@ cdef extern from "quant.h" nogil:
                                 int blend) noexcept nogil
 
 cdef extern from "kernels.h" nogil:
+    # The fp8 rounding store's formats: e4m3 saturating or NaN past 448, e5m2.
+    ctypedef enum ltx_fp8_kind:
+        LTX_FP8_E4M3
+        LTX_FP8_E5M2
+        LTX_FP8_E4M3_NAN
+
     ctypedef struct ltx_kernels:
         const char *name
         void (*seq_gemm)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
@@ -86,8 +92,8 @@ cdef extern from "kernels.h" nogil:
         int panel_min_rows
         ltx_idx (*store_fused_fp8)(const float *acc, const uint8_t *w, ltx_idx ldw,
                                    uint8_t *out, ltx_idx ldo, ltx_idx rows, ltx_idx cols,
-                                   int e5m2, int stochastic, uint64_t key, ltx_idx index0,
-                                   ltx_idx stride) noexcept nogil
+                                   int kind, int stochastic, uint64_t key, ltx_idx index0,
+                                   ltx_idx stride, ltx_idx *first_over) noexcept nogil
         void (*seq_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
                               const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
                               uint16_t *out, ltx_idx ldo) noexcept nogil

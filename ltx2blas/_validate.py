@@ -31,6 +31,9 @@ FP8_BY_NAME = {f.name: key for key, f in FP8.items()}
 #: The several-adapter rules, and the roundings into plain fp8 (docs/arithmetic.md §1, §2).
 RULES = ("addmm", "sum")
 FP8_ROUNDINGS = ("nearest", "stochastic")
+#: What a nearest rounding into F8_E4M3 makes of a value past 448 (inf too): "saturate", +-448,
+#: as torch casts from 2.13 on, or "nan", the NaN code, as torch cast up to 2.12.
+FP8_OVERFLOWS = ("saturate", "nan")
 #: The BLAS takes 32-bit int sizes.
 BLAS_INT_MAX = 2**31 - 1
 
@@ -252,11 +255,22 @@ def weight_bits(weight, weight_format, name="weight"):
     return weight_format, weight.view(np.uint8)
 
 
-def fuse_weight(weight, weight_format, fp8_rounding):
+def fp8_rounding_rule(fp8_rounding, fp8_overflow):
+    """Checks a rounding into plain fp8 and its overflow rule, alone and together: the
+    stochastic rounding never rounds past the largest finite value, so it has no NaN rule."""
+    choice(fp8_rounding, FP8_ROUNDINGS, "fp8_rounding")
+    choice(fp8_overflow, FP8_OVERFLOWS, "fp8_overflow")
+    if fp8_rounding == "stochastic" and fp8_overflow == "nan":
+        raise ArgumentError("fp8_overflow='nan' is torch's nearest cast up to 2.12; "
+                            "fp8_rounding='stochastic' never rounds past the largest finite "
+                            "value, so it takes fp8_overflow='saturate'")
+
+
+def fuse_weight(weight, weight_format, fp8_rounding, fp8_overflow="saturate"):
     """(format, bits) of the weight a fuse writes into: 2-D, C-contiguous, a format it takes,
     and a rounding that applies to it."""
     fmt, w = weight_bits(weight, weight_format)
-    choice(fp8_rounding, FP8_ROUNDINGS, "fp8_rounding")
+    fp8_rounding_rule(fp8_rounding, fp8_overflow)
     if fp8_rounding == "stochastic" and fmt in ("bf16", "delta"):
         raise ArgumentError("fp8_rounding='stochastic' applies to fp8 weights; this one is bf16")
     if w.ndim != 2:

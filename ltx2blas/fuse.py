@@ -41,7 +41,7 @@ _BF16_ROUNDS_TO_INF = np.float32(2.0**128 - 2.0**119)
 
 def fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None,
               check_finite=False, tile=None, weight_format=None, fp8_rounding="nearest",
-              seed=0, name=""):
+              seed=0, name="", fp8_overflow="saturate", return_overflows=False):
     """Fold one LoRA adapter into a bf16 weight: ``W' = bf16(W + bf16(bf16(B * s) @ A))``.
 
     Parameters
@@ -72,20 +72,32 @@ def fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None,
         Into fp8: nearest-even (upstream's CPU rule), or deterministic stochastic rounding with
         random bits from ``seed`` and ``name`` (the tensor's name), the same for any tiling and
         thread count (see :func:`ltx2blas.reference.fp8_round_stochastic`).
+    fp8_overflow : "saturate" (default) or "nan"
+        What a nearest rounding into F8_E4M3 makes of a value past 448: +-448, as torch casts
+        from 2.13 on, or NaN, as torch cast up to 2.12 (docs/arithmetic.md §2). Other formats
+        are unaffected (F8_E5M2 overflows to inf under both); the stochastic rounding takes
+        "saturate" alone.
+    return_overflows : bool
+        Also return how many values of an fp8 weight rounded past its largest finite value
+        (0 for bf16).
 
     Returns
     -------
-    The fused weight, the same kind as ``weight`` (or ``out`` when given).
-    Byte-identical to :func:`ltx2blas.reference.fuse_lora` (bf16) or
-    :func:`ltx2blas.reference.fuse_loras_fp8` (fp8) on the same inputs.
+    The fused weight, the same kind as ``weight`` (or ``out`` when given), and with
+    ``return_overflows`` the count, as a tuple. Byte-identical to
+    :func:`ltx2blas.reference.fuse_lora` (bf16) or :func:`ltx2blas.reference.fuse_loras_fp8`
+    (fp8) on the same inputs.
     """
-    return _fuse_into(weight, [(lora_a, lora_b, strength)], threads, out, check_finite, tile,
-                      rule="one", weight_format=weight_format, fp8_rounding=fp8_rounding,
-                      seed=seed, name=name)
+    result, overflows = _fuse_into(
+        weight, [(lora_a, lora_b, strength)], threads, out, check_finite, tile, rule="one",
+        weight_format=weight_format, fp8_rounding=fp8_rounding, seed=seed, name=name,
+        fp8_overflow=fp8_overflow)
+    return (result, overflows) if return_overflows else result
 
 
 def fuse_loras(weight, adapters, *, rule="addmm", threads=None, out=None, check_finite=False,
-               tile=None, weight_format=None, fp8_rounding="nearest", seed=0, name=""):
+               tile=None, weight_format=None, fp8_rounding="nearest", seed=0, name="",
+               fp8_overflow="saturate", return_overflows=False):
     """Fold several adapters into one weight: ``W' = bf16(W + agg)``, the adapters' bf16
     aggregate ``agg`` formed by a named rule, in the order given.
 
@@ -104,12 +116,15 @@ def fuse_loras(weight, adapters, *, rule="addmm", threads=None, out=None, check_
         f32; with one adapter the result is :func:`fuse_lora`'s except where the weight and the
         delta are both -0.0 (a delta is -0.0 only when its products underflow), which the sum
         makes +0.0.
-    threads, out, check_finite, tile, weight_format, fp8_rounding, seed, name
+    threads, out, check_finite, tile, weight_format, fp8_rounding, seed, name, fp8_overflow
+        As for :func:`fuse_lora`.
+    return_overflows
         As for :func:`fuse_lora`.
 
     Returns
     -------
-    The fused weight, the same kind as ``weight`` (or ``out`` when given); byte-identical to
+    The fused weight, the same kind as ``weight`` (or ``out`` when given), and with
+    ``return_overflows`` the count of overflows; byte-identical to
     :func:`ltx2blas.reference.fuse_loras` (``reference.fuse_loras_fp8`` for fp8 weights).
     """
     choice(rule, RULES, "rule")
@@ -122,9 +137,10 @@ def fuse_loras(weight, adapters, *, rule="addmm", threads=None, out=None, check_
         if len(item) not in (2, 3):
             raise ArgumentTypeError(f"adapters[{i}] must be (lora_a, lora_b, strength) or (diff, "
                             f"strength), got {len(item)} items")
-    return _fuse_into(weight, adapters, threads, out, check_finite, tile, rule=rule,
-                      weight_format=weight_format, fp8_rounding=fp8_rounding, seed=seed,
-                      name=name)
+    result, overflows = _fuse_into(weight, adapters, threads, out, check_finite, tile, rule=rule,
+                                   weight_format=weight_format, fp8_rounding=fp8_rounding,
+                                   seed=seed, name=name, fp8_overflow=fp8_overflow)
+    return (result, overflows) if return_overflows else result
 
 
 def aggregate_delta(rows, cols, adapters, *, rule="addmm", threads=None, tile=None, out=None):
@@ -430,9 +446,11 @@ def _probe_depths(prepared, route, shape, tile):
 
 
 def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
-               weight_format=None, fp8_rounding="nearest", seed=0, name=""):
-    """The fuse: the operands checked, ``out`` checked, the route chosen, the plan made, run."""
-    fmt, w = fuse_weight(weight, weight_format, fp8_rounding)
+               weight_format=None, fp8_rounding="nearest", seed=0, name="",
+               fp8_overflow="saturate"):
+    """The fuse: the operands checked, ``out`` checked, the route chosen, the plan made, run.
+    Returns the result and the count of fp8 values rounded past the largest finite one."""
+    fmt, w = fuse_weight(weight, weight_format, fp8_rounding, fp8_overflow)
     prepared = adapters_for(adapters, *w.shape)
     threads = resolve_threads(threads)
     tile = default_tile(*w.shape) if tile is None else Tile(*tile_arg(tile))
@@ -443,7 +461,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
             result.fill(0)
         elif result is not w:
             np.copyto(result, w)
-        return result if given_out else as_kind(result, weight)
+        return (result if given_out else as_kind(result, weight)), 0
     route = _choose_route(prepared, fmt, rule, check_finite)
     # In place with the overflow check on and a bound that does not rule overflow out: a dry
     # run finds any overflow before a byte is written.
@@ -451,16 +469,19 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
     stochastic_key = (_quant.stochastic_key(int(seed), str(name))
                       if fp8_rounding == "stochastic" else None)
     with blas_single_threaded():
-        plan = _plan(w, result, fmt, prepared, route, tile, threads, stochastic_key, dry_run)
+        plan = _plan(w, result, fmt, prepared, route, tile, threads, stochastic_key, dry_run,
+                     fp8_overflow)
         if dry_run:
-            _raise_nonfinite_result(plan.run(check=True, dry_run=True), w.shape, fmt)
+            _raise_nonfinite_result(plan.run(check=True, dry_run=True), w.shape, fmt,
+                                    fp8_overflow)
         bad = plan.run(check=check_finite)
     if check_finite:
-        _raise_nonfinite_result(bad, w.shape, fmt)
-    return result if given_out else as_kind(result, weight)
+        _raise_nonfinite_result(bad, w.shape, fmt, fp8_overflow)
+    return (result if given_out else as_kind(result, weight)), plan.overflows
 
 
-def _plan(w, result, fmt, prepared, route, tile, threads, stochastic_key=None, dry_run=False):
+def _plan(w, result, fmt, prepared, route, tile, threads, stochastic_key=None, dry_run=False,
+          fp8_overflow="saturate"):
     """The tile driver's plan of a fuse of ``prepared`` adapters by ``route``: each adapter's
     spec with its verified sgemm depths, and the buffers."""
     depths = _probe_depths(prepared, route, w.shape, tile)
@@ -470,7 +491,8 @@ def _plan(w, result, fmt, prepared, route, tile, threads, stochastic_key=None, d
         w.view(np.uint8), result.view(np.uint8), _FORMAT_CODES[fmt], specs, tile.rows, tile.cols,
         max(1, min(threads, tile.count(*w.shape))), route.fma, _fuse.RULES[route.rule],
         fused_pairs=route.fused_pairs, plus_zero=route.plus_zero,
-        stochastic=stochastic_key is not None, key=stochastic_key or 0, dry_run=dry_run)
+        stochastic=stochastic_key is not None, key=stochastic_key or 0, dry_run=dry_run,
+        fp8_nan_overflow=fp8_overflow == "nan")
 
 
 def route_of(rank, tile=None, pairs=True):
@@ -519,7 +541,15 @@ def default_tile(rows, cols):
     return tile
 
 
-def _raise_nonfinite_result(bad, shape, fmt="bf16"):
-    if bad >= 0:
-        what = "saturates fp8 e4m3 at 448" if fmt == "F8_E4M3" else f"overflows {fmt}"
-        raise NonFiniteResultError(f"the fused weight {what} at {where(bad, shape)}")
+def _raise_nonfinite_result(bad, shape, fmt="bf16", fp8_overflow="saturate"):
+    if bad < 0:
+        return
+    at = where(bad, shape)
+    if fmt == "F8_E4M3":
+        made = "+-448" if fp8_overflow == "saturate" else "NaN"
+        raise NonFiniteResultError(f"the fused weight overflows F8_E4M3 at {at}: past 448, "
+                                   f"which fp8_overflow={fp8_overflow!r} makes {made}")
+    if fmt == "F8_E5M2":
+        raise NonFiniteResultError(f"the fused weight overflows F8_E5M2 at {at}: past 57344, "
+                                   "which rounds to +-inf")
+    raise NonFiniteResultError(f"the fused weight overflows {fmt} at {at}")

@@ -184,8 +184,9 @@ def fuse_dora(weight, lora_a, lora_b, magnitude, scale=1.0, strength=1.0, style=
 # --------------------------------------------------------------------------------------------
 # fp8 (docs/arithmetic.md §2): F8_E4M3 is float8_e4m3fn (no inf, NaN = 0x7F/0xFF, largest 448), F8_E5M2 is
 # float8_e5m2 (IEEE-like: inf and NaN).  Rounding follows torch's cast, upstream's engine:
-# nearest-even; past the largest finite value, e4m3fn saturates to +-448 (inf too) and e5m2
-# goes to +-inf; NaN becomes the code 0x7F with its sign.
+# nearest-even; past the largest finite value (inf too) e5m2 goes to +-inf, and e4m3fn by one
+# of two rules: overflow="saturate", +-448, as torch casts from 2.13 on; overflow="nan", the
+# NaN code 0x7F/0xFF, as torch cast up to 2.12.  NaN becomes the code 0x7F with its sign.
 # --------------------------------------------------------------------------------------------
 
 FP8_FORMATS = {
@@ -215,13 +216,16 @@ def fp8_widen(codes, fmt):
     return table[bits(codes, np.uint8)]
 
 
-def fp8_round(x, fmt):
+def fp8_round(x, fmt, overflow="saturate"):
     """f32 values -> fp8 codes, by the rule above."""
+    if overflow not in ("saturate", "nan"):
+        raise ValueError(f"overflow is 'saturate' or 'nan', not {overflow!r}")
     with np.errstate(invalid="ignore", over="ignore"):  # NaN payloads, huge codes masked below
-        return _fp8_round(np.asarray(x, dtype=np.float32).astype(np.float64), FP8_FORMATS[fmt])
+        return _fp8_round(np.asarray(x, dtype=np.float32).astype(np.float64), FP8_FORMATS[fmt],
+                          overflow)
 
 
-def _fp8_round(x, spec):
+def _fp8_round(x, spec, overflow_rule):
     mant, bias, largest = spec["mantissa"], spec["bias"], spec["largest"]
     sign = np.where(np.signbit(x), 0x80, 0).astype(np.int64)
     a = np.abs(x)
@@ -240,19 +244,23 @@ def _fp8_round(x, spec):
         (q / np.ldexp(1.0, q_exp) - 1) * 2**mant).astype(np.int64)
     code_sub = np.rint(q / 2.0 ** (1 - bias - mant)).astype(np.int64)
     code = np.where(normal, code_normal, code_sub)
-    over_code = 0x7E if spec["saturates"] else 0x7C   # +-448, or +-inf
+    if not spec["saturates"]:
+        over_code = 0x7C                              # +-inf
+    else:
+        over_code = 0x7E if overflow_rule == "saturate" else 0x7F    # +-448, or NaN
     code = np.where(overflow, over_code, code)
     code = np.where(np.isnan(x), 0x7F, code)
     return (code | sign).astype(np.uint8)
 
 
-def fuse_loras_fp8(weight, adapters, fmt, rule="addmm"):
+def fuse_loras_fp8(weight, adapters, fmt, rule="addmm", overflow="saturate"):
     """fp8 weight (docs/arithmetic.md §2): W' = fp8(bf16(f32(total) + f32(bf16(W)))), total the bf16 delta of
-    one adapter (fuse_lora's) or aggregate_delta's of several; nearest-even into fp8."""
+    one adapter (fuse_lora's) or aggregate_delta's of several; nearest-even into fp8, past the
+    largest finite value by the ``overflow`` rule (fp8_round)."""
     weight = bits(weight, np.uint8)
     total = adapter_delta(adapters[0]) if len(adapters) == 1 else aggregate_delta(adapters, rule)
     w_bf16 = bf16_round(fp8_widen(weight, fmt))       # exact
-    return fp8_round(bf16_widen(bf16_round(bf16_widen(total) + bf16_widen(w_bf16))), fmt)
+    return fp8_round(bf16_widen(bf16_round(bf16_widen(total) + bf16_widen(w_bf16))), fmt, overflow)
 
 
 # --------------------------------------------------------------------------------------------

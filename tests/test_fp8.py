@@ -1,9 +1,12 @@
 """fp8 rounding (docs/arithmetic.md §2) in the reference: torch's cast (upstream's engine) for every value
-where it is defined, ml_dtypes' where the two agree."""
+where it is defined, under the overflow rule of the installed torch; ml_dtypes' cast, which is
+the "nan" rule, on every value."""
 import numpy as np
 import pytest
 
 from ltx2blas import reference
+
+from helpers import torch_fp8_overflow
 
 FORMATS = ["F8_E4M3", "F8_E5M2"]
 
@@ -28,8 +31,33 @@ def test_round_matches_torch_on_every_bf16_value(fmt):
     dtype = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}[fmt]
     values = every_bf16()
     expected = torch.from_numpy(values.copy()).to(dtype).view(torch.uint8).numpy()
-    got = reference.fp8_round(values, fmt)
+    got = reference.fp8_round(values, fmt, overflow=torch_fp8_overflow(torch))
     assert np.array_equal(got, expected)
+
+
+def test_overflow_rules_differ_exactly_past_464():
+    """The two e4m3 rules give the same code for every bf16 value but those past 464 (464
+    itself ties down to 448) and the infinities: 2 x (15255 + 1) values, 30,512."""
+    values = every_bf16()
+    saturate = reference.fp8_round(values, "F8_E4M3", overflow="saturate")
+    nan = reference.fp8_round(values, "F8_E4M3", overflow="nan")
+    differ = saturate != nan
+    past = (np.abs(values) > 464) & ~np.isnan(values)
+    assert np.array_equal(differ, past) and differ.sum() == 30512
+    assert set(saturate[past]) == {0x7E, 0xFE} and set(nan[past]) == {0x7F, 0xFF}
+    for fmt in FORMATS[1:]:  # e5m2 overflows to inf under both
+        assert np.array_equal(reference.fp8_round(values, fmt, overflow="nan"),
+                              reference.fp8_round(values, fmt))
+
+
+def test_nan_rule_matches_ml_dtypes_on_every_bf16_value():
+    """ml_dtypes' float8_e4m3fn cast sends overflow and inf to NaN, as torch did up to 2.12:
+    an oracle for the "nan" rule that needs no old torch."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    values = every_bf16()
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    assert np.array_equal(reference.fp8_round(values, "F8_E4M3", overflow="nan"), expected)
 
 
 @pytest.mark.parametrize("fmt, mldt", [("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")])
@@ -53,6 +81,12 @@ def test_specific_values():
     # 0; 1.5 * 2^-9 ties to even (2 * 2^-9); 1 + 1/16 ties down to 1, 1 + 3/16 up to 1 + 1/4.
     assert reference.fp8_round(f, "F8_E4M3").tolist() == [
         0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0x7F, 0x01, 0x00, 0x02, 0x80, 0x38, 0x3A]
+    # the "nan" rule (torch up to 2.12): 466, the next bf16 value past 464, and beyond are NaN
+    h = np.array([448, 464, 466, 480, 1e9, np.inf, -np.inf, -466, np.nan], np.float32)
+    assert reference.fp8_round(h, "F8_E4M3", overflow="nan").tolist() == [
+        0x7E, 0x7E, 0x7F, 0x7F, 0x7F, 0x7F, 0xFF, 0xFF, 0x7F]
+    assert reference.fp8_round(h, "F8_E4M3").tolist() == [
+        0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0xFE, 0x7F]
     g = np.array([57344, 61440, 1e9, np.inf, np.nan, 2.0**-16, 2.0**-17], np.float32)
     assert reference.fp8_round(g, "F8_E5M2").tolist() == [0x7B, 0x7C, 0x7C, 0x7C, 0x7F, 0x01, 0x00]
 
@@ -113,12 +147,16 @@ def test_fuse_keeps_upstreams_nan_and_inf_codes(rng, fmt):
     assert set(got[::2, :len(specials)].ravel()) <= {0x7F, 0x7C, 0xFC}
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_kernel_fp8_store_every_code(kernel_table, fmt):
-    """The fp8 rounding store of each kernel table (nearest-even): every code of the format as
-    the weight, against deltas spanning every bf16 exponent, both signs, ties, subnormals,
-    inf and NaN; rows of 40 (whole vectors and a tail on every table) in a wider weight; and
-    the first overflow's index."""
+#: The rounding store's formats (kernels.h ltx_fp8_kind): (format, overflow rule, kind).
+KINDS = [("F8_E4M3", "saturate", 0), ("F8_E5M2", "saturate", 1), ("F8_E4M3", "nan", 2)]
+
+
+@pytest.mark.parametrize("fmt, rule, kind", KINDS)
+def test_kernel_fp8_store_every_code(kernel_table, fmt, rule, kind):
+    """The fp8 rounding store of each kernel table (nearest-even) under each overflow rule:
+    every code of the format as the weight, against deltas spanning every bf16 exponent, both
+    signs, ties, subnormals, inf and NaN; rows of 40 (whole vectors and a tail on every table)
+    in a wider weight; the first overflow's index and the overflows' count."""
     rng = np.random.default_rng(11)
     codes = np.arange(256, dtype=np.uint8)
     deltas = np.concatenate([
@@ -131,11 +169,11 @@ def test_kernel_fp8_store_every_code(kernel_table, fmt):
     acc = np.ascontiguousarray(acc_flat[:n].reshape(-1, 40))
     w = np.zeros((acc.shape[0], 45), np.uint8)
     w[:, :40] = w_flat[:n].reshape(-1, 40)
-    got, first = hooks.store_fused_fp8(acc, w, fmt == "F8_E5M2", kernel_table)
+    got, first, count = hooks.store_fused_fp8(acc, w, kind, kernel_table)
     with np.errstate(invalid="ignore", over="ignore"):
         summed = reference.bf16_round(reference.fp8_widen(w[:, :40], fmt) +
                                       reference.bf16_widen(reference.bf16_round(acc)))
-        expected = reference.fp8_round(reference.bf16_widen(summed), fmt)
+        expected = reference.fp8_round(reference.bf16_widen(summed), fmt, overflow=rule)
     # NaN + NaN keeps one of the two NaNs (IEEE leaves which unspecified): compare NaN-ness
     # there, bits everywhere else.
     both_nan = np.isnan(reference.fp8_widen(w[:, :40], fmt)) & np.isnan(acc)
@@ -148,7 +186,7 @@ def test_kernel_fp8_store_every_code(kernel_table, fmt):
     finite = np.isfinite(magnitude)
     over = finite & ((magnitude > 464.0) if fmt == "F8_E4M3" else (magnitude >= 61440.0))
     flat = np.flatnonzero(over.ravel())
-    assert flat.size and first == flat[0]
+    assert flat.size and first == flat[0] and count == flat.size
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -197,14 +235,64 @@ def test_fp8_dtype_handling(rng):
         ltx2blas.fuse_lora(weight.view(ml_dtypes.float8_e4m3fn), a, b, weight_format="F8_E5M2")
 
 
-def test_fp8_saturation_is_caught_with_check_finite(rng):
+@pytest.mark.parametrize("rule, made", [("saturate", 0x7E), ("nan", 0x7F)])
+def test_fp8_overflow_is_caught_with_check_finite(rng, rule, made):
     weight = fp8_weight(rng, (10, 20), "F8_E4M3")
-    weight[2, 3] = 0x7E  # 448, the largest: a positive delta saturates it
+    weight[2, 3] = 0x7E  # 448, the largest: a positive delta takes it past
     a = np.full((1, 20), 0x3F80, np.uint16)
     b = np.full((10, 1), 0x4200, np.uint16)  # 32.0
     before = weight.copy()
-    with pytest.raises(errors.NonFiniteResultError, match=r"saturates fp8 e4m3 at 448 at \(2, 3\)"):
-        ltx2blas.fuse_lora(weight, a, b, weight_format="F8_E4M3", check_finite=True, out=weight)
+    text = "\\+-448" if rule == "saturate" else "NaN"
+    with pytest.raises(errors.NonFiniteResultError,
+                       match=rf"overflows F8_E4M3 at \(2, 3\): past 448, which "
+                             rf"fp8_overflow='{rule}' makes {text}"):
+        ltx2blas.fuse_lora(weight, a, b, weight_format="F8_E4M3", check_finite=True, out=weight,
+                           fp8_overflow=rule)
     assert np.array_equal(weight, before)
-    got = ltx2blas.fuse_lora(weight, a, b, weight_format="F8_E4M3")
-    assert got[2, 3] == 0x7E  # without the check: saturated, as upstream's cast does
+    got, overflows = ltx2blas.fuse_lora(weight, a, b, weight_format="F8_E4M3", fp8_overflow=rule,
+                                        return_overflows=True)
+    assert got[2, 3] == made and overflows == 1  # without the check: the rule's code, counted
+
+
+@pytest.mark.parametrize("fmt, rule", [(f, r) for f, r, _ in KINDS])
+@pytest.mark.parametrize("ranks", [[6], [6, 3]])
+def test_fp8_overflow_rules_byte_exact_and_counted(rng, fmt, rule, ranks):
+    """Weights near the format's largest value and deltas that take about a tenth of them past
+    it, ties at 464 among them: every rule's bytes are the reference's for any tiling and
+    thread count, and the count is the number of finite sums that rounded past the largest."""
+    largest = reference.FP8_FORMATS[fmt]["largest"]
+    weight = fp8_weight(rng, (67, 133), fmt, scale=largest / 2)
+    weight[5, :8] = reference.fp8_round(np.full(8, 416.0 if fmt == "F8_E4M3" else 49152.0), fmt)
+    adapters = [(random_bf16(rng, (r, 133), 1.0), random_bf16(rng, (67, r), 1.0),
+                 np.float32(largest / 8)) for r in ranks]
+    a, b, s = adapters[0]   # row 5: + 48 (or + 12288) in its first 8 columns, exactly
+    a[:, :8], b[5, :] = 0, 0
+    a[0, :8], b[5, 0] = 0x3F80, reference.bf16_round(np.float32(48.0 if fmt == "F8_E4M3" else 12288.0) / s)
+    expected = reference.fuse_loras_fp8(weight, adapters, fmt, overflow=rule)
+    total = (reference.lora_delta(*adapters[0]) if len(ranks) == 1
+             else reference.aggregate_delta(adapters, "addmm"))
+    summed = reference.bf16_widen(reference.bf16_round(
+        reference.fp8_widen(weight, fmt) + reference.bf16_widen(total)))
+    # past the largest: e4m3 above 464 (464 ties down to 448), e5m2 from 61440 (ties up to inf)
+    mag = np.abs(summed)
+    past = ((mag > 464.0) if fmt == "F8_E4M3" else (mag >= 61440.0)) & np.isfinite(summed)
+    assert 0.02 < past.mean() < 0.3
+    for threads, tile in ((1, None), (3, (16, 32)), (2, (64, 8))):
+        got, overflows = ltx2blas.fuse_loras(weight, adapters, weight_format=fmt, threads=threads,
+                                             tile=tile, fp8_overflow=rule, return_overflows=True)
+        assert np.array_equal(got, expected)
+        assert overflows == past.sum()
+
+
+def test_fp8_overflow_argument(rng):
+    weight = fp8_weight(rng, (10, 20), "F8_E4M3")
+    a, b = random_bf16(rng, (3, 20), 0.01), random_bf16(rng, (10, 3), 0.01)
+    with pytest.raises(errors.ArgumentError, match="fp8_overflow must be 'saturate' or 'nan'"):
+        ltx2blas.fuse_lora(weight, a, b, weight_format="F8_E4M3", fp8_overflow="clip")
+    with pytest.raises(errors.ArgumentError, match="never rounds past the largest finite"):
+        ltx2blas.fuse_lora(weight, a, b, weight_format="F8_E4M3", fp8_rounding="stochastic",
+                           fp8_overflow="nan")
+    bf16 = random_bf16(rng, (10, 20))  # bf16 weights have no fp8 overflow: the rule is moot
+    assert np.array_equal(ltx2blas.fuse_lora(bf16, a, b, fp8_overflow="nan"),
+                          ltx2blas.fuse_lora(bf16, a, b))
+    assert ltx2blas.fuse_lora(bf16, a, b, return_overflows=True)[1] == 0

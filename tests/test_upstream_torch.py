@@ -1,5 +1,7 @@
 """ltx2blas against its owners' arithmetic run in torch (tests/upstream_rules.py), on the same
-bytes.  Runs where torch is installed (``pip install torch==2.13.0``); skipped elsewhere.
+bytes.  Runs where torch is installed (``pip install torch==2.13.0``; an fp8 cast past 448
+is checked under the installed torch's own rule, so torch 2.11 and 2.12 pass too); skipped
+elsewhere.
 
 Two kinds of check:
 * the layout rules given the same bf16 aggregate delta are byte-identical to the owners' (the
@@ -18,7 +20,7 @@ import ltx2blas  # noqa: E402
 from ltx2blas import quantized, reference  # noqa: E402
 
 import upstream_rules as up  # noqa: E402
-from helpers import random_bf16  # noqa: E402
+from helpers import random_bf16, torch_fp8_overflow  # noqa: E402
 from test_quantized import (block_case, int8_case, mxfp8_case, nvfp4_case,  # noqa: E402
                             per_tensor_case)
 
@@ -81,7 +83,26 @@ def test_fp8_cast_rule(rng, fmt):
     codes, _ = per_tensor_case(rng, fmt)
     ads, agg, agg_t = _agg(rng)
     want = up.fuse_fp8_cast(codes, agg_t, fmt)
-    assert np.array_equal(ltx2blas.fuse_loras(codes, ads, weight_format=fmt), want)
+    assert np.array_equal(ltx2blas.fuse_loras(codes, ads, weight_format=fmt,
+                                              fp8_overflow=torch_fp8_overflow(torch)), want)
+
+
+@pytest.mark.parametrize("fmt", ["F8_E4M3", "F8_E5M2"])
+def test_fp8_cast_rule_past_the_largest_value(rng, fmt):
+    """Weights near the largest fp8 value and deltas that take some past it: what the fused
+    weight holds there is the installed torch's cast -- +-448 from torch 2.13, NaN before, inf
+    for e5m2 -- under the fp8_overflow rule named for that torch."""
+    largest = reference.FP8_FORMATS[fmt]["largest"]
+    codes = reference.fp8_round(rng.standard_normal((ROWS, COLS), dtype=np.float32)
+                                * np.float32(largest / 2), fmt)
+    ads = adapters(rng, [6, 3], scale=1.0, strengths=(largest / 8, -largest / 9))
+    rule = torch_fp8_overflow(torch)
+    want = up.fuse_fp8_cast(codes, up.bf16_tensor(reference.aggregate_delta(ads, "addmm")), fmt)
+    got, overflows = ltx2blas.fuse_loras(codes, ads, weight_format=fmt, fp8_overflow=rule,
+                                         return_overflows=True)
+    assert np.array_equal(got, want)
+    made = reference.fp8_round(np.float32(np.inf), fmt, overflow=rule) & 0x7F  # inf overflows too
+    assert 100 < overflows <= np.sum((got & 0x7F) == made)
 
 
 def test_fp8_scaled_mm_rule(rng):

@@ -6,18 +6,18 @@
 /* Built on first use; threads racing there write identical values. The flag is published
  * with release and read with acquire, so that a thread that sees it set sees the whole table
  * (on weakly ordered CPUs too). */
-static float fp8_table[2][256];
+static float fp8_table[LTX_FP8_KINDS][256];
 static int fp8_table_ready;
 
-const float *ltx_fp8_table(int e5m2)
+const float *ltx_fp8_table(int kind)
 {
     if (!__atomic_load_n(&fp8_table_ready, __ATOMIC_ACQUIRE)) {
-        for (int f = 0; f < 2; f++)
+        for (int f = 0; f < LTX_FP8_KINDS; f++)
             for (uint32_t c = 0; c < 256; c++)
                 fp8_table[f][c] = ltx_fp8_value(c, f);
         __atomic_store_n(&fp8_table_ready, 1, __ATOMIC_RELEASE);
     }
-    return fp8_table[e5m2 ? 1 : 0];
+    return fp8_table[kind];
 }
 
 void ltx_round_bf16(const float *src, uint16_t *dst, ltx_idx n)

@@ -18,9 +18,9 @@
  * table: for a normal code its exponent and mantissa bits placed in an f32's and the exponent
  * rebiased; for a subnormal code its mantissa m converted and scaled, m 2**(1 - bias - mant),
  * exact; inf and NaN selected, NaN unsigned. */
-static inline LTX_AVX512_TARGET __m512 ltx_fp8_value_avx512(__m512i c, int e5m2)
+static inline LTX_AVX512_TARGET __m512 ltx_fp8_value_avx512(__m512i c, int kind)
 {
-    const ltx_fp8_format *f = &LTX_FP8[e5m2];
+    const ltx_fp8_format *f = &LTX_FP8[kind];
     const int mant = f->mant, bias = f->bias;
     const float quantum = f->quantum;
     const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
@@ -41,12 +41,13 @@ static inline LTX_AVX512_TARGET __m512 ltx_fp8_value_avx512(__m512i c, int e5m2)
  * input: below the smallest normal the magnitude is rounded to the subnormal quantum by one
  * f32 addition of a constant whose unit in the last place is that quantum (exact); above it
  * the f32 bits are rounded nearest-even at the fp8 mantissa and rebiased; a code past the
- * largest finite one -- inf and NaN included -- saturates (e4m3 0x7E, e5m2 0x7C), and those
- * lanes are returned in *past. The sign is the input's. */
-static inline LTX_AVX512_TARGET __m512i ltx_fp8_round_avx512(__m512 x, int e5m2,
+ * largest finite one -- inf and NaN included -- becomes the kind's `over` (e4m3 0x7E, or 0x7F
+ * as torch cast before 2.13; e5m2 0x7C), and those lanes are returned in *past. The sign is
+ * the input's. */
+static inline LTX_AVX512_TARGET __m512i ltx_fp8_round_avx512(__m512 x, int kind,
                                                              __mmask16 *past)
 {
-    const ltx_fp8_format *f = &LTX_FP8[e5m2];
+    const ltx_fp8_format *f = &LTX_FP8[kind];
     const int mant = f->mant, bias = f->bias, shift = 23 - mant;
     const uint32_t magic_bits = (uint32_t)(127 + 23 + 1 - bias - mant) << 23 | 0x400000u;
     float magic;

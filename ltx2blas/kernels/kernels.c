@@ -1345,23 +1345,24 @@ static void f32_to_f64(const float *restrict src, double *restrict dst, ltx_idx 
 /* ---- fp8 weights (docs/arithmetic.md §2) ----
  * W' = fp8(bf16(f32(bf16(acc)) + f32(W))), W an F8_E4M3 (float8_e4m3fn) or F8_E5M2 code, widened
  * exactly.  Into fp8: nearest-even, as torch casts (upstream's engine): past the largest finite
- * value e4m3fn saturates to +-448 (inf too) and e5m2 goes to +-inf; NaN becomes 0x7F with its
- * sign.  Stochastic: the bits below the fp8 precision are compared with random bits from a
+ * value (inf too) the kind's `over` -- e4m3fn saturates to +-448 (torch from 2.13) or becomes
+ * NaN (torch before), e5m2 goes to +-inf; NaN becomes 0x7F with its sign.  Stochastic: the bits below the fp8 precision are compared with random bits from a
  * counter-based generator (splitmix64 of key + the element's index in the whole tensor), so a
  * value rounds up with probability equal to its distance from the lower neighbour, the same
  * way for any tiling and thread count; a finite value is never rounded up past the largest
  * finite fp8 value. */
 
-/* bf16 bits -> fp8 code. e5m2 selects the format; rnd (32 random bits) is used when
- * stochastic. *over is set when a finite value lands past the largest finite fp8 value. */
-static inline uint32_t fp8_from_bf16(uint32_t h, int e5m2, int stochastic, uint32_t rnd, int *over)
+/* bf16 bits -> fp8 code of an ltx_fp8_kind; rnd (32 random bits) is used when stochastic,
+ * which never rounds past the largest finite value. *over is set when a finite value lands
+ * past the largest finite fp8 value. */
+static inline uint32_t fp8_from_bf16(uint32_t h, int kind, int stochastic, uint32_t rnd, int *over)
 {
     const uint32_t sign = (h >> 8) & 0x80u;
     const uint32_t E = (h >> 7) & 0xFFu, M = h & 0x7Fu;
-    const int mant = LTX_FP8[e5m2].mant, bias = LTX_FP8[e5m2].bias;
-    const uint32_t largest = LTX_FP8[e5m2].largest;
+    const int mant = LTX_FP8[kind].mant, bias = LTX_FP8[kind].bias;
+    const uint32_t largest = LTX_FP8[kind].largest;
     if (E == 0xFFu)
-        return M ? (0x7Fu | sign) : (LTX_FP8[e5m2].over | sign);
+        return M ? (0x7Fu | sign) : (LTX_FP8[kind].over | sign);
     if (E == 0 && M == 0)
         return sign;
     const uint32_t S = E ? (0x80u | M) : M;              /* significand, 7 fraction bits */
@@ -1377,7 +1378,7 @@ static inline uint32_t fp8_from_bf16(uint32_t h, int e5m2, int stochastic, uint3
     uint32_t code = f < 1 ? R : (uint32_t)((f - 1) << mant) + R;
     if (code > largest) {
         *over = 1;
-        code = (e5m2 && !stochastic) ? 0x7Cu : largest;
+        code = stochastic ? largest : LTX_FP8[kind].over;
     }
     return code | sign;
 }
@@ -1435,18 +1436,18 @@ static inline void store_u8_vec(uint8_t *p, vu32 v)
  * values with the selects made by mask registers, where the generic forms spend about 110
  * vector operations a vector and the rounding store is bound by them. ltx_fp8_round_avx512 is
  * quant.c's rounding; fp8_from_bf16's inf, NaN and overflow are set around it. */
-static inline vf fp8_value_vec(vu32 c, int e5m2)
+static inline vf fp8_value_vec(vu32 c, int kind)
 {
-    return (vf)ltx_fp8_value_avx512((__m512i)c, e5m2);
+    return (vf)ltx_fp8_value_avx512((__m512i)c, kind);
 }
 
-static inline vu32 fp8_nearest_vec(vu32 h, int e5m2, vu32 *over)
+static inline vu32 fp8_nearest_vec(vu32 h, int kind, vu32 *over)
 {
     const vu32 u = h << 16;
     const __m512i a = _mm512_and_si512((__m512i)u, _mm512_set1_epi32(0x7FFFFFFF));
     __mmask16 past;
-    __m512i code = ltx_fp8_round_avx512((__m512)u, e5m2, &past);
-    /* NaN to 0x7F (its sign kept); inf saturated, but not an overflow */
+    __m512i code = ltx_fp8_round_avx512((__m512)u, kind, &past);
+    /* NaN to 0x7F (its sign kept); inf to the kind's `over`, but not an overflow */
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
     code = _mm512_mask_mov_epi32(code, nan,
                                  _mm512_or_si512(_mm512_and_si512(code, _mm512_set1_epi32(0x80)),
@@ -1461,9 +1462,9 @@ static inline vu32 fp8_nearest_vec(vu32 h, int e5m2, vu32 *over)
  * operations); for a subnormal code, its mantissa m converted and scaled, m 2**(1 - bias -
  * mant), exact; inf and NaN codes selected, NaN unsigned. No f32 subnormal is formed: an
  * operation on one can take a slow path. */
-static inline vf fp8_value_vec(vu32 c, int e5m2)
+static inline vf fp8_value_vec(vu32 c, int kind)
 {
-    const ltx_fp8_format *f = &LTX_FP8[e5m2];
+    const ltx_fp8_format *f = &LTX_FP8[kind];
     const int mant = f->mant, bias = f->bias;
     const float quantum = f->quantum;
     const vu32 mag = c & 0x7Fu;
@@ -1481,11 +1482,11 @@ static inline vf fp8_value_vec(vu32 c, int e5m2)
 /* fp8_from_bf16 with nearest-even rounding, lane by lane, h the bf16 bits (each below
  * 2**16): the same expressions, the branches made masks. Lanes that overflowed are set in
  * *over. */
-static inline vu32 fp8_nearest_vec(vu32 h, int e5m2, vu32 *over)
+static inline vu32 fp8_nearest_vec(vu32 h, int kind, vu32 *over)
 {
-    const int mant = LTX_FP8[e5m2].mant, bias = LTX_FP8[e5m2].bias;
-    const int32_t largest = (int32_t)LTX_FP8[e5m2].largest;
-    const uint32_t over_code = LTX_FP8[e5m2].over;
+    const int mant = LTX_FP8[kind].mant, bias = LTX_FP8[kind].bias;
+    const int32_t largest = (int32_t)LTX_FP8[kind].largest;
+    const uint32_t over_code = LTX_FP8[kind].over;
     const vu32 sign = (h >> 8) & 0x80u;
     const vu32 E = (h >> 7) & 0xFFu, M = h & 0x7Fu;
     const vu32 normal = (vu32)(E != 0);
@@ -1512,28 +1513,32 @@ static inline vu32 fp8_nearest_vec(vu32 h, int e5m2, vu32 *over)
 
 /* The fp8 rounding store. Nearest-even goes VW elements at a time (fp8_value_vec and
  * fp8_nearest_vec, the scalar rules lane by lane); the stochastic rounding and each row's
- * last cols % VW elements, element by element. */
+ * last cols % VW elements, element by element. Overflows are rare: they are counted only in
+ * a vector where some lane has one. */
 static ltx_idx store_fused_fp8(const float *acc, const uint8_t *w, ltx_idx ldw, uint8_t *out,
-                               ltx_idx ldo, ltx_idx rows, ltx_idx cols, int e5m2,
-                               int stochastic, uint64_t key, ltx_idx index0, ltx_idx stride)
+                               ltx_idx ldo, ltx_idx rows, ltx_idx cols, int kind,
+                               int stochastic, uint64_t key, ltx_idx index0, ltx_idx stride,
+                               ltx_idx *first_over)
 {
-    ltx_idx first_over = -1;
-    const float *table = ltx_fp8_table(e5m2);
+    ltx_idx overflows = 0;
+    *first_over = -1;
+    const float *table = ltx_fp8_table(kind);
     const ltx_idx full = stochastic ? 0 : cols - cols % VW;
     for (ltx_idx r = 0; r < rows; r++) {
         if (r + PREFETCH_ROWS < rows)
             prefetch_run(w + (r + PREFETCH_ROWS) * ldw, cols);
         for (ltx_idx i = 0; i < full; i += VW) {
-            const vf value = fp8_value_vec(load_u8_vec(w + r * ldw + i), e5m2);
+            const vf value = fp8_value_vec(load_u8_vec(w + r * ldw + i), kind);
             const vf sum = value + (vf)bf16_high_vec(LOADV(acc + r * cols + i));
             vu32 over;
-            const vu32 code = fp8_nearest_vec(bf16_high_vec(sum) >> 16, e5m2, &over);
+            const vu32 code = fp8_nearest_vec(bf16_high_vec(sum) >> 16, kind, &over);
             store_u8_vec(out + r * ldo + i, code);
-            if (__builtin_expect(first_over < 0 && any_lane(over), 0))
+            if (__builtin_expect(any_lane(over), 0))
                 for (int l = 0; l < VW; l++)
                     if (over[l]) {
-                        first_over = r * stride + i + l;
-                        break;
+                        if (*first_over < 0)
+                            *first_over = r * stride + i + l;
+                        overflows++;
                     }
         }
         for (ltx_idx i = full; i < cols; i++) {
@@ -1542,13 +1547,16 @@ static ltx_idx store_fused_fp8(const float *acc, const uint8_t *w, ltx_idx ldw, 
             const uint32_t rnd =
                 stochastic ? (uint32_t)ltx_splitmix64(key + (uint64_t)(index0 + r * stride + i)) : 0;
             int over = 0;
-            out[r * ldo + i] = (uint8_t)fp8_from_bf16(ltx_bf16_high(sum) >> 16, e5m2, stochastic,
+            out[r * ldo + i] = (uint8_t)fp8_from_bf16(ltx_bf16_high(sum) >> 16, kind, stochastic,
                                                       rnd, &over);
-            if (over && first_over < 0)
-                first_over = r * stride + i;
+            if (over) {
+                if (*first_over < 0)
+                    *first_over = r * stride + i;
+                overflows++;
+            }
         }
     }
-    return first_over;
+    return overflows;
 }
 
 static void accumulate_rounded(const float *restrict acc, float *restrict total, ltx_idx n)

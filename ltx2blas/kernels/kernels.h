@@ -52,30 +52,37 @@ static inline float ltx_bf16_round(float f) { return ltx_bits_f32(ltx_bf16_high(
 /* The value of bf16 bits, exactly. */
 static inline float ltx_bf16_value(uint16_t h) { return ltx_bits_f32((uint32_t)h << 16); }
 
-/* The fp8 formats, each described once, indexed by e5m2: 0, F8_E4M3 (float8_e4m3fn: no inf,
- * NaN x111_1111, largest 448); 1, F8_E5M2 (IEEE-like: exponent 31 is inf, or NaN with a
- * mantissa). Codes are sign | magnitude code. */
+/* The fp8 formats, each described once, indexed by an ltx_fp8_kind: F8_E4M3 (float8_e4m3fn: no
+ * inf, NaN x111_1111, largest 448) in its two casts, and F8_E5M2 (IEEE-like: exponent 31 is
+ * inf, or NaN with a mantissa). Codes are sign | magnitude code. A value that rounds past the
+ * largest finite one becomes the row's `over`: e4m3 saturates at 448 as torch casts from 2.13
+ * on, or becomes NaN as torch cast before (LTX_FP8_E4M3_NAN; the codes read the same); e5m2
+ * goes to inf in both. docs/arithmetic.md §2. */
+typedef enum { LTX_FP8_E4M3 = 0, LTX_FP8_E5M2 = 1, LTX_FP8_E4M3_NAN = 2, LTX_FP8_KINDS } ltx_fp8_kind;
+
 typedef struct {
     int mant, bias;       /* mantissa bits, exponent bias */
     uint32_t largest;     /* the magnitude code of the largest finite value */
-    uint32_t over;        /* what a finite value past it rounds to: e4m3 saturates, e5m2 is inf */
+    uint32_t over;        /* what a value past it (inf included) rounds to */
     uint32_t nan_above;   /* magnitude codes above this are NaN */
     uint32_t inf;         /* the magnitude code of inf, 0 where the format has none */
     float quantum;        /* the subnormal step, 2^(1 - bias - mant) */
 } ltx_fp8_format;
 
-static const ltx_fp8_format LTX_FP8[2] = {
-    {.mant = 3, .bias = 7, .largest = 0x7Eu, .over = 0x7Eu, .nan_above = 0x7Eu, .inf = 0,
-     .quantum = 0x1p-9f},
-    {.mant = 2, .bias = 15, .largest = 0x7Bu, .over = 0x7Cu, .nan_above = 0x7Cu, .inf = 0x7Cu,
-     .quantum = 0x1p-16f},
+static const ltx_fp8_format LTX_FP8[LTX_FP8_KINDS] = {
+    [LTX_FP8_E4M3] = {.mant = 3, .bias = 7, .largest = 0x7Eu, .over = 0x7Eu, .nan_above = 0x7Eu,
+                      .inf = 0, .quantum = 0x1p-9f},
+    [LTX_FP8_E5M2] = {.mant = 2, .bias = 15, .largest = 0x7Bu, .over = 0x7Cu, .nan_above = 0x7Cu,
+                      .inf = 0x7Cu, .quantum = 0x1p-16f},
+    [LTX_FP8_E4M3_NAN] = {.mant = 3, .bias = 7, .largest = 0x7Eu, .over = 0x7Fu,
+                          .nan_above = 0x7Eu, .inf = 0, .quantum = 0x1p-9f},
 };
 
-/* Value of an fp8 code: F8_E4M3 (e5m2 = 0) or F8_E5M2, exactly. Every NaN code, whatever its
+/* Value of an fp8 code of one ltx_fp8_kind, exactly. Every NaN code, whatever its
  * sign bit, is the positive quiet NaN: torch widens them so, and upstream fuses through it. */
-static inline float ltx_fp8_value(uint32_t code, int e5m2)
+static inline float ltx_fp8_value(uint32_t code, int kind)
 {
-    const ltx_fp8_format *f = &LTX_FP8[e5m2];
+    const ltx_fp8_format *f = &LTX_FP8[kind];
     const uint32_t mag = code & 0x7Fu, e = mag >> f->mant, m = code & ((1u << f->mant) - 1u);
     float v;
     if (mag > f->nan_above)
@@ -89,9 +96,9 @@ static inline float ltx_fp8_value(uint32_t code, int e5m2)
     return (code & 0x80u) ? -v : v;
 }
 
-/* ltx_fp8_value of every code of one format, a table built once (common.c, the unit every
- * kernel build shares). */
-const float *ltx_fp8_table(int e5m2);
+/* ltx_fp8_value of every code of one ltx_fp8_kind, a table built once (common.c, the unit
+ * every kernel build shares). */
+const float *ltx_fp8_table(int kind);
 /* dst[i] = bf16(src[i]): the library's bf16 rounding, for arrays the Python layers round. */
 void ltx_round_bf16(const float *src, uint16_t *dst, ltx_idx n);
 /* The stochastic rounding's per-tensor key (docs/arithmetic.md §2): splitmix64(seed) xor the
@@ -217,12 +224,14 @@ typedef struct {
      * tables where it was not measured faster keep the streaming kernel) */
     int panel_min_rows;
     /* out[r, i] = fp8(bf16(f32(w[r, i]) + f32(bf16(acc[r, i])))) over a rows x cols tile of an
-     * fp8 weight (e5m2: F8_E5M2, else F8_E4M3); nearest-even, or stochastic with random bits
-     * from splitmix64(key + index0 + r * stride + i).  Returns the offset (r * stride + i) of
-     * the first value that overflowed the fp8 range, or -1. */
+     * fp8 weight of one ltx_fp8_kind; nearest-even, or stochastic with random bits from
+     * splitmix64(key + index0 + r * stride + i).  Returns how many finite sums landed past the
+     * largest finite fp8 value, and sets *first_over to the offset (r * stride + i) of the
+     * first of them, or -1. */
     ltx_idx (*store_fused_fp8)(const float *acc, const uint8_t *w, ltx_idx ldw, uint8_t *out,
-                               ltx_idx ldo, ltx_idx rows, ltx_idx cols, int e5m2, int stochastic,
-                               uint64_t key, ltx_idx index0, ltx_idx stride);
+                               ltx_idx ldo, ltx_idx rows, ltx_idx cols, int kind, int stochastic,
+                               uint64_t key, ltx_idx index0, ltx_idx stride,
+                               ltx_idx *first_over);
     /* out[i, j] = bf16(f32(w[i, j]) + f32(bf16(sum_p x[i, p] * y[p, j]))) over an m x n tile,
      * the sum from +0.0 in the order p = 0 .. k-1: seq_gemm into a zeroed c, then store_fused,
      * in registers. x row-major; y the [k, n] fuse panel made by this table's pack_fuse_panel

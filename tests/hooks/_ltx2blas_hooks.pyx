@@ -59,21 +59,22 @@ def store_fused_tile(const float[:, ::1] acc, const uint16_t[:, ::1] w, table=No
     return out
 
 
-def store_fused_fp8(const float[:, ::1] acc, const uint8_t[:, ::1] w, bint e5m2, table=None):
-    """fp8(bf16(f32(w) + f32(bf16(acc)))), nearest-even, over a tile by one kernel table, w's
-    rows (row stride w.shape[1] >= cols) and the output's (row stride w.shape[1] + 3) longer
-    than the tile, whose elements past the tile hold 0xAB and must keep it. Returns (out, the
-    kernel's r * cols + i of the first overflow, or -1)."""
+def store_fused_fp8(const float[:, ::1] acc, const uint8_t[:, ::1] w, int kind, table=None):
+    """fp8(bf16(f32(w) + f32(bf16(acc)))), nearest-even into the ltx_fp8_kind ``kind`` (0
+    F8_E4M3 saturating, 1 F8_E5M2, 2 F8_E4M3 NaN past 448), over a tile by one kernel table,
+    w's rows (row stride w.shape[1] >= cols) and the output's (row stride w.shape[1] + 3)
+    longer than the tile, whose elements past the tile hold 0xAB and must keep it. Returns
+    (out, the kernel's r * cols + i of the first overflow or -1, the overflows' count)."""
     cdef Py_ssize_t rows, cols, ldw
     rows, cols, ldw = _tile_shape(acc, w)
     cdef const ltx_kernels *kern = _table(table)
     out = np.full((rows, ldw + 3), 0xAB, np.uint8)
     cdef uint8_t[:, ::1] o = out
-    cdef Py_ssize_t first = -1
+    cdef Py_ssize_t first = -1, count = 0
     if rows and cols:
-        first = kern.store_fused_fp8(&acc[0, 0], &w[0, 0], ldw, &o[0, 0], ldw + 3, rows, cols,
-                                     e5m2, 0, 0, 0, cols)
-    return out, first
+        count = kern.store_fused_fp8(&acc[0, 0], &w[0, 0], ldw, &o[0, 0], ldw + 3, rows, cols,
+                                     kind, 0, 0, 0, cols, &first)
+    return out, first, count
 
 
 def scale_round_widen(const uint16_t[::1] bits, float s, table=None):
