@@ -17,7 +17,9 @@ import threading
 _FLAGS = (("force=True", "--force"), ("allow_unmatched=True", "--allow-unmatched"),
           ("check_finite=True", "--check-finite"), ("alpha='ignore'", "--alpha ignore"),
           ("alpha='scale'", "--alpha scale"), ("fp8_rounding='stochastic'",
-                                                "--fp8-rounding stochastic"))
+                                                "--fp8-rounding stochastic"),
+          ("fp8_overflow='saturate'", "--fp8-overflow saturate"),
+          ("fp8_overflow='nan'", "--fp8-overflow nan"))
 
 
 def _cmd_info(args):
@@ -138,7 +140,7 @@ def _cmd_fuse(args):
         allow_unmatched=args.allow_unmatched, threads=args.threads,
         progress=None if (args.dry_run or args.quiet) else _ProgressPrinter(),
         check_finite=args.check_finite, force=args.force, fp8_rounding=args.fp8_rounding,
-        seed=args.seed or 0, dry_run=args.dry_run)
+        seed=args.seed or 0, dry_run=args.dry_run, fp8_overflow=args.fp8_overflow)
     lines = [_cli_words(report.summary())]
     if args.verbose:
         lines += [f"  {name}  <- adapters {adapters}" for name, adapters in report.fused]
@@ -227,6 +229,9 @@ def build_parser():
                    help="fuse even into a checkpoint whose metadata says it already holds a fused adapter")
     p.add_argument("--fp8-rounding", choices=("nearest", "stochastic"), default="nearest",
                    help="rounding into fp8 weights (default nearest-even, upstream's CPU rule)")
+    p.add_argument("--fp8-overflow", choices=("saturate", "nan"), default="saturate",
+                   help="what a plain F8_E4M3 value rounded past 448 becomes: +-448, as torch "
+                        "casts from 2.13 (the default), or NaN, as torch cast up to 2.12")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of --fp8-rounding stochastic (default 0; bits differ per tensor "
                         "name)")

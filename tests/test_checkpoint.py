@@ -292,6 +292,59 @@ def test_fp8_checkpoint(tmp_path, rng, rounding):
     assert meta["ltx2blas.fp8_rounding"].startswith(rounding)
 
 
+def _overflow_case(tmp_path, rng):
+    """An fp8 checkpoint and an adapter at a strength that takes about a tenth of to_q's
+    values past 448; with the reference's expected count of them."""
+    model = ck.model(rng, fp8="F8_E4M3")
+    ad = ck.adapter(rng, ["transformer_blocks.0.attn1.to_q"], rank=4)
+    name = M + "transformer_blocks.0.attn1.to_q.weight"
+    q = "diffusion_model.transformer_blocks.0.attn1.to_q"
+    pair = (ad[q + ".lora_A.weight"][1], ad[q + ".lora_B.weight"][1], 60000.0)
+    summed = reference.bf16_widen(reference.bf16_round(
+        reference.fp8_widen(model[name][1], "F8_E4M3") + reference.bf16_widen(reference.lora_delta(*pair))))
+    past = int(np.sum(np.abs(summed) > 464))  # 464 itself ties down to 448
+    assert 0.02 < past / summed.size < 0.5
+    return (ck.write(tmp_path / "fp8.safetensors", model), ck.write(tmp_path / "a.safetensors", ad),
+            model, name, pair, past)
+
+
+@pytest.mark.parametrize("rule", ["saturate", "nan"])
+def test_fp8_overflow_rule_in_a_checkpoint(tmp_path, rng, rule):
+    mp, ap, model, name, pair, past = _overflow_case(tmp_path, rng)
+    out = tmp_path / "out.safetensors"
+    report = ltx2blas.fuse_checkpoint(mp, [(ap, pair[2])], out, fp8_overflow=rule)
+    got, meta, _ = read_all(out)
+    assert np.array_equal(got[name][1], reference.fuse_loras_fp8(model[name][1], [pair], "F8_E4M3",
+                                                                 overflow=rule))
+    assert meta["ltx2blas.fp8_overflow"].startswith(rule + ":")
+    assert report.fp8_overflows == {name: past}
+    made = "+-448" if rule == "saturate" else "NaN"
+    assert (f"{past} fp8 values in 1 weights rounded past their format's largest finite value "
+            f"(e.g. {past} in {name}): F8_E4M3 stores them as {made} (fp8_overflow='{rule}')"
+            in report.summary())
+    with pytest.raises(errors.NonFiniteResultError, match=rf"{name}: .*fp8_overflow='{rule}'"):
+        ltx2blas.fuse_checkpoint(mp, [(ap, pair[2])], tmp_path / "no.safetensors",
+                                 fp8_overflow=rule, check_finite=True)
+    assert not (tmp_path / "no.safetensors").exists()
+    state = {n: v.copy() for n, (_, v) in model.items()}
+    report = ltx2blas.fuse_state_dict(state, [(ap, pair[2])], fp8_overflow=rule,
+                                      weight_format="F8_E4M3")
+    assert np.array_equal(state[name], got[name][1]) and report.fp8_overflows == {name: past}
+
+
+def test_fp8_overflow_rule_is_checked_before_reading(tmp_path, rng):
+    mp, ap, *_ = _overflow_case(tmp_path, rng)
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(errors.ArgumentError, match="fp8_overflow must be"):
+        ltx2blas.fuse_checkpoint(mp, [(ap, 1.0)], out, fp8_overflow="NaN")
+    with pytest.raises(errors.ArgumentError, match="takes fp8_overflow='saturate'"):
+        ltx2blas.fuse_checkpoint(mp, [(ap, 1.0)], out, fp8_overflow="nan",
+                                 fp8_rounding="stochastic")
+    assert not out.exists()
+    report = ltx2blas.fuse_checkpoint(mp, [(ap, 1.0)], out)   # no overflow: nothing said
+    assert report.fp8_overflows == {} and "rounded past" not in report.summary()
+
+
 def test_state_dict_numpy_in_place(files, rng):
     paths, model, a1, _ = files
     state = {n: v.copy() for n, (_, v) in model.items()}

@@ -136,6 +136,9 @@ def test_summary_says_what_happened(paths, tmp_path, rng):
     (("--lora", "{lora}", "-o", "{out}", "--seed", "3"), 2,
      "--seed seeds --fp8-rounding stochastic"),
     (("--lora", "{lora}", "-o", "{out}", "--threads", str(2**64)), 2, "at most 65536 threads"),
+    (("--lora", "{lora}", "-o", "{out}", "--fp8-overflow", "nan", "--fp8-rounding", "stochastic"),
+     2, "--fp8-overflow nan is torch's nearest cast up to 2.12; --fp8-rounding stochastic never "
+        "rounds past the largest finite value, so it takes --fp8-overflow saturate"),
     (("-o", "{out}"), 2, "the following arguments are required: --lora (see ltx2blas fuse --help)"),
 ])
 def test_mistakes_are_one_line_with_their_code(paths, args, code, text):
@@ -193,3 +196,20 @@ def test_termination_removes_the_temporary_output(tmp_path, rng, name, code):
     assert stderr.strip().splitlines()[-1] == f"ltx2blas: terminated by {name}"
     assert "Traceback" not in stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big-lora.safetensors", "big.safetensors"]
+
+
+def test_fp8_overflow_is_recorded_and_summarised(tmp_path, rng):
+    """--fp8-overflow nan: past 448 is NaN, the metadata says so, the summary counts them."""
+    model = ck.model(rng, fp8="F8_E4M3")
+    mp = ck.write(tmp_path / "fp8.safetensors", model)
+    lora = ck.write(tmp_path / "lora.safetensors",
+                    ck.adapter(rng, ["transformer_blocks.0.attn1.to_q"], rank=4))
+    out = tmp_path / "out.safetensors"
+    r = run("fuse", mp, "--lora", f"{lora}:60000", "-o", out, "-q", "--fp8-overflow", "nan")
+    assert r.returncode == 0, r.stderr
+    assert "rounded past their format's largest finite value" in r.stdout
+    assert "stores them as NaN (--fp8-overflow nan)" in r.stdout
+    from ltx2blas.files.safetensors import SafetensorsFile
+
+    with SafetensorsFile(out) as f:
+        assert f.metadata["ltx2blas.fp8_overflow"].startswith("nan: ")

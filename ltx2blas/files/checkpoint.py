@@ -28,7 +28,7 @@ from ..errors import (
     NumericsError,
 )
 from .._threads import resolve_threads
-from .._validate import FP8, FP8_ROUNDINGS, RULES, choice, round_up, strength_f32
+from .._validate import FP8, RULES, choice, fp8_rounding_rule, round_up, strength_f32
 from ..fuse import fuse_bias, fuse_dora, fuse_loras
 from ..quantized import check_weight, fuse_quantized
 from . import adapters as plans
@@ -67,6 +67,10 @@ class FuseReport:
     rule: str = "addmm"
     layouts: dict = field(default_factory=dict)  # layout kind -> modules fused in it
     biases_fused: int = 0
+    fp8_overflow: str = "saturate"
+    # plain fp8 weights with values rounded past the format's largest finite value: name ->
+    # how many, in output order
+    fp8_overflows: dict = field(default_factory=dict)
 
     @property
     def gflops(self):
@@ -86,6 +90,13 @@ class FuseReport:
         if not self.dry_run:
             lines.append(f"{self.seconds:.1f} s, {self.gflops:.1f} GFLOP/s, peak memory "
                          f"{self.peak_rss_mib:.0f} MiB -> {self.output}")
+        if self.fp8_overflows:
+            first, count = next(iter(self.fp8_overflows.items()))
+            made = "+-448" if self.fp8_overflow == "saturate" else "NaN"
+            lines.append(f"{sum(self.fp8_overflows.values())} fp8 values in "
+                         f"{len(self.fp8_overflows)} weights rounded past their format's "
+                         f"largest finite value (e.g. {count} in {first}): F8_E4M3 stores them "
+                         f"as {made} (fp8_overflow={self.fp8_overflow!r}), F8_E5M2 as +-inf")
         for i, a in enumerate(self.adapters):
             kinds = ", ".join(f"{n} {k}" for k, n in sorted(a.kinds.items()))
             text = (f"adapter {i}: {a.path} x {a.strength:g}: {a.pairs_used} modules "
@@ -250,7 +261,14 @@ def _fused_history(base):
     return history if isinstance(history, list) else []
 
 
-def _fused_metadata(base, reports, dtypes, plan, fp8_rounding, seed, rule, layout_counts):
+#: What the metadata says of each fp8 overflow rule.
+FP8_OVERFLOW_TEXT = {
+    "saturate": "an F8_E4M3 value rounded past 448 is stored as +-448, as torch casts from 2.13",
+    "nan": "an F8_E4M3 value rounded past 448 is stored as NaN, as torch casts up to 2.12",
+}
+
+
+def _fused_metadata(base, reports, dtypes, plan, options, layout_counts):
     """The input's metadata, with this fuse appended to the history of fuses it records."""
     metadata = dict(base)
     metadata[FUSED_KEY] = json.dumps(_fused_history(base) + [
@@ -258,13 +276,15 @@ def _fused_metadata(base, reports, dtypes, plan, fp8_rounding, seed, rule, layou
          "pairs": r.pairs_used, "alpha": r.alpha_mode, "alpha_scaled": r.alpha_scaled,
          **({"alpha_source": r.alpha_source} if r.alpha_source else {}),
          **({"not_fused": r.extra_tensors} if r.extra_tensors else {}),
-         "rule": rule} for r in reports])
+         "rule": options.rule} for r in reports])
     metadata["ltx2blas.version"] = _version()
-    metadata["ltx2blas.rule"] = f"{rule}: {RULE_TEXT[rule]}"
+    metadata["ltx2blas.rule"] = f"{options.rule}: {RULE_TEXT[options.rule]}"
     metadata["ltx2blas.layouts"] = json.dumps(dict(sorted(layout_counts.items())))
     if any(dtypes[n] in ("F8_E4M3", "F8_E5M2") for n in plan):
-        metadata["ltx2blas.fp8_rounding"] = fp8_rounding + (
-            f" (seed {seed})" if fp8_rounding == "stochastic" else "")
+        metadata["ltx2blas.fp8_rounding"] = options.fp8_rounding + (
+            f" (seed {options.seed})" if options.fp8_rounding == "stochastic" else "")
+        metadata["ltx2blas.fp8_overflow"] = (
+            f"{options.fp8_overflow}: {FP8_OVERFLOW_TEXT[options.fp8_overflow]}")
     return metadata
 
 
@@ -423,9 +443,10 @@ def _fuse_one(weight, loaded, layout, name, options, scales, delta, model, sourc
     """Fuse one weight's ``loaded`` adapter tensors into ``weight`` (bits, in place); for a
     quantised layout also into its ``scales`` arrays (in place), the delta held in ``delta``
     memory; a DoRA adapter by fuse_dora.  A NumericsError says the ``model`` file (or
-    "<state dict>") and the weight's key, and the adapter file and key when one is at fault."""
+    "<state dict>") and the weight's key, and the adapter file and key when one is at fault.
+    Returns how many values of a plain fp8 weight rounded past its largest finite value."""
     try:
-        _fuse_arrays(weight, loaded, layout, name, options, scales, delta)
+        return _fuse_arrays(weight, loaded, layout, name, options, scales, delta)
     except NumericsError as exc:
         raise _located(exc, model, name, loaded, sources) from None
 
@@ -472,18 +493,22 @@ def _fuse_arrays(weight, loaded, layout, name, options, scales, delta):
         style = "peft" if "magnitude" in item.pair.keys else "comfy"
         fuse_dora(weight, a, b, loaded[0].magnitude, scale=item.scale, strength=item.strength,
                   style=style, threads=options.threads, out=weight)
-        return
+        return 0
     adapters = [(*ld.arrays, ld.item.scale) for ld in loaded]
     if layout.quantized:
         fuse_quantized(layout.kind, weight, adapters, scale=scales[0],
                        scale_2=scales[1] if len(scales) > 1 else None,
                        fmt=layout.fmt if layout.fmt in FP8 else None, rule=options.rule,
                        threads=options.threads, in_place=True, delta_buffer=delta)
-        return
-    fuse_loras(weight, adapters, rule=options.rule, threads=options.threads, out=weight,
-               check_finite=options.check_finite, weight_format=layout.fmt,
-               fp8_rounding=options.fp8_rounding if layout.kind == "fp8" else "nearest",
-               seed=options.seed, name=name)
+        return 0
+    plain_fp8 = layout.kind == "fp8"
+    _, overflows = fuse_loras(
+        weight, adapters, rule=options.rule, threads=options.threads, out=weight,
+        check_finite=options.check_finite, weight_format=layout.fmt,
+        fp8_rounding=options.fp8_rounding if plain_fp8 else "nearest", seed=options.seed,
+        name=name, fp8_overflow=options.fp8_overflow if plain_fp8 else "saturate",
+        return_overflows=True)
+    return overflows
 
 
 @dataclass(frozen=True)
@@ -494,9 +519,11 @@ class _Options:
     check_finite: bool
     fp8_rounding: str
     seed: int
+    fp8_overflow: str
 
 
 def _check_fp8_rounding(fp8_rounding, layouts):
+    """Stochastic rounding is for plain fp8 weights: the layouts round by their own rules."""
     if fp8_rounding == "stochastic":
         scaled = [n for n, lay in layouts.items() if lay.quantized]
         if scaled:
@@ -542,7 +569,7 @@ def _prepare(entries, metadata, read_bytes, sources, loras, options, retry_dtype
     is written.  ``retry_dtype``: the fp8 format that U8 weights hold when no quantised layout
     claims them (fuse_state_dict's ``weight_format``)."""
     choice(options["rule"], RULES, "rule")
-    choice(options["fp8_rounding"], FP8_ROUNDINGS, "fp8_rounding")
+    fp8_rounding_rule(options["fp8_rounding"], options["fp8_overflow"])
     configs, marker = layoutmod.comfy_configs(metadata, entries, read_bytes)
     cache = {}
 
@@ -564,9 +591,10 @@ def _prepare(entries, metadata, read_bytes, sources, loras, options, retry_dtype
     return plan, layouts
 
 
-def _report(output, dry_run, plan, layouts, total, rule, order, sources):
+def _report(output, dry_run, plan, layouts, total, options, order, sources):
     report = FuseReport(output=output or "", dry_run=dry_run, adapters=plan.reports,
-                        tensors_total=total, rule=rule, layouts=_layout_counts(layouts))
+                        tensors_total=total, rule=options["rule"],
+                        layouts=_layout_counts(layouts), fp8_overflow=options["fp8_overflow"])
     report.fused = [(n, [it.source for it in plan.weights[n]]) for n in order if n in plan.weights]
     report.modules_fused = len(report.fused)
     report.biases_fused = len(plan.biases)
@@ -577,7 +605,8 @@ def _report(output, dry_run, plan, layouts, total, rule, order, sources):
 
 def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progress=None,
                     check_finite=False, force=False, fp8_rounding="nearest", seed=0,
-                    dry_run=False, alpha="scale", allow_unmatched=False):
+                    dry_run=False, alpha="scale", allow_unmatched=False,
+                    fp8_overflow="saturate"):
     """Fuse adapter files into a safetensors checkpoint, writing a new one.
 
     Parameters
@@ -600,6 +629,10 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
         Fuse even if the checkpoint's metadata says an adapter is already fused into it.
     fp8_rounding, seed : "nearest" (default) or "stochastic" rounding into plain fp8 weights,
         the stochastic bits seeded per tensor name.
+    fp8_overflow : "saturate" (default) or "nan"
+        What a plain F8_E4M3 value rounded past 448 becomes: +-448, as torch casts from 2.13
+        on, or NaN, as torch cast up to 2.12 (see :func:`ltx2blas.fuse_lora`); recorded in
+        the output's metadata. The report counts the values that overflowed either way.
     dry_run : bool
         Validate and match everything, write nothing.
     alpha : "scale" (default) or "ignore"
@@ -636,11 +669,11 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
                                     "fuse again")
         entries_of = {n: (info.dtype, info.shape) for n, (_, info) in ckpt.entries.items()}
         opts = dict(rule=rule, alpha=alpha, allow_unmatched=allow_unmatched,
-                    fp8_rounding=fp8_rounding)
+                    fp8_rounding=fp8_rounding, fp8_overflow=fp8_overflow)
         plan, layouts = _prepare(entries_of, ckpt.metadata, lambda n: _read_tensor(ckpt, n),
                                  sources, loras, opts)
         order = layoutmod.output_order(list(ckpt.entries), layouts)
-        report = _report(output, dry_run, plan, layouts, len(ckpt.entries), rule, order, sources)
+        report = _report(output, dry_run, plan, layouts, len(ckpt.entries), opts, order, sources)
         report.tensors_copied = report.tensors_total - report.modules_fused - len(plan.biases) - sum(
             len(lay.rewritten) for lay in layouts.values())
         if output is not None:
@@ -649,7 +682,7 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
             _dry_run_checks(lambda n: _read_tensor(ckpt, n), plan, layouts, sources,
                             check_finite, ckpt.path)
         else:
-            options = _Options(rule, threads, check_finite, fp8_rounding, seed)
+            options = _Options(rule, threads, check_finite, fp8_rounding, seed, fp8_overflow)
             report.metadata = _FusedWriter(ckpt, sources, plan, layouts, options).write(
                 output, order, report, progress, t0)
             report.peak_rss_mib = _peak_rss_mib()
@@ -674,10 +707,8 @@ class _FusedWriter:
         self.dtypes = {n: info.dtype for n, (_, info) in ckpt.entries.items()}
 
     def metadata(self):
-        o = self.options
         return _fused_metadata(self.ckpt.metadata, self.plan.reports, self.dtypes,
-                               self.plan.weights, o.fp8_rounding, o.seed, o.rule,
-                               _layout_counts(self.layouts))
+                               self.plan.weights, self.options, _layout_counts(self.layouts))
 
     def write(self, output, order, report, progress, t0):
         """Write and commit the output; returns its metadata."""
@@ -700,7 +731,7 @@ class _FusedWriter:
                 lambda name: writer.file_offset(name) % writer.ALIGN, writer.ALIGN)
             try:
                 for count, name in enumerate(order, 1):
-                    done_gflop += self._write_one(name, writer, reader)
+                    done_gflop += self._write_one(name, writer, reader, report)
                     if progress is not None:
                         progress(Progress(count, len(order), done_gflop, report.gflop,
                                           time.perf_counter() - t0, name))
@@ -716,15 +747,17 @@ class _FusedWriter:
                 reader.close()
         return metadata
 
-    def _write_one(self, name, writer, reader):
+    def _write_one(self, name, writer, reader, report):
         """Write tensor ``name``; returns the GFLOP its fuse took (0 for the rest)."""
         ckpt, plan = self.ckpt, self.plan
         if name in plan.weights:
             layout = self.layouts[name]
             weight, loaded = reader.take(name)
             scales = [_read_tensor(ckpt, c) for c in layout.rewritten]
-            _fuse_one(weight, loaded, layout, name, self.options, scales,
-                      _delta_view(self.delta, layout), ckpt.path, self.sources)
+            overflows = _fuse_one(weight, loaded, layout, name, self.options, scales,
+                                  _delta_view(self.delta, layout), ckpt.path, self.sources)
+            if overflows:
+                report.fp8_overflows[name] = overflows
             self.pending.update(zip(layout.rewritten, scales))
             # Written from the read buffer, which is reused once the write is done.
             writer.write(name, weight, release=functools.partial(reader.release, weight))
@@ -747,7 +780,7 @@ def _read_tensor(ckpt, name):
 
 def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=None,
                     check_finite=False, fp8_rounding="nearest", seed=0, weight_format=None,
-                    alpha="scale", allow_unmatched=False):
+                    alpha="scale", allow_unmatched=False, fp8_overflow="saturate"):
     """Fuse adapters into tensors a loader already holds, in place.
 
     Parameters
@@ -762,7 +795,8 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
     loras : list of (path or mapping of adapter tensors, strength)
     weight_format : "F8_E4M3" or "F8_E5M2", optional
         The fp8 format of uint8 weights that no quantised layout claims.
-    rule, threads, progress, check_finite, fp8_rounding, seed, alpha, allow_unmatched
+    rule, threads, progress, check_finite, fp8_rounding, seed, alpha, allow_unmatched,
+    fp8_overflow
         As for :func:`fuse_checkpoint`.
 
     Returns
@@ -785,10 +819,11 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
     try:
         entries_of = {n: (dtype_name(v), tuple(v.shape)) for n, v in views.items()}
         opts = dict(rule=rule, alpha=alpha, allow_unmatched=allow_unmatched,
-                    fp8_rounding=fp8_rounding)
+                    fp8_rounding=fp8_rounding, fp8_overflow=fp8_overflow)
         plan, layouts = _prepare(entries_of, {}, lambda n: views[n].tobytes(), sources, loras,
                                  opts, retry_dtype=weight_format)
-        report = _report("<in place>", False, plan, layouts, len(views), rule, list(views), sources)
+        report = _report("<in place>", False, plan, layouts, len(views), opts, list(views),
+                         sources)
         report.tensors_copied = 0
         written = [what for name in list(plan.weights) + list(plan.biases)
                    for what in [name, *(layouts[name].rewritten if name in layouts else ())]]
@@ -798,7 +833,7 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
                 raise DTypeError(f"tensor {what} must be contiguous and writeable to fuse in "
                                  "place")
         _refuse_shared_memory(views, written, plan, sources)
-        options = _Options(rule, threads, check_finite, fp8_rounding, seed)
+        options = _Options(rule, threads, check_finite, fp8_rounding, seed, fp8_overflow)
         delta = _delta_buffer(layouts)
         done_gflop = 0.0
         for count, (name, _) in enumerate(report.fused, 1):
@@ -806,8 +841,10 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
             weight = _plain(views[name])
             scales = [_plain(views[c]) for c in layout.rewritten]
             loaded = plans.factors(plan.weights[name], sources, plan.reports)
-            _fuse_one(weight, loaded, layout, name, options, scales, _delta_view(delta, layout),
-                      "<state dict>", sources)
+            overflows = _fuse_one(weight, loaded, layout, name, options, scales,
+                                  _delta_view(delta, layout), "<state dict>", sources)
+            if overflows:
+                report.fp8_overflows[name] = overflows
             done_gflop += plans.gflop(layout.shape, plan.weights[name], sources)
             if progress is not None:
                 progress(Progress(count, report.modules_fused, done_gflop, report.gflop,
