@@ -427,6 +427,10 @@ def test_fp8_rounding_is_checked_without_fp8_weights(tmp_path, rng):
     with pytest.raises(errors.ArgumentError, match="fp8_rounding"):
         ltx2blas.fuse_checkpoint(model, [(lora, 1.0)], tmp_path / "o.safetensors",
                                  fp8_rounding="up")
+    with pytest.raises(errors.ArgumentError, match="fp8_overflow"):
+        ltx2blas.fuse_checkpoint(model, [(lora, 1.0)], tmp_path / "o.safetensors",
+                                 fp8_overflow="clamp")
+    assert not (tmp_path / "o.safetensors").exists()
 
 
 def test_reference_takes_ml_dtypes_arrays_or_refuses(rng):
