@@ -152,6 +152,21 @@ KINDS = [("F8_E4M3", "saturate", 0), ("F8_E5M2", "saturate", 1), ("F8_E4M3", "na
 
 
 @pytest.mark.parametrize("fmt, rule, kind", KINDS)
+def test_kernel_fp8_rounding_of_every_bf16_value(kernel_table, fmt, rule, kind):
+    """Each kernel table's rounding store under each rule, on every bf16 value: the weight is
+    -0.0, which adds nothing to any value (-0.0 + -0.0 stays -0.0), so every bf16 value of the
+    delta is what reaches the rounding; rows of 64 (whole vectors on every table)."""
+    values = every_bf16()
+    acc = np.ascontiguousarray(values.reshape(-1, 64))
+    w = np.full(acc.shape, reference.fp8_round(np.float32(-0.0), fmt), np.uint8)
+    got, first, count = hooks.store_fused_fp8(acc, w, kind, kernel_table)
+    assert np.array_equal(got[:, :64].ravel(), reference.fp8_round(values, fmt, overflow=rule))
+    magnitude = np.abs(values)
+    past = np.isfinite(values) & ((magnitude > 464.0) if fmt == "F8_E4M3" else (magnitude >= 61440.0))
+    assert count == past.sum() and first == np.flatnonzero(past)[0]
+
+
+@pytest.mark.parametrize("fmt, rule, kind", KINDS)
 def test_kernel_fp8_store_every_code(kernel_table, fmt, rule, kind):
     """The fp8 rounding store of each kernel table (nearest-even) under each overflow rule:
     every code of the format as the weight, against deltas spanning every bf16 exponent, both
