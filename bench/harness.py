@@ -31,14 +31,16 @@ def thread_counts(text):
     return list(range(1, available_cpus() + 1))
 
 
-def best_time(fn, repeats=3):
-    """The shortest of ``repeats`` timed calls, after one untimed call."""
+def best_time(fn, repeats=3, clock=time.perf_counter):
+    """The shortest of ``repeats`` timed calls, after one untimed call. ``clock`` returns
+    seconds (a test passes one that advances by fixed amounts, so that its result does not
+    depend on the machine's load)."""
     fn()
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 
@@ -48,7 +50,8 @@ def best_time(fn, repeats=3):
 SLOW_PEER = 20.0
 
 
-def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.25, min_sample=0.05):
+def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.25, min_sample=0.05,
+                clock=time.perf_counter):
     """Time every callable in ``candidates`` (name -> fn) ``repeats`` times, round-robin.
 
     ``settle`` seconds pass, untimed, before each timing: BLAS and OpenMP worker threads keep
@@ -63,6 +66,10 @@ def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.25, m
     A candidate whose warm-up call took more than SLOW_PEER times the first candidate's is not
     called again: that call is its one sample.
 
+    ``clock`` returns seconds and times every call and ``min_seconds``: a test passes one that
+    advances by fixed amounts, so that which candidate counts as slow does not depend on the
+    machine's load.
+
     Returns name -> {"median": s, "min": s, "max": s, "spread": (max - min) / median}, times
     per call."""
     inner = dict.fromkeys(candidates, 1)
@@ -70,24 +77,24 @@ def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.25, m
     for _ in range(warmup):
         for name, fn in candidates.items():
             time.sleep(settle)
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            warm[name] = once = time.perf_counter() - t0
+            warm[name] = once = clock() - t0
             inner[name] = max(1, min(1000, int(min_sample / max(once, 1e-6)) + 1))
     first = next(iter(candidates))
     slow = {name for name in warm if name != first and warm[name] > SLOW_PEER * warm[first]}
     times = {name: [warm[name]] if name in slow else [] for name in candidates}
-    t_end = time.perf_counter() + min_seconds
+    t_end = clock() + min_seconds
     rounds = 0
-    while rounds < repeats or time.perf_counter() < t_end:
+    while rounds < repeats or clock() < t_end:
         for name, fn in candidates.items():
             if name in slow:
                 continue
             time.sleep(settle)
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(inner[name]):
                 fn()
-            times[name].append((time.perf_counter() - t0) / inner[name])
+            times[name].append((clock() - t0) / inner[name])
         rounds += 1
     out = {}
     for name, ts in times.items():

@@ -16,6 +16,7 @@ Public API::
 compare with; the library itself never uses it.  docs/design.md shows how the package is laid out.
 """
 import importlib
+import importlib.util
 from importlib.metadata import PackageNotFoundError, version as _version
 
 from . import errors
@@ -40,6 +41,19 @@ try:
     __version__ = _version("ltx2blas")
 except PackageNotFoundError:  # running from a build tree
     __version__ = "unknown"
+
+# A checkout's ltx2blas/ folder holds the source but none of the compiled modules, and Python
+# run from the checkout's root imports it instead of the installed package; without this, the
+# first use fails with "cannot import name '_gemm'" and no hint. find_spec looks the module up
+# without loading it (an editable install's finder answers too), so nothing heavy loads here.
+if importlib.util.find_spec(__name__ + "._gemm") is None:
+    raise ImportError(
+        f"ltx2blas was imported from {__path__[0]}, which holds its source but not its compiled "
+        "extension modules: a checkout's source folder shadows the installed package when "
+        "Python runs from the checkout's root. Run Python from another directory, or install "
+        "the package (pip install .); the tests run with `pytest` from the root, which imports "
+        "the installed package.",
+        name=__name__)
 
 # The compiled parts, numpy and scipy load on first use, not on import: the command line then
 # starts (and answers Ctrl-C) before any of them has loaded.

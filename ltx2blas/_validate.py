@@ -139,11 +139,42 @@ def as_kind(bits, template):
 
 
 def choice(value, choices, name):
-    """``value``, or ArgumentError when it is not one of ``choices``."""
-    if value not in choices:
+    """``value``, or ArgumentError when it is not one of ``choices`` (option names): anything
+    but a str is refused before it is compared, as an array's ``==`` gives an array."""
+    if not isinstance(value, str) or value not in choices:
         raise ArgumentError(f"{name} must be {' or '.join(repr(c) for c in choices)}, got "
                             f"{value!r}")
     return value
+
+
+def integer(value, name, low, high):
+    """``value`` as an int in [low, high]: ArgumentTypeError for what is not an integer (a bool,
+    a float, a string), ArgumentError for one out of the range."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be an int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ArgumentTypeError(f"{name} must be an int, got {value!r}") from None
+    if not low <= value <= high:
+        raise ArgumentError(f"{name} must be between {low} and {high}, got {number_text(value)}")
+    return value
+
+
+def flag(value, name):
+    """``value`` as a bool: ArgumentTypeError for anything but a bool (a string or an array
+    would be taken by its truth value, or fail on it)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def progress_arg(progress):
+    """``progress``, or ArgumentTypeError when it is neither None nor a callable: checked
+    before any work, as it is first called once some output is written."""
+    if progress is not None and not callable(progress):
+        raise ArgumentTypeError(f"progress must be a callable or None, got {progress!r}")
+    return progress
 
 
 def where(index, shape):

@@ -99,11 +99,14 @@ class _ProgressPrinter:
         self.last_time = 0.0
 
     def __call__(self, p):
+        from .files.checkpoint import format_gflop
+
         rate = p.gflop_done / p.elapsed if p.elapsed > 0 else 0.0
         fraction = p.fraction
         eta = (p.elapsed / fraction - p.elapsed) if fraction > 0 else float("nan")
-        text = (f"{p.tensors_done}/{p.tensors_total} tensors  {p.gflop_done:,.0f}/"
-                f"{p.gflop_total:,.0f} GFLOP  {rate:,.1f} GFLOP/s  ETA {_duration(eta)}")
+        text = (f"{p.tensors_done}/{p.tensors_total} tensors  {format_gflop(p.gflop_done)}/"
+                f"{format_gflop(p.gflop_total)} GFLOP  {rate:,.1f} GFLOP/s  "
+                f"ETA {_duration(eta)}")
         if self.tty:
             width = 28
             done = int(width * fraction)
@@ -125,12 +128,16 @@ def _duration(seconds):
 
 
 def _cmd_fuse(args):
+    from .errors import printable
     from .files.checkpoint import fuse_checkpoint
 
     if args.output is None and not args.dry_run:
         raise _argument_error("-o/--output is required (unless --dry-run)")
     if args.output is not None and not args.output:
         raise _argument_error("-o/--output is empty; name the file to write")
+    if args.output is not None and _is_stdout(args.output):
+        raise _argument_error(f"-o {args.output} is this command's standard output, where its "
+                              "summary goes; name a file")
     if args.seed is not None and args.fp8_rounding != "stochastic":
         raise _argument_error("--seed seeds --fp8-rounding stochastic; without it nothing is "
                               "random")
@@ -143,9 +150,21 @@ def _cmd_fuse(args):
         seed=args.seed or 0, dry_run=args.dry_run, fp8_overflow=args.fp8_overflow)
     lines = [_cli_words(report.summary())]
     if args.verbose:
-        lines += [f"  {name}  <- adapters {adapters}" for name, adapters in report.fused]
+        lines += [f"  {printable(name)}  <- adapters {adapters}" for name, adapters in report.fused]
     _print("\n".join(lines))
     return 0
+
+
+def _is_stdout(path):
+    """Whether ``path`` is the regular file standard output writes to (a pipe or terminal is
+    refused as the output by the writer)."""
+    import stat
+
+    try:
+        st = os.stat(path)
+        return stat.S_ISREG(st.st_mode) and os.path.samestat(st, os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError, AttributeError):  # no such file, or no real stdout
+        return False
 
 
 def _cli_words(text):
@@ -184,10 +203,28 @@ def _thread_count(text):
 
 class _Parser(argparse.ArgumentParser):
     """argparse, with a mistake told in one line (and where to read more) instead of the
-    whole usage."""
+    whole usage, by the command it belongs to."""
+
+    commands = None  # the top-level parser's: command name -> its parser
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        if self.commands is not None:
+            # an option before any command: argparse would say the command is missing
+            for token in args:
+                if not token.startswith("-"):
+                    break
+                if token.split("=")[0] not in self._option_string_actions:
+                    self.error(f"unrecognized option {token}")
+        known, extras = self.parse_known_args(args, namespace)
+        if extras:
+            owner = self.commands.get(getattr(known, "command", None), self) \
+                if self.commands else self
+            owner.error(f"unrecognized arguments: {' '.join(extras)}")
+        return known
 
 
 def build_parser():
@@ -197,6 +234,7 @@ def build_parser():
                      epilog="Exit codes: " + __doc__.split("Exit codes: ")[1].replace("\n", " "))
     parser.add_argument("--version", action="version", version=f"ltx2blas {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.commands = sub.choices
 
     p = sub.add_parser("info", help="versions, BLAS, threads, CPU features, sgemm exact depth")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -241,7 +279,12 @@ def build_parser():
                         "adapters")
     p.set_defaults(func=_cmd_fuse)
 
-    p = sub.add_parser("demo", help="fuse an LTX-2-shaped adapter in memory, check it, time it")
+    p = sub.add_parser("demo", help="fuse an LTX-2-shaped adapter in memory, check it, time it",
+                       description="Fuse an LTX-2-shaped adapter into a weight in memory, check "
+                                   "the result against the reference loop, and time it against "
+                                   "the same run's sgemm; then write a small checkpoint and "
+                                   "adapter to a temporary folder and fuse them as ltx2blas "
+                                   "fuse does.")
     p.add_argument("--threads", type=_thread_count, default=None,
                    help="threads (default: every CPU this process may use)")
     p.add_argument("--rank", type=_positive_int, default=384, help="adapter rank (default 384)")
@@ -271,8 +314,11 @@ def _message(exc):
     """One line for an error: its own message, without the [Errno N] an OSError prefixes."""
     if isinstance(exc, MemoryError):
         return "out of memory" + (f" ({exc})" if str(exc) else "")
+    from .errors import printable
+
     text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    return _cli_words((text.splitlines() or [type(exc).__name__])[0])
+    # names from files may hold newlines and escape sequences: one printable line
+    return _cli_words(printable(text.strip()) or type(exc).__name__)
 
 
 class _Terminated(BaseException):
@@ -284,21 +330,30 @@ class _Terminated(BaseException):
         self.signum = signum
 
 
-_SIGNALS = ("SIGTERM", "SIGHUP")
+_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 
 
-def _raise_terminated(signum, frame):
-    for name in _SIGNALS:  # a second signal must not interrupt the clean-up the first started
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
+def _ignore_signals():
+    """A second signal must not interrupt the clean-up the first started."""
+    for name in _SIGNALS:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+def _raise_stop(signum, frame):
+    _ignore_signals()
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise _Terminated(signum)
 
 
 def _handle_signals():
-    """Handlers for SIGTERM and SIGHUP (timeout, systemd, docker stop, a closed terminal);
-    returns the previous ones.  Only the main thread may set them."""
+    """Handlers for Ctrl-C, SIGTERM and SIGHUP (timeout, systemd, docker stop, a closed
+    terminal): the first one to arrive stops the command, and later ones are ignored; returns
+    the previous handlers.  Only the main thread may set them."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {sig: signal.signal(sig, _raise_terminated)
+    return {sig: signal.signal(sig, _raise_stop)
             for sig in (getattr(signal, name) for name in _SIGNALS if hasattr(signal, name))}
 
 
@@ -308,6 +363,7 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt:
+        _ignore_signals()   # where Ctrl-C came before the handlers were set
         print("ltx2blas: interrupted", file=sys.stderr)
         return 130
     except _Terminated as exc:

@@ -118,7 +118,7 @@ def run_checkpoint_demo(threads, rank, rng, echo=print):
         report = fuse_checkpoint(model, [(lora, 0.8)], output, threads=threads)
         echo(report.summary())
         echo("(peak memory above is this whole process's, which built the checkpoint's tensors in "
-             "memory first; `ltx2blas fuse` reports its own)")
+             "memory first; ltx2blas fuse reports its own)")
         name = prefix + "attn1.to_q.weight"
         base = "diffusion_model.transformer_blocks.0.attn1.to_q"
         with SafetensorsFile(output) as f:

@@ -71,3 +71,13 @@ class NonFiniteWeightError(NumericsError):
 
 class NonFiniteResultError(NumericsError):
     """A fused value overflowed to inf (or became NaN) when rounded to the storage dtype."""
+
+
+def printable(text):
+    """``text`` with every character a terminal acts on instead of showing (control characters,
+    line and paragraph separators, bidirectional controls) written as its Python escape, so
+    that a name read from a file cannot move the cursor, clear the screen or start a line."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)

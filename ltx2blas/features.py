@@ -20,7 +20,8 @@ import math
 import numpy as np
 
 from . import _features, _gemm
-from ._validate import bf16_or_f32, choice, contiguous, f32_values, ndarray
+from ._validate import (bf16_or_f32, choice, contiguous, f32_values, flag, integer, ndarray,
+                        progress_arg)
 from ._threads import blas_single_threaded, resolve_threads, waves
 from .errors import ArgumentError, ArgumentTypeError, DTypeError, ShapeError
 from .linear_layer import plan, segments
@@ -96,14 +97,18 @@ def text_features(hidden_states, attention_mask, projections, *, version="v1", t
     Returns
     -------
     list of float32 arrays [B, T, out], one per projection (V1 audio-video: the one array twice).
+
+    Every argument is checked before anything is computed: a bad one raises an
+    :class:`~ltx2blas.Ltx2BlasError`.
     """
     hidden, mask = _validate(hidden_states, attention_mask, version)
     batch, tokens, depth, layers = hidden.shape
-    if audio_video and version != "v1":
+    if flag(audio_video, "audio_video") and version != "v1":
         raise ArgumentError("audio_video applies to version 'v1'; V2's audio stream is its second "
                             "projection")
     weights, biases = _projections(projections, version, depth, layers)
     threads = resolve_threads(threads)
+    progress_arg(progress)
 
     flat = hidden.reshape(batch * tokens, depth * layers)
     rows = np.flatnonzero(mask.reshape(-1)).astype(np.int64)
@@ -123,6 +128,9 @@ def text_features(hidden_states, attention_mask, projections, *, version="v1", t
 def _projections(projections, version, depth, layers):
     """(weights, f32 biases or None) of the projections, each checked against D * L."""
     width = depth * layers
+    if isinstance(projections, (str, bytes, np.ndarray)) or not hasattr(projections, "__iter__"):
+        raise ArgumentTypeError(f"projections must be a list of (weight, bias), got "
+                                f"{type(projections).__name__}")
     projections = list(projections)
     if not projections:
         raise ArgumentError("projections must hold at least one (weight, bias)")
@@ -201,7 +209,7 @@ def normalized_features(hidden_states, attention_mask, *, version="v1", out_feat
     hidden_states, attention_mask, version, threads
         As for :func:`text_features`.
     out_features : int
-        V2 only: the projection's out features (its rescaling depends on them).
+        V2 only: the projection's out features (its rescaling depends on them); a positive int.
 
     Returns
     -------
@@ -210,8 +218,11 @@ def normalized_features(hidden_states, attention_mask, *, version="v1", out_feat
     """
     hidden, mask = _validate(hidden_states, attention_mask, version)
     batch, tokens, depth, layers = hidden.shape
-    if version == "v2" and not out_features:
+    if out_features is not None:
+        out_features = integer(out_features, "out_features", 1, np.iinfo(np.int64).max)
+    elif version == "v2":
         raise ArgumentError("version 'v2' rescales by sqrt(out_features / D): pass out_features")
+    threads = resolve_threads(threads)
     width = depth * layers
     identity = np.zeros((1, width), np.uint16)  # a weight only to drive the normaliser
     flat = hidden.reshape(batch * tokens, width)
@@ -221,7 +232,6 @@ def normalized_features(hidden_states, attention_mask, *, version="v1", out_feat
     feats = np.zeros((batch * tokens, width), np.uint16)
     if n == 0 or width == 0:
         return feats.reshape(batch, tokens, width)
-    threads = resolve_threads(threads)
     mean, rng, inv = _statistics(flat, rows, sample, batch, layers, depth, version, threads)
     x = np.empty(n * width, np.float32)
     scale = float(np.float32(math.sqrt(out_features / depth))) if version == "v2" else 1.0

@@ -16,9 +16,10 @@ import math
 import numpy as np
 
 from . import _gemm, _linear
-from ._validate import BLAS_INT_MAX, bf16_or_f32, bf16_to_f32, choice, contiguous, ndarray, output
+from ._validate import (BLAS_INT_MAX, bf16_or_f32, bf16_to_f32, choice, contiguous, integer,
+                        ndarray, output, progress_arg)
 from ._threads import blas_single_threaded, resolve_threads, scipy_blas, waves
-from .errors import ArgumentError, DTypeError, ShapeError
+from .errors import ArgumentError, ArgumentTypeError, DTypeError, ShapeError
 
 __all__ = ["linear", "plan", "segments", "task_count", "error_bound", "gamma", "buffer_bytes"]
 
@@ -349,8 +350,12 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
         Called from the calling thread with the fraction done (0 < f <= 1, increasing, the last
         call 1.0). An exception it raises stops the call.
     blocks : (rows, features, chunk), optional
-        Task and chunk sizes (default: ``BLOCKS`` of the route :func:`plan` picks). Changing
-        them changes the order of the additions, and so the last bits of an f32 result.
+        Task and chunk sizes, three ints in [1, 2^20] (default: ``BLOCKS`` of the route
+        :func:`plan` picks). Changing them changes the order of the additions, and so the last
+        bits of an f32 result.
+
+    Every argument is checked before anything is computed or written: a bad one raises an
+    :class:`~ltx2blas.Ltx2BlasError` and leaves ``out`` as it was.
 
     Returns
     -------
@@ -359,11 +364,13 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
     x_kind, x_bits = bf16_or_f32(x, "x")
     _, w_bits = bf16_or_f32(weight, "weight")
     choice(accumulate, ("f32", "f64"), "accumulate")
+    blocks = _blocks_arg(blocks)
+    threads = resolve_threads(threads)
+    progress_arg(progress)
     rows, feats, cols = _shapes(x, weight)
     bias32 = _bias_f32(bias, feats)
     y = _output(out, x.shape[:-1] + (feats,), x, weight, bias)
-    route, blocks = _checked_plan(rows, weight.dtype, accumulate, blocks, x.dtype)
-    threads = resolve_threads(threads)
+    route, blocks = plan(rows, weight.dtype, accumulate, blocks, x.dtype)
 
     if rows == 0 or feats == 0 or cols == 0:  # nothing to multiply
         if rows and feats:
@@ -426,14 +433,23 @@ def _output(out, shape, x, weight, bias):
     return output(out, shape, {"x": x, "weight": weight, "bias": bias})
 
 
-def _checked_plan(rows, weight_dtype, accumulate, blocks, x_dtype):
-    route, blocks = plan(rows, weight_dtype, accumulate, blocks, x_dtype)
-    if len(blocks) != 3:
+def _blocks_arg(blocks):
+    """None, or ``blocks`` as three ints in [1, 2^20]; a float or a bool is refused rather than
+    truncated, as the blocks fix the order of the additions."""
+    if blocks is None:
+        return None
+    values = None
+    if not isinstance(blocks, (str, bytes)):
+        try:
+            values = tuple(blocks)
+        except TypeError:  # not iterable: an int, a 0-d array
+            pass
+    if values is None:
+        raise ArgumentTypeError(f"blocks must be three ints (rows, features, chunk), got "
+                                f"{blocks!r}")
+    if len(values) != 3:
         raise ArgumentError(f"blocks must be three ints (rows, features, chunk), got {blocks!r}")
-    blocks = tuple(int(v) for v in blocks)
-    if not all(1 <= v <= 1 << 20 for v in blocks):
-        raise ArgumentError(f"blocks must be three ints in [1, 2^20], got {blocks!r}")
-    return route, blocks
+    return tuple(integer(v, f"blocks[{i}]", 1, 1 << 20) for i, v in enumerate(values))
 
 
 def _run_in_waves(tasks, threads, progress):

@@ -343,7 +343,7 @@ def test_cli_alpha_and_allow_unmatched(model, tmp_path, rng):
     r = run("-o", tmp_path / "o.safetensors", "--allow-unmatched", "--alpha", "ignore")
     assert r.returncode == 0, r.stderr
     assert "alpha of 1 not applied (--alpha ignore)" in r.stdout
-    assert "1 modules match no weight" in r.stdout
+    assert "1 module matches no weight" in r.stdout
     assert np.array_equal(read(tmp_path / "o.safetensors")[M + Q + ".weight"],
                           reference.fuse_lora(tensors[M + Q + ".weight"][1], a, b, 0.5))
     assert os.path.exists(tmp_path / "o.safetensors")

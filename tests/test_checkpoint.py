@@ -190,7 +190,7 @@ def test_unmatched_pairs_are_an_error_unless_allowed(files, tmp_path, rng):
                                            "lora_te_text_model_layer_0_q_proj"]
     assert a.unmatched_components == {"lora_te_text_model_layer_0_q_proj": "text encoder"}
     assert "2 modules match no weight and were not fused" in report.summary()
-    assert "1 keys of no known role" in report.summary()
+    assert "1 key of no known role" in report.summary()
     assert report.modules_fused == 2
 
 
@@ -319,7 +319,7 @@ def test_fp8_overflow_rule_in_a_checkpoint(tmp_path, rng, rule):
     assert meta["ltx2blas.fp8_overflow"].startswith(rule + ":")
     assert report.fp8_overflows == {name: past}
     made = "+-448" if rule == "saturate" else "NaN"
-    assert (f"{past} fp8 values in 1 weights rounded past their format's largest finite value "
+    assert (f"{past} fp8 values in 1 weight rounded past their format's largest finite value "
             f"(e.g. {past} in {name}): F8_E4M3 stores them as {made} (fp8_overflow='{rule}')"
             in report.summary())
     with pytest.raises(errors.NonFiniteResultError, match=rf"{name}: .*fp8_overflow='{rule}'"):

@@ -123,3 +123,37 @@ def test_kernel_table_chosen_by_environment():
     assert out.returncode == 2
     assert "kernel table 'no-such-table' is not available here" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_source_folder_shadowing_the_installed_package_says_so(tmp_path):
+    """Python run from a checkout's root imports its ltx2blas/ folder, which has the source but
+    no compiled modules: the import says so and what to do, in one traceback of one error, and
+    the command in one line."""
+    import shutil
+
+    import ltx2blas
+
+    installed = os.path.dirname(os.path.abspath(ltx2blas.__file__))
+    source = tmp_path / "ltx2blas"
+    shutil.copytree(installed, source, ignore=lambda folder, names: [
+        n for n in names if not n.endswith(".py") and not os.path.isdir(os.path.join(folder, n))])
+    assert not [p for p in source.rglob("*") if p.is_file() and p.suffix != ".py"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}  # cwd first on the path
+    said = (f"ltx2blas was imported from {source.resolve()}, which holds its source but not its "
+            "compiled extension modules")
+    hints = ("shadows the installed package", "Run Python from another directory",
+             "pip install .", "`pytest` from the root")
+
+    out = subprocess.run([sys.executable, "-c", "import ltx2blas"], capture_output=True,
+                         text=True, cwd=tmp_path, env=env, timeout=300)
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: " + said), out.stderr
+    assert all(hint in last for hint in hints), out.stderr
+    assert out.stderr.count("Traceback") == 1 and "direct cause" not in out.stderr, out.stderr
+    assert "cannot import name" not in out.stderr, out.stderr
+
+    out = subprocess.run([sys.executable, "-m", "ltx2blas", "info"], capture_output=True,
+                         text=True, cwd=tmp_path, env=env, timeout=300)
+    assert out.returncode == 1 and said in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr

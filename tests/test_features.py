@@ -244,6 +244,56 @@ def test_bad_input(rng):
         ltx2blas.normalized_features(h, mask, version="v2")
 
 
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"progress": 5}, errors.ArgumentTypeError, "progress"),
+    ({"progress": "x"}, errors.ArgumentTypeError, "progress"),
+    ({"audio_video": "yes"}, errors.ArgumentTypeError, "audio_video"),
+    ({"audio_video": np.array([1, 0])}, errors.ArgumentTypeError, "audio_video"),
+    ({"version": np.array(["v1", "v2"])}, errors.ArgumentError, "version"),
+    ({"projections": None}, errors.ArgumentTypeError, "projections"),
+    ({"projections": 3}, errors.ArgumentTypeError, "projections"),
+    ({"threads": True}, errors.ArgumentTypeError, "threads"),
+])
+@pytest.mark.parametrize("valid", [True, False], ids=["tokens", "no-valid-token"])
+def test_every_bad_argument_is_refused_before_any_work(rng, monkeypatch, kwargs, error, message,
+                                                       valid):
+    """Each is an Ltx2BlasError raised before the statistics run, with valid tokens or none: a
+    progress found bad only when it is called would fail after the first wave, or after the
+    bias is in place where no token is valid."""
+    from ltx2blas import features
+
+    def work_started(*args):
+        raise AssertionError("the statistics ran before the arguments were checked")
+
+    monkeypatch.setattr(features, "_statistics", work_started)
+    h = hidden(rng, (2, 4, 8, 3))
+    args = {"hidden_states": h, "attention_mask": np.full((2, 4), valid),
+            "projections": projections(rng, "v1", 24), **kwargs}
+    with pytest.raises(error, match=message):
+        ltx2blas.text_features(**args)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"version": "v2", "out_features": "x"}, errors.ArgumentTypeError),
+    ({"version": "v2", "out_features": 2.5}, errors.ArgumentTypeError),
+    ({"version": "v2", "out_features": True}, errors.ArgumentTypeError),
+    ({"version": "v2", "out_features": -5}, errors.ArgumentError),
+    ({"version": "v2", "out_features": 0}, errors.ArgumentError),
+    ({"version": "v1", "out_features": "x"}, errors.ArgumentTypeError),
+])
+@pytest.mark.parametrize("valid", [True, False], ids=["tokens", "no-valid-token"])
+def test_normalized_features_checks_out_features(rng, kwargs, error, valid):
+    h = hidden(rng, (2, 4, 8, 3))
+    with pytest.raises(error, match="out_features"):
+        ltx2blas.normalized_features(h, np.full((2, 4), valid), **kwargs)
+
+
+def test_normalized_features_checks_threads_without_work_to_do(rng):
+    h = hidden(rng, (2, 4, 8, 3))
+    with pytest.raises(errors.ArgumentError, match="threads"):
+        ltx2blas.normalized_features(h, np.zeros((2, 4), bool), threads=0)
+
+
 SCRIPT = r"""
 import json, numpy as np, ltx2blas
 def status(field):

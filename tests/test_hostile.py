@@ -49,12 +49,13 @@ def run_python(code, timeout=120, **kwargs):
 # ---- 1. duplicate keys in linear time ----
 
 def test_duplicate_key_at_the_end_is_found_in_linear_time(tmp_path):
-    """30k keys with the repeat last: a quadratic search takes seconds, one pass a fraction of
-    the bound below (a hang guard, not a speed claim)."""
+    """30k keys with the repeat last, found and named. The process's time limit is a guard
+    against a hang only, far above what any load makes of a fraction of a second; the speed
+    claim is the million-key test's below."""
     path = header_file(tmp_path / "dup.safetensors", entries(30_000, dup=True))
     code = (f"from ltx2blas.files.safetensors import SafetensorsFile\n"
             f"try:\n    SafetensorsFile({str(path)!r})\nexcept Exception as e:\n    print(e)\n")
-    r = run_python(code, timeout=10)
+    r = run_python(code)
     assert "duplicate key 't29999'" in r.stdout
 
 
@@ -65,17 +66,22 @@ def test_a_million_keys_judged_in_time_near_the_reference(tmp_path):
     from safetensors import safe_open
 
     path = header_file(tmp_path / "dup.safetensors", entries(999_999, dup=True))
-    t0 = time.perf_counter()
-    try:  # the reference lets an identical repeat through; what matters is its time
-        with safe_open(str(path), framework="np"):
+    reference_s = ours_s = float("inf")
+    # Interleaved, each by its fastest of three: a busy moment of a shared machine only slows a
+    # run down, and it would have to slow all three of one side to move the comparison.
+    for _ in range(3):
+        t0 = time.perf_counter()
+        try:  # the reference lets an identical repeat through; what matters is its time
+            with safe_open(str(path), framework="np"):
+                pass
+        except Exception:
             pass
-    except Exception:
-        pass
-    reference_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    with pytest.raises(errors.FormatError, match="duplicate key"):
-        SafetensorsFile(path)
-    assert time.perf_counter() - t0 <= 1.2 * reference_s + 0.3
+        reference_s = min(reference_s, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with pytest.raises(errors.FormatError, match="duplicate key"):
+            SafetensorsFile(path)
+        ours_s = min(ours_s, time.perf_counter() - t0)
+    assert ours_s <= 1.2 * reference_s + 0.3
 
 
 # ---- 2. no allocation that grows with the rank ----
@@ -451,7 +457,7 @@ def test_reference_takes_ml_dtypes_arrays_or_refuses(rng):
 def test_dry_run_needs_no_output_and_messages_have_no_errno(tmp_path, rng):
     model, lora = small_fuse(tmp_path, rng)
     r = cli("fuse", model, "--lora", lora, "--dry-run")
-    assert r.returncode == 0 and "would fuse 1 modules" in r.stdout
+    assert r.returncode == 0 and "would fuse 1 module " in r.stdout
     r = cli("fuse", model, "--lora", lora)
     assert r.returncode == 2 and "-o/--output is required" in r.stderr
     r = cli("fuse", tmp_path / "absent.safetensors", "--lora", lora, "-o", tmp_path / "o")

@@ -165,3 +165,60 @@ def test_bad_arguments(arrays):
         ltx2blas.linear(x, w, b, threads=0)
     with pytest.raises(TypeError, match="numpy array"):
         ltx2blas.linear(x.tolist(), w, b)
+
+
+def sentinel_out(shape):
+    """An out= array of one NaN payload that no result has, to see whether anything was
+    written."""
+    return np.full(shape, 0x7FC0DEAD, np.uint32).view(np.float32)
+
+
+def test_progress_is_reported_after_outputs_are_written():
+    """The first report comes after a wave has written its outputs: a progress argument found
+    bad only when it is called would leave out= part written (1,024 of 16,384 here)."""
+    x, w = np.zeros((4, 64), np.float32), np.zeros((4096, 64), np.uint16)
+    out = sentinel_out((4, 4096))
+    written = []
+    ltx2blas.linear(x, w, out=out, threads=2,
+                    progress=lambda f: written.append(int(np.count_nonzero(out == 0))))
+    assert len(written) > 1 and 0 < written[0] < out.size
+
+
+@pytest.mark.parametrize("progress", [5, "x", 1.0, [print]])
+@pytest.mark.parametrize("cols", [64, 0], ids=["waves", "no-work"])
+def test_bad_progress_is_refused_before_out_is_written(progress, cols):
+    x, w = np.zeros((4, cols), np.float32), np.zeros((4096, cols), np.uint16)
+    b = np.ones(4096, np.float32)  # with cols 0 the result is the bias alone
+    out = sentinel_out((4, 4096))
+    before = out.tobytes()
+    with pytest.raises(errors.ArgumentTypeError, match="progress must be a callable"):
+        ltx2blas.linear(x, w, b, out=out, threads=2, progress=progress)
+    assert out.tobytes() == before
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"threads": True}, errors.ArgumentTypeError, "threads"),
+    ({"threads": 2.0}, errors.ArgumentTypeError, "threads"),
+    ({"threads": 0}, errors.ArgumentError, "threads"),
+    ({"blocks": 5}, errors.ArgumentTypeError, "blocks"),
+    ({"blocks": "abc"}, errors.ArgumentTypeError, "blocks"),
+    ({"blocks": np.int64(8)}, errors.ArgumentTypeError, "blocks"),
+    ({"blocks": (4, 8)}, errors.ArgumentError, "blocks"),
+    ({"blocks": (1.5, 8, 8)}, errors.ArgumentTypeError, "blocks\\[0\\]"),
+    ({"blocks": (4, True, 8)}, errors.ArgumentTypeError, "blocks\\[1\\]"),
+    ({"blocks": (4, 8, 2**21)}, errors.ArgumentError, "blocks\\[2\\]"),
+    ({"accumulate": None}, errors.ArgumentError, "accumulate"),
+    ({"accumulate": np.array(["f32", "f64"])}, errors.ArgumentError, "accumulate"),
+    ({"accumulate": np.array(["f64"])}, errors.ArgumentError, "accumulate"),
+    ({"bias": np.ones(4095, np.float32)}, errors.ShapeError, "bias"),
+    ({"bias": [0.0] * 4096}, errors.DTypeError, "bias"),
+])
+def test_every_bad_argument_leaves_out_as_it_was(kwargs, error, message):
+    """Each is an Ltx2BlasError raised before anything is computed: never a built-in error from
+    deep in the call, nor a float or a bool block taken as an int."""
+    x, w = np.zeros((4, 64), np.float32), np.zeros((4096, 64), np.uint16)
+    out = sentinel_out((4, 4096))
+    before = out.tobytes()
+    with pytest.raises(error, match=message):
+        ltx2blas.linear(x, w, out=out, **{"threads": 2, **kwargs})
+    assert out.tobytes() == before

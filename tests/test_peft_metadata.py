@@ -204,7 +204,7 @@ def test_read_configs_follows_peft_defaults():
     """Fields the JSON leaves out take PEFT's defaults: r 8 and lora_alpha 8 (not r)."""
     from ltx2blas.files import peft
 
-    configs = peft.read_configs({"lora_adapter_metadata": '{"transformer.r": 4}'}, "x")
+    configs, _ = peft.read_configs({"lora_adapter_metadata": '{"transformer.r": 4}'}, "x")
     config = configs["transformer"]
     assert (config.r, config.lora_alpha, config.use_rslora) == (4, 8, False)
     assert config.rank_and_alpha("transformer_blocks.0.attn1.to_q") == (4, 8)

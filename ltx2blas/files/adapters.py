@@ -38,6 +38,8 @@ class AdapterReport:
     alpha_scaled: int = 0                                  # pairs scaled by alpha/rank
     alpha_ignored: int = 0                                 # pairs whose alpha was not applied
     alpha_source: str = ""                                 # where the applied alphas came from
+    alpha_rslora: int = 0                                  # of those, scaled by alpha/sqrt(rank)
+    metadata_ignored: list = field(default_factory=list)   # PEFT metadata components not read
     rounded_to_bf16: list = field(default_factory=list)    # factors stored as F32/F16
     kinds: dict = field(default_factory=dict)              # kind -> count
 
@@ -211,7 +213,8 @@ def make_plan(model_entries, layout_of, sources, strengths, alpha="scale",
     for index, (source, strength) in enumerate(zip(sources, strengths)):
         report = AdapterReport(path=source.name, strength=strength, alpha_mode=alpha)
         # upstream LTX-2 (alpha="ignore") reads no alpha, from tensors or from PEFT's metadata
-        configs = peft.read_configs(source.metadata, source.name) if alpha == "scale" else {}
+        configs, report.metadata_ignored = (peft.read_configs(source.metadata, source.name)
+                                            if alpha == "scale" else ({}, []))
         matched = keymatch.match(source.keys, model_entries, adapter_name=source.name)
         report.unused_keys = matched.unused
         report.extra_tensors = matched.extra
@@ -328,6 +331,7 @@ def _scale_rule(configs, source, pair, rank, alpha, report):
         raise FormatError(f"{where} gives alpha {alpha_m:g}, but {pair.alpha!r} holds "
                           f"{_alpha_value(source, pair.alpha):g}")
     report.alpha_scaled += 1
+    report.alpha_rslora += config.use_rslora
     _alpha_source(report, f"its {peft.METADATA_KEY} ({config.describe()})")
     return lambda w: config.scale(w, rank, alpha_m)
 

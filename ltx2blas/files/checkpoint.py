@@ -26,6 +26,7 @@ from ..errors import (
     LayoutError,
     Ltx2IOError,
     NumericsError,
+    printable,
 )
 from .._threads import resolve_threads
 from .._validate import FP8, RULES, choice, fp8_rounding_rule, round_up, strength_f32
@@ -77,60 +78,93 @@ class FuseReport:
         return self.gflop / self.seconds if self.seconds > 0 else 0.0
 
     def summary(self):
+        """What the command prints: every name read from a file escaped (printable)."""
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.layouts.items()))
-        biases = f" and {self.biases_fused} biases" if self.biases_fused else ""
+        biases = f" and {_count(self.biases_fused, 'bias', 'biases')}" if self.biases_fused else ""
         several = sum(len(adapters) > 1 for _, adapters in self.fused)
         rule = (f"; {several} with several adapters, combined by the {self.rule} rule"
                 if several else "")
         lines = [("would fuse" if self.dry_run else "fused") +
-                 f" {self.modules_fused} modules{biases} ({kinds or 'none'}{rule}), " +
+                 f" {_count(self.modules_fused, 'module')}{biases} ({kinds or 'none'}{rule}), " +
                  ("would copy" if self.dry_run else "copied") +
-                 f" {self.tensors_copied} other tensors ({self.tensors_total} in all); "
-                 f"{self.gflop:.1f} GFLOP"]
+                 f" {_count(self.tensors_copied, 'other tensor')} ({self.tensors_total} in "
+                 f"all); {format_gflop(self.gflop)} GFLOP"]
         if not self.dry_run:
             lines.append(f"{self.seconds:.1f} s, {self.gflops:.1f} GFLOP/s, peak memory "
-                         f"{self.peak_rss_mib:.0f} MiB -> {self.output}")
+                         f"{self.peak_rss_mib:.0f} MiB -> {printable(self.output)}")
         if self.fp8_overflows:
             first, count = next(iter(self.fp8_overflows.items()))
             made = "+-448" if self.fp8_overflow == "saturate" else "NaN"
             lines.append(f"{sum(self.fp8_overflows.values())} fp8 values in "
-                         f"{len(self.fp8_overflows)} weights rounded past their format's "
-                         f"largest finite value (e.g. {count} in {first}): F8_E4M3 stores them "
-                         f"as {made} (fp8_overflow={self.fp8_overflow!r}), F8_E5M2 as +-inf")
+                         f"{_count(len(self.fp8_overflows), 'weight')} rounded past their "
+                         f"format's largest finite value (e.g. {count} in {printable(first)}): "
+                         f"F8_E4M3 stores them as {made} (fp8_overflow={self.fp8_overflow!r}), "
+                         "F8_E5M2 as +-inf")
         for i, a in enumerate(self.adapters):
-            kinds = ", ".join(f"{n} {k}" for k, n in sorted(a.kinds.items()))
-            text = (f"adapter {i}: {a.path} x {a.strength:g}: {a.pairs_used} modules "
-                    f"({kinds or 'none'}; {a.keys_used} keys) used")
-            if a.alpha_scaled:
-                text += (f"; {a.alpha_scaled} scaled by alpha / rank from "
-                         f"{a.alpha_source or 'the file'}")
-            if a.alpha_ignored:
-                text += (f"; alpha of {a.alpha_ignored} not applied" +
-                         (" (alpha='ignore')" if a.alpha_mode == "ignore" else ""))
-            if a.unmatched_modules:
-                first = a.unmatched_modules[0]
-                where = a.unmatched_components.get(first)
-                text += (f"; {len(a.unmatched_modules)} modules match no weight and were not "
-                         f"fused (e.g. {first}{f' ({where})' if where else ''})")
-            if a.extra_tensors:
-                text += (f"; {len(a.extra_tensors)} tensors of modules the model does not have "
-                         f"were not fused ({_modules_text(a.extra_tensors)})")
-            if a.unused_keys:
-                text += f"; {len(a.unused_keys)} keys of no known role (e.g. {a.unused_keys[0]})"
-            if a.rounded_to_bf16:
-                text += f"; {len(a.rounded_to_bf16)} tensors rounded from F32/F16 to bf16"
-            lines.append(text)
+            lines.append(_adapter_line(i, a))
         return "\n".join(lines)
+
+
+def _adapter_line(i, a):
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(a.kinds.items()))
+    text = (f"adapter {i}: {printable(a.path)} x {a.strength:g}: "
+            f"{_count(a.pairs_used, 'module')} ({kinds or 'none'}; "
+            f"{_count(a.keys_used, 'key')}) used")
+    if a.alpha_scaled:
+        if a.alpha_rslora == a.alpha_scaled:
+            how = "alpha / sqrt(rank) (rsLoRA)"
+        elif a.alpha_rslora:
+            how = f"alpha / rank ({a.alpha_rslora} of them by alpha / sqrt(rank), rsLoRA)"
+        else:
+            how = "alpha / rank"
+        text += f"; {a.alpha_scaled} scaled by {how} from {a.alpha_source or 'the file'}"
+    if a.alpha_ignored:
+        text += (f"; alpha of {a.alpha_ignored} not applied" +
+                 (" (alpha='ignore')" if a.alpha_mode == "ignore" else ""))
+    if a.metadata_ignored:
+        text += (f"; its lora_adapter_metadata's {', '.join(map(printable, a.metadata_ignored))} "
+                 "fields not read (diffusers reads them for that component alone)")
+    if a.unmatched_modules:
+        first = a.unmatched_modules[0]
+        where = a.unmatched_components.get(first)
+        n = len(a.unmatched_modules)
+        text += (f"; {n} {'module matches' if n == 1 else 'modules match'} no weight and "
+                 f"{'was' if n == 1 else 'were'} not fused (e.g. {printable(first)}"
+                 f"{f' ({where})' if where else ''})")
+    if a.extra_tensors:
+        text += (f"; {_count(len(a.extra_tensors), 'tensor')} of modules the model does not "
+                 f"have were not fused ({_modules_text(a.extra_tensors)})")
+    if a.unused_keys:
+        text += (f"; {_count(len(a.unused_keys), 'key')} of no known role (e.g. "
+                 f"{printable(a.unused_keys[0])})")
+    if a.rounded_to_bf16:
+        text += f"; {_count(len(a.rounded_to_bf16), 'tensor')} rounded from F32/F16 to bf16"
+    return text
+
+
+def _count(n, one, many=None):
+    """``n`` and the noun, singular for one."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+def format_gflop(value):
+    """GFLOP as a reader wants them: a small fuse's keep their first digits instead of 0.0."""
+    return f"{value:,.1f}" if value >= 1 or value == 0 else f"{value:.2g}"
 
 
 def _modules_text(keys, shown=3):
     """The modules that ``keys`` belong to, each named once: a module inside one already named
-    is left out (reference_slot_embedding.net.0 under reference_slot_embedding)."""
-    modules = []
+    is left out (reference_slot_embedding.net.0 under reference_slot_embedding).  Linear in
+    the keys: each module's enclosing modules are looked up, not compared with every other."""
+    named, kept = set(), []
     for module in sorted({plans.module_of_tensor(k) for k in keys}, key=len):
-        if not any(module.startswith(m + ".") for m in modules):
-            modules.append(module)
-    return ", ".join(modules[:shown]) + (", ..." if len(modules) > shown else "")
+        parts = module.split(".")
+        if not any(".".join(parts[:i]) in named for i in range(1, len(parts))):
+            named.add(module)
+            kept.append(module)
+            if len(kept) > shown:
+                break
+    return ", ".join(map(printable, kept[:shown])) + (", ..." if len(kept) > shown else "")
 
 
 @dataclass
@@ -261,6 +295,8 @@ def _fused_history(base):
     return history if isinstance(history, list) else []
 
 
+#: How many of an adapter's tensors left out of the fuse its record names (it counts them all).
+NOT_FUSED_NAMED = 20
 #: What the metadata says of each fp8 overflow rule.
 FP8_OVERFLOW_TEXT = {
     "saturate": "an F8_E4M3 value rounded past 448 is stored as +-448, as torch casts from 2.13",
@@ -275,7 +311,8 @@ def _fused_metadata(base, reports, dtypes, plan, options, layout_counts):
         {"file": os.path.basename(r.path), "sha256": r.sha256, "strength": r.strength,
          "pairs": r.pairs_used, "alpha": r.alpha_mode, "alpha_scaled": r.alpha_scaled,
          **({"alpha_source": r.alpha_source} if r.alpha_source else {}),
-         **({"not_fused": r.extra_tensors} if r.extra_tensors else {}),
+         **({"not_fused": r.extra_tensors[:NOT_FUSED_NAMED],
+             "not_fused_count": len(r.extra_tensors)} if r.extra_tensors else {}),
          "rule": options.rule} for r in reports])
     metadata["ltx2blas.version"] = _version()
     metadata["ltx2blas.rule"] = f"{options.rule}: {RULE_TEXT[options.rule]}"

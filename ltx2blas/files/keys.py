@@ -288,7 +288,9 @@ def match(adapter_keys, model_keys, adapter_name="adapter"):
     if not result.pairs:
         sample = ", ".join(sorted(modules)[:3]) or ", ".join(sorted(unused)[:3]) or "(none)"
         raise KeyMatchError(f"{adapter_name}: matches no weight of the model (adapter modules "
-                            f"such as {sample})")
+                            f"such as {sample}); allow_unmatched=True cannot help, as it fuses "
+                            "the modules that match and none does: is this the model the "
+                            "adapter was made for?")
     return result
 
 

@@ -29,13 +29,13 @@ the tensor and the format, before anything is written (a marker that cannot be r
 a FormatError).  ComfyUI pads nvfp4 and mxfp8 weights to whole blocks of 16 and 32; the shape
 an adapter must fit is the stored one.
 """
-import json
 import math
 from dataclasses import dataclass
 
 from .._validate import FP8, FP8_BY_NAME
 from ..errors import DTypeError, FormatError, ShapeError
 from ..quantized import tiled_shape
+from .safetensors import parse_json
 
 PLAIN = {"BF16": "bf16", "F8_E4M3": "F8_E4M3", "F8_E5M2": "F8_E5M2"}
 COMPANIONS = (".weight_scale", ".weight_scale_2", ".scale_weight", ".comfy_quant")
@@ -74,13 +74,13 @@ def comfy_configs(metadata, entries, read_bytes):
     configs = {}
     raw = (metadata or {}).get("_quantization_metadata")
     if raw is not None:
-        try:
-            layers = json.loads(raw)["layers"]
-            if not isinstance(layers, dict):
-                raise TypeError
-        except (ValueError, KeyError, TypeError) as exc:
-            raise FormatError(f"__metadata__ _quantization_metadata is not ComfyUI's "
-                              f"{{\"layers\": {{...}}}} JSON ({exc})") from None
+        def fail(message):
+            raise FormatError(f"__metadata__ _quantization_metadata {message}")
+
+        data = parse_json(raw, fail, "(ComfyUI's {\"layers\": {...}})")
+        layers = data.get("layers") if isinstance(data, dict) else None
+        if not isinstance(layers, dict):
+            fail("is not ComfyUI's {\"layers\": {...}} JSON")
         for name, conf in layers.items():
             configs[name] = conf
     for name, (dtype, shape) in entries.items():
@@ -88,12 +88,16 @@ def comfy_configs(metadata, entries, read_bytes):
             if dtype != "U8" or len(shape) != 1:
                 raise FormatError(f"tensor {name!r}: a comfy_quant marker is U8 JSON bytes, got "
                                   f"{dtype} {list(shape)}")
+            def unreadable(message, name=name):
+                raise FormatError(f"tensor {name!r} {message}")
+
             try:
-                configs[name[: -len(".comfy_quant")]] = json.loads(bytes(read_bytes(name)))
-            except (ValueError, UnicodeDecodeError) as exc:
+                configs[name[: -len(".comfy_quant")]] = parse_json(
+                    bytes(read_bytes(name)).decode("utf-8"), unreadable, "(a comfy_quant marker)")
+            except (FormatError, UnicodeDecodeError) as exc:
                 # raised if the weight beside it is fused: a weight no adapter touches is copied
-                configs[name[: -len(".comfy_quant")]] = FormatError(
-                    f"tensor {name!r} is not JSON ({exc})")
+                configs[name[: -len(".comfy_quant")]] = exc if isinstance(
+                    exc, FormatError) else FormatError(f"tensor {name!r} is not JSON ({exc})")
     marker = any(n == "scaled_fp8" or n.endswith(".scaled_fp8") for n in entries)
     return configs, marker
 
@@ -118,8 +122,16 @@ def detect(key, entries, configs, marker):
     if conf is not None or (marker and has.get(".scale_weight")):
         if conf is None:  # the older layout: the weight's own fp8 dtype says the format
             fmt_name = FP8[dtype].name if dtype in FP8 else None
+        elif not isinstance(conf, dict):
+            raise DTypeError(f"{refuse}: its ComfyUI quantisation config is a JSON "
+                             f"{type(conf).__name__}, not an object with a \"format\"")
+        elif "format" not in conf:
+            raise DTypeError(f"{refuse}: its ComfyUI quantisation config has no \"format\" key")
         else:
-            fmt_name = conf.get("format") if isinstance(conf, dict) else None
+            fmt_name = conf["format"]
+            if not isinstance(fmt_name, str):
+                raise DTypeError(f"{refuse}: its ComfyUI quantisation config's \"format\" is a "
+                                 f"JSON {type(fmt_name).__name__}, not a format's name")
         if fmt_name not in COMFY_FORMATS:
             raise DTypeError(f"{refuse}: ComfyUI quantisation format {fmt_name!r} is not one "
                              f"ltx2blas fuses ({', '.join(COMFY_FORMATS)})")

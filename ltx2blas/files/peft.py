@@ -12,15 +12,18 @@ tensor in such a file, and diffusers and PEFT scale a module's product by
 with ``r_m`` the first ``rank_pattern`` key that matches the module's name, else ``r``, and
 ``alpha_m`` likewise from ``alpha_pattern``, else ``lora_alpha`` (PEFT >= 0.15's matching: a key
 is a regular expression that must match the whole name or a suffix of it that starts after a
-dot).  Fields absent from the JSON take PEFT's defaults (r 8, lora_alpha 8).  Fields that make
-PEFT compute something other than a LoRA or DoRA (another initialisation that rewrites the
-base weight, the LoRA variants) are refused, and so is a configuration the tensors contradict.
+dot; matched here in bounded time, :mod:`ltx2blas.files.patterns`).  Fields absent from the
+JSON take PEFT's defaults (r 8, lora_alpha 8).  Fields that make PEFT compute something other
+than a LoRA or DoRA (another initialisation that rewrites the base weight, the LoRA variants)
+are refused, and so is a configuration the tensors contradict.  Fields of other components
+(``text_encoder.r``, ...) are left unread, as diffusers reads a component's fields only when
+it loads that component.
 """
 import math
-import re
 from dataclasses import dataclass, field
 
 from ..errors import FormatError
+from .patterns import PatternError, PatternTable
 from .safetensors import parse_json
 
 METADATA_KEY = "lora_adapter_metadata"
@@ -35,6 +38,8 @@ VARIANTS = ("use_bdlora", "arrow_config", "alora_invocation_tokens", "velora_con
             "monteclora_config", "kasa_config", "layer_replication")
 #: init_lora_weights values that rewrite the base weight as the adapter loads, or pick a variant.
 REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "mica")
+#: The largest rank or alpha taken: beyond any real adapter, and exact as a double.
+LARGEST = 2**53
 
 
 @dataclass
@@ -48,11 +53,25 @@ class LoraConfig:
     lora_bias: bool
     rank_pattern: dict = field(default_factory=dict)
     alpha_pattern: dict = field(default_factory=dict)
+    path: str = ""
+    tables: dict = field(default_factory=dict, repr=False)   # field name -> PatternTable
 
     def rank_and_alpha(self, name):
         """(r_m, alpha_m) of the module ``name`` (relative to the component)."""
-        return (self.rank_pattern.get(_first_match(self.rank_pattern, name), self.r),
-                self.alpha_pattern.get(_first_match(self.alpha_pattern, name), self.lora_alpha))
+        return (self._pattern("rank_pattern", name, self.r),
+                self._pattern("alpha_pattern", name, self.lora_alpha))
+
+    def _pattern(self, which, name, default):
+        table = self.tables.get(which)
+        if table is None:
+            return default
+        try:
+            key = table.first(name)
+        except PatternError as exc:
+            where = f"{self.component}." if self.component else ""
+            raise FormatError(f"{self.path}: __metadata__ {METADATA_KEY}: {where}{which}: "
+                              f"{exc}") from None
+        return default if key is None else getattr(self, which)[key]
 
     def scale(self, strength, rank, alpha):
         """PEFT's scaling of a module at adapter weight ``strength``: (w * alpha) / r, or over
@@ -68,21 +87,13 @@ class LoraConfig:
                 f"{', use_rslora' if self.use_rslora else ''}{patterns}")
 
 
-def _first_match(patterns, name):
-    """PEFT's get_pattern_key: the first key (in the file's order) that matches ``name`` as a
-    whole or a dot-started suffix; None if none does."""
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", name):
-            return key
-    return None
-
-
 def read_configs(metadata, path):
-    """{component (or "" when unprefixed): LoraConfig} from a file's metadata; {} when it holds
-    no lora_adapter_metadata.  FormatError for JSON that is not PEFT's configuration."""
+    """({component (or "" when unprefixed): LoraConfig}, [components whose fields were left
+    unread]) from a file's metadata; ({}, []) when it holds no lora_adapter_metadata.
+    FormatError for JSON that is not PEFT's configuration."""
     raw = (metadata or {}).get(METADATA_KEY)
     if raw is None:
-        return {}
+        return {}, []
 
     def fail(message):
         raise FormatError(f"{path}: __metadata__ {METADATA_KEY}: {message}")
@@ -90,25 +101,45 @@ def read_configs(metadata, path):
     data = parse_json(raw, fail, "the value")
     if not isinstance(data, dict):
         fail(f"is a JSON {type(data).__name__}, not PEFT's configuration (an object)")
-    by_component = {}
+    # A field of PEFT's LoraConfig has no dot in its name: a dotted key is a component's field
+    # (diffusers' <component>.<field>), read for the components fused here and left alone for
+    # the others, as diffusers leaves them when it loads the transformer.
+    by_component, ignored = {}, []
     for key, value in data.items():
         component, dot, name = key.partition(".")
-        if not (dot and component in COMPONENTS):
+        if not dot:
             component, name = "", key
+        elif component not in COMPONENTS:
+            if component not in ignored:
+                ignored.append(component)
+            continue
         by_component.setdefault(component, {})[name] = value
-    return {component: _config(component, fields, fail)
-            for component, fields in by_component.items()}
+    configs = {component: _config(component, fields, fail, path)
+               for component, fields in by_component.items()}
+    return configs, ignored
 
 
-def _config(component, fields, fail):
+def component_names(configs):
+    """The components a file's metadata configures, as messages name them."""
+    return ", ".join(c or "(unprefixed fields)" for c in sorted(configs))
+
+
+def _shown(value, most=40):
+    text = repr(value)
+    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
+
+
+def _config(component, fields, fail, path):
     where = f"{component}." if component else ""
     values = {**DEFAULTS, **{k: v for k, v in fields.items() if k in DEFAULTS}}
 
     def number(name, value, integer=False):
         ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-        if not ok or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-            fail(f"{where}{name} is {value!r}; PEFT takes a positive "
-                 f"{'integer' if integer else 'number'}")
+        # an int past LARGEST is refused before math.isfinite, which cannot take it
+        if (not ok or isinstance(value, bool) or not (0 < value <= LARGEST)
+                or not math.isfinite(value)):
+            fail(f"{where}{name} is {_shown(value)}; PEFT takes a positive "
+                 f"{'integer' if integer else 'number'} (ltx2blas: up to 2**53)")
         return value
 
     for name in ("use_rslora", "use_dora", "lora_bias"):
@@ -122,21 +153,22 @@ def _config(component, fields, fail):
     if isinstance(init, str) and init.lower().startswith(REWRITING_INITS):
         fail(f"{where}init_lora_weights is {init!r}, which makes PEFT rewrite the base weight as "
              "the adapter loads (or picks a LoRA variant); ltx2blas does not fuse it")
-    patterns = {}
+    patterns, tables = {}, {}
     for name in ("rank_pattern", "alpha_pattern"):
         table = values[name] if values[name] is not None else {}
         if not isinstance(table, dict):
-            fail(f"{where}{name} is {table!r}, not an object of patterns")
+            fail(f"{where}{name} is {_shown(table)}, not an object of patterns")
         for key, value in table.items():
-            try:
-                re.compile(key)
-            except re.error as exc:
-                fail(f"{where}{name} key {key!r} is not a regular expression ({exc})")
-            number(f"{name}[{key!r}]", value, integer=name == "rank_pattern")
+            number(f"{name}[{_shown(key)}]", value, integer=name == "rank_pattern")
+        try:  # each key compiled once, here
+            tables[name] = PatternTable(table) if table else None
+        except PatternError as exc:
+            fail(f"{where}{name}: {exc}")
         patterns[name] = dict(table)
     return LoraConfig(component, number("r", values["r"], integer=True),
                       number("lora_alpha", values["lora_alpha"]), values["use_rslora"],
-                      values["use_dora"], values["lora_bias"], **patterns)
+                      values["use_dora"], values["lora_bias"], **patterns, path=path,
+                      tables={k: v for k, v in tables.items() if v is not None})
 
 
 def config_of(configs, key, path):
@@ -154,8 +186,8 @@ def config_of(configs, key, path):
         if "" not in configs:
             raise FormatError(f"{path}: {key!r} belongs to the {first}, which its "
                               f"{METADATA_KEY} does not configure (it has "
-                              f"{', '.join(sorted(configs))})")
+                              f"{component_names(configs)})")
     if len(configs) > 1:
         raise FormatError(f"{path}: {key!r} names no component, and its {METADATA_KEY} "
-                          f"configures several ({', '.join(sorted(configs))})")
+                          f"configures several ({component_names(configs)})")
     return next(iter(configs.values())), ""

@@ -104,10 +104,21 @@ def gc_paused():
             gc.enable()
 
 
+#: The most separators (commas, colons, opening brackets) a JSON text may hold to be parsed,
+#: counted before parsing, inside strings too.  Python holds about 35-45 bytes of objects per
+#: separator, so parsing a text takes at most about 200 MB beyond the text itself; an LTX-2
+#: checkpoint's header has about 13 per tensor (300,000 tensors fit).
+MAX_JSON_SEPARATORS = 4_000_000
+
+
 def parse_json(text, fail, what):
     """A header or index as Python objects, strictly: duplicate keys, NaN and Infinity,
-    integers longer than any size and nesting past Python's limit are refused through
-    ``fail(message)``, which raises."""
+    integers longer than any size, nesting past Python's limit and texts of more than
+    MAX_JSON_SEPARATORS separators are refused through ``fail(message)``, which raises."""
+    separators = text.count(",") + text.count(":") + text.count("[") + text.count("{")
+    if separators > MAX_JSON_SEPARATORS:
+        fail(f"{what} holds {separators} JSON separators (commas, colons, brackets); the limit "
+             f"is {MAX_JSON_SEPARATORS}, which keeps parsing it within about 200 MB")
     try:
         return json.loads(text, object_pairs_hook=object_pairs, parse_constant=_refuse_constant)
     except DuplicateKey as exc:
