@@ -334,10 +334,16 @@ _SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 
 
 def _ignore_signals():
-    """A second signal must not interrupt the clean-up the first started."""
+    """A second signal must not interrupt the clean-up the first started.  A handler that
+    does nothing, not SIG_IGN: a signal already pending would find SIG_IGN set and Python
+    would print a traceback for it."""
     for name in _SIGNALS:
         if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+            signal.signal(getattr(signal, name), _ignore)
+
+
+def _ignore(signum, frame):
+    pass
 
 
 def _raise_stop(signum, frame):

@@ -157,7 +157,7 @@ def _modules_text(keys, shown=3):
     is left out (reference_slot_embedding.net.0 under reference_slot_embedding).  Linear in
     the keys: each module's enclosing modules are looked up, not compared with every other."""
     named, kept = set(), []
-    for module in sorted({plans.module_of_tensor(k) for k in keys}, key=len):
+    for module in sorted({plans.module_of_tensor(k) for k in keys}, key=lambda m: (len(m), m)):
         parts = module.split(".")
         if not any(".".join(parts[:i]) in named for i in range(1, len(parts))):
             named.add(module)

@@ -105,9 +105,9 @@ def gc_paused():
 
 
 #: The most separators (commas, colons, opening brackets) a JSON text may hold to be parsed,
-#: counted before parsing, inside strings too.  Python holds about 35-45 bytes of objects per
-#: separator, so parsing a text takes at most about 200 MB beyond the text itself; an LTX-2
-#: checkpoint's header has about 13 per tensor (300,000 tensors fit).
+#: counted before parsing, inside strings too.  The strict parse holds at most about 70 bytes
+#: of Python objects per separator (measured up to 52), so a text costs at most 3 x its size
+#: plus about 280 MB; an LTX-2 checkpoint's header has about 12 per tensor (300,000 fit).
 MAX_JSON_SEPARATORS = 4_000_000
 
 
@@ -118,7 +118,7 @@ def parse_json(text, fail, what):
     separators = text.count(",") + text.count(":") + text.count("[") + text.count("{")
     if separators > MAX_JSON_SEPARATORS:
         fail(f"{what} holds {separators} JSON separators (commas, colons, brackets); the limit "
-             f"is {MAX_JSON_SEPARATORS}, which keeps parsing it within about 200 MB")
+             f"is {MAX_JSON_SEPARATORS}, which keeps parsing it within about 300 MB")
     try:
         return json.loads(text, object_pairs_hook=object_pairs, parse_constant=_refuse_constant)
     except DuplicateKey as exc:
