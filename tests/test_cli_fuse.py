@@ -233,3 +233,56 @@ def test_fp8_overflow_is_recorded_and_summarised(tmp_path, rng):
 
     with SafetensorsFile(out) as f:
         assert f.metadata["ltx2blas.fp8_overflow"].startswith("nan: ")
+
+
+def test_unknown_options_are_named_by_their_command(paths):
+    model, lora, out = paths
+    r = run("--frobnicate")
+    assert r.returncode == 2 and r.stderr == ("ltx2blas: error: unrecognized option --frobnicate "
+                                              "(see ltx2blas --help)\n")
+    r = run("fuse", model, "--lora", lora, "-o", out, "--bogus")
+    assert r.returncode == 2 and r.stderr == ("ltx2blas fuse: error: unrecognized arguments: "
+                                              "--bogus (see ltx2blas fuse --help)\n")
+    assert not out.exists()
+    r = run("demo", "--help")
+    assert r.returncode == 0 and "Fuse an LTX-2-shaped adapter into a weight in memory" in r.stdout
+
+
+def test_an_adapter_that_matches_nothing_says_why_allow_unmatched_cannot_help(tmp_path, rng):
+    model = ck.write(tmp_path / "m.safetensors", ck.model(rng))
+    lora = ck.write(tmp_path / "a.safetensors", {
+        "diffusion_model.nothing_here.lora_A.weight": ("BF16", np.zeros((4, 48), np.uint16)),
+        "diffusion_model.nothing_here.lora_B.weight": ("BF16", np.zeros((64, 4), np.uint16))})
+    r = run("fuse", model, "--lora", lora, "-o", tmp_path / "o.safetensors", "--allow-unmatched")
+    assert r.returncode == 2
+    assert ("--allow-unmatched cannot help, as it fuses the modules that match and none does"
+            in r.stderr)
+
+
+def test_the_summary_of_a_small_fuse_counts_in_words_and_digits(paths):
+    """One module, one tensor, and GFLOP of a small file as digits rather than 0/0."""
+    model, lora, out = paths
+    r = run("fuse", model, "--lora", lora, "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("fused 1 module (1 bf16), copied 9 other tensors")
+    assert "2.5e-05 GFLOP" in r.stdout and "0/0 GFLOP" not in r.stderr
+    assert "0.00/0.00" not in r.stderr and "/2.5e-05 GFLOP" in r.stderr
+
+
+def test_output_that_is_standard_output_is_refused(paths, tmp_path):
+    """-o /dev/stdout with stdout sent to a file would write the checkpoint where its summary
+    goes: refused, nothing written."""
+    model, lora, _ = paths
+    target = tmp_path / "captured"
+    with open(target, "w") as stdout:
+        r = subprocess.run([sys.executable, "-m", "ltx2blas", "fuse", str(model), "--lora",
+                            str(lora), "-o", "/dev/stdout"], stdout=stdout,
+                           stderr=subprocess.PIPE, text=True, cwd="/", timeout=300)
+    assert r.returncode == 2 and "is this command's standard output" in r.stderr
+    assert target.stat().st_size == 0
+
+
+def test_demo_prints_no_markup():
+    r = run("demo", "--rows", "128", "--cols", "128", "--rank", "4")
+    assert r.returncode == 0, r.stderr
+    assert "`" not in r.stdout

@@ -179,7 +179,9 @@ class Progress:
 
     @property
     def fraction(self):
-        # weighted by arithmetic where there is some, by tensor count otherwise
+        """The share of the fuse's arithmetic done (of the tensors, where there is none): a
+        copied tensor adds no arithmetic, so the fraction stays put while tensors are copied
+        and tensors_done moves on."""
         if self.gflop_total > 0:
             return self.gflop_done / self.gflop_total
         return self.tensors_done / max(1, self.tensors_total)
