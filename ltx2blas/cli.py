@@ -148,6 +148,8 @@ def _cmd_fuse(args):
         progress=None if (args.dry_run or args.quiet) else _ProgressPrinter(),
         check_finite=args.check_finite, force=args.force, fp8_rounding=args.fp8_rounding,
         seed=args.seed or 0, dry_run=args.dry_run, fp8_overflow=args.fp8_overflow)
+    # The output is in place: a signal now would only call a finished fuse a failure.
+    _ignore_signals()
     lines = [_cli_words(report.summary())]
     if args.verbose:
         lines += [f"  {printable(name)}  <- adapters {adapters}" for name, adapters in report.fused]
@@ -336,7 +338,9 @@ _SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 def _ignore_signals():
     """A second signal must not interrupt the clean-up the first started.  A handler that
     does nothing, not SIG_IGN: a signal already pending would find SIG_IGN set and Python
-    would print a traceback for it."""
+    would print a traceback for it.  Only the main thread may set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return
     for name in _SIGNALS:
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), _ignore)

@@ -4,7 +4,6 @@ clean-up.  Each ends in a library error naming the file, or in the right result,
 bound stated beside the test (work counted in steps, memory in bytes, never in seconds)."""
 import json
 import re
-import resource
 import signal
 import struct
 import subprocess
@@ -15,11 +14,12 @@ import numpy as np
 import pytest
 
 import ltx2blas
-from ltx2blas import errors, reference
+from ltx2blas import errors
 from ltx2blas.files import patterns, peft
 from ltx2blas.files.safetensors import MAX_JSON_SEPARATORS, SafetensorsFile
 
 import ckpt_helpers as ck
+from test_cli_fuse import HELD
 from test_peft_metadata import MODULES, M, diffusers_adapter, expected, fuse, metadata
 
 pytest.importorskip("safetensors")
@@ -287,21 +287,6 @@ def test_control_characters_in_names_never_reach_the_terminal(tmp_path, rng):
 
 
 # ---- a second signal during the clean-up ------------------------------------------------------
-
-HELD = """
-import sys, time
-from ltx2blas import cli
-
-class Held(cli._ProgressPrinter):
-    def __call__(self, progress):
-        open(sys.argv[1], "w").close()
-        while True:
-            time.sleep(1)
-
-cli._ProgressPrinter = Held
-sys.exit(cli.main(sys.argv[2:]))
-"""
-
 
 @pytest.mark.parametrize("first, second", [("SIGINT", "SIGTERM"), ("SIGTERM", "SIGINT"),
                                            ("SIGHUP", "SIGTERM")])
