@@ -39,17 +39,123 @@ def _cpu_model():
 
 
 def _cpu_features():
-    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve", "sve2", "bf16")
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
     flags = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key = line.split(":", 1)[0].strip().lower()
-                if key in ("flags", "features"):
+                if key == "flags":
                     flags.update(line.split(":", 1)[1].split())
     except OSError:
         pass
     return [f for f in wanted if f in flags]
+
+
+# ---- Arm: features from the auxiliary vector, cores from MIDR_EL1 -----------------------------
+# On Arm, /proc/cpuinfo may not describe the CPU the program runs on (qemu-user passes the
+# host's through), while the auxiliary vector is what the kernel -- or the emulator -- tells
+# this process, and MIDR_EL1 names each core's design.
+
+#: HWCAP and HWCAP2 bits (Linux, arch/arm64/include/uapi/asm/hwcap.h) of the features that
+#: matter to ltx2blas's kernels, in the order info prints them.
+ARM_HWCAP = {"asimd": 1, "asimdhp": 10, "asimddp": 20, "sve": 22}
+ARM_HWCAP2 = {"sve2": 1, "svebf16": 12, "i8mm": 13, "bf16": 14, "sme": 23}
+AT_HWCAP, AT_HWCAP2 = 16, 26
+
+#: MIDR_EL1 (implementer, part number) -> the core's name.
+ARM_CORES = {
+    (0x41, 0xD03): "Cortex-A53", (0x41, 0xD08): "Cortex-A72", (0x41, 0xD0B): "Cortex-A76",
+    (0x41, 0xD0C): "Neoverse-N1", (0x41, 0xD40): "Neoverse-V1", (0x41, 0xD41): "Cortex-A78",
+    (0x41, 0xD44): "Cortex-X1", (0x41, 0xD46): "Cortex-A510", (0x41, 0xD47): "Cortex-A710",
+    (0x41, 0xD48): "Cortex-X2", (0x41, 0xD49): "Neoverse-N2", (0x41, 0xD4D): "Cortex-A715",
+    (0x41, 0xD4E): "Cortex-X3", (0x41, 0xD4F): "Neoverse-V2", (0x41, 0xD80): "Cortex-A520",
+    (0x41, 0xD81): "Cortex-A720", (0x41, 0xD82): "Cortex-X4", (0x41, 0xD84): "Neoverse-V3",
+    (0x41, 0xD85): "Cortex-X925", (0x41, 0xD87): "Cortex-A725", (0x41, 0xD8E): "Neoverse-N3",
+    (0xC0, 0xAC3): "Ampere-1", (0xC0, 0xAC4): "Ampere-1A", (0x61, 0x022): "Apple M1",
+    (0x61, 0x032): "Apple M2",
+}
+
+
+def arm_features(hwcap, hwcap2):
+    """The feature names ltx2blas's kernels care about, from AT_HWCAP and AT_HWCAP2."""
+    return ([name for name, bit in ARM_HWCAP.items() if hwcap >> bit & 1] +
+            [name for name, bit in ARM_HWCAP2.items() if hwcap2 >> bit & 1])
+
+
+def arm_cores(midrs, cpuinfo=""):
+    """"10 x Cortex-X925, 10 x Cortex-A725": the cores by kind, from each CPU's MIDR_EL1
+    (``midrs``), else from /proc/cpuinfo's "CPU implementer" and "CPU part" lines; None when
+    neither names any core."""
+    ids = [((m >> 24) & 0xFF, (m >> 4) & 0xFFF) for m in midrs]
+    if not ids:
+        implementer = None
+        for line in cpuinfo.splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip().lower()
+            try:
+                if key == "cpu implementer":
+                    implementer = int(value.strip(), 0)
+                elif key == "cpu part" and implementer is not None:
+                    ids.append((implementer, int(value.strip(), 0)))
+            except ValueError:
+                continue
+    if not ids:
+        return None
+    counts = {}
+    for implementer, part in ids:
+        name = ARM_CORES.get((implementer, part), f"core 0x{implementer:02x}:0x{part:03x}")
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{n} x {name}" for name, n in counts.items())
+
+
+def _arm_sources():
+    """(AT_HWCAP, AT_HWCAP2, [MIDR_EL1 of each CPU], /proc/cpuinfo's text) of this machine."""
+    hwcap = hwcap2 = 0
+    try:
+        import ctypes
+
+        getauxval = ctypes.CDLL(None).getauxval
+        getauxval.restype, getauxval.argtypes = ctypes.c_ulong, [ctypes.c_ulong]
+        hwcap, hwcap2 = getauxval(AT_HWCAP), getauxval(AT_HWCAP2)
+    except (OSError, AttributeError):
+        try:
+            with open("/proc/self/auxv", "rb") as f:
+                words = np.frombuffer(f.read(), np.uint64)
+            pairs = dict(zip(words[::2].tolist(), words[1::2].tolist()))
+            hwcap, hwcap2 = pairs.get(AT_HWCAP, 0), pairs.get(AT_HWCAP2, 0)
+        except (OSError, ValueError):
+            pass
+    import glob
+
+    midrs = []
+    for path in sorted(glob.glob("/sys/devices/system/cpu/cpu[0-9]*/regs/identification/"
+                                 "midr_el1")):
+        try:
+            with open(path) as f:
+                midrs.append(int(f.read().strip(), 16))
+        except (OSError, ValueError):
+            continue
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpuinfo = f.read()
+    except OSError:
+        cpuinfo = ""
+    return hwcap, hwcap2, midrs, cpuinfo
+
+
+def arm_cpu(hwcap, hwcap2, midrs, cpuinfo):
+    """(the CPU as info names it, its features) on Arm, from recorded or live sources."""
+    cores = arm_cores(midrs, cpuinfo)
+    return (cores or "cores not named (no MIDR_EL1 in /sys or /proc/cpuinfo)",
+            arm_features(hwcap, hwcap2))
+
+
+def cpu_and_features():
+    """The CPU's name and the features that choose ltx2blas's kernels, on this machine."""
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return arm_cpu(*_arm_sources())
+    return _cpu_model(), _cpu_features()
 
 
 def collect(probe_depths=(32, 384, 450, 512)):
@@ -60,6 +166,7 @@ def collect(probe_depths=(32, 384, 450, 512)):
     from . import __version__
 
     blas = scipy_blas()
+    cpu, features = cpu_and_features()
     mb, nb = default_tile(*ROUTE_WEIGHT)
     depths = {k: _probe.verified_depth(mb, nb, k, k, pin=blas_single_threaded)
               for k in probe_depths}
@@ -83,8 +190,8 @@ def collect(probe_depths=(32, 384, 450, 512)):
         "scipy": scipy.__version__,
         "threadpoolctl": threadpoolctl.__version__,
         "machine": platform.machine(),
-        "cpu": _cpu_model(),
-        "cpu_features": _cpu_features(),
+        "cpu": cpu,
+        "cpu_features": features,
         "cpus_available": available_cpus(),
         "openmp": _gemm.have_openmp(),
         "threads_default": default_threads(),
