@@ -53,7 +53,8 @@ def row_stats(hidden, const int64_t[::1] rows, int layers, double[:, ::1] sums,
         h32 = hidden
         base = &h32[0, 0]
     with nogil:
-        for r in prange(n, num_threads=threads, schedule="static"):
+        # a row at a time to whichever thread is free: cores of unequal speed share it evenly
+        for r in prange(n, num_threads=threads, schedule="dynamic"):
             row = <const char *>base + rows[r] * width * (2 if bf16 else 4)
             for l in range(layers):
                 sums[r, l] = 0.0
@@ -166,34 +167,53 @@ cdef void normalize_piece(const FeatureJob *job, const Projection *pr, Py_ssize_
 
 cdef void normalize_rows(const FeatureJob *job, Py_ssize_t r0, Py_ssize_t r1, Py_ssize_t step,
                          uint16_t *strip_rows) noexcept nogil:
-    """Rows [r0, r1)'s features of this step into every projection's panels: rows packed, or,
-    with strip_panels, rows [r0, r1) being one strip, each chunk of them normalised into
-    strip_rows (a strip's rows of a chunk) and then packed by the kernel's transposes (a
-    feature at a time straight into the strip would touch a line for every two)."""
-    cdef Py_ssize_t c0, s0, s1, seg, c, r, at
-    cdef int p, kt
-    cdef Projection *pr
+    """Rows [r0, r1)'s features of this step into every projection's panels (see
+    normalize_segment)."""
+    cdef int p
+    cdef Py_ssize_t seg
     for p in range(job.count):
-        pr = &job.proj[p]
-        for seg in range(pr.segments):
-            step_range(job, pr, seg, step, &s0, &s1)
-            c0, c = s0, 0
-            while c0 < s1:
-                kt = <int>min(<Py_ssize_t>job.chunk, s1 - c0)
-                at = slot(job, pr, seg, c)
-                for r in range(r0, r1):
-                    if job.strip_panels:
-                        normalize_piece(job, pr, r, c0, kt, strip_rows + (r - r0) * kt)
-                    elif job.bf16_panels:
-                        normalize_piece(job, pr, r, c0, kt, <uint16_t *>pr.x + at + r * kt)
-                    else:
-                        normalize_piece(job, pr, r, c0, kt, pr.x + at + r * kt)
-                if job.strip_panels:
-                    pack_x_pairs(job.kern, r1 - r0, kt, strip_rows, kt,
-                                 strip_at(<uint32_t *>(<uint16_t *>pr.x + at),
-                                          strip_stride(kt), r0, 0), strip_stride(kt))
-                c0 += kt
-                c += 1
+        for seg in range(job.proj[p].segments):
+            normalize_segment(job, r0, r1, step, strip_rows, p, seg)
+
+
+cdef Py_ssize_t segment_count(const FeatureJob *job) noexcept nogil:
+    """Segments of all the projections: the pieces a strip's normalisation is cut into."""
+    cdef Py_ssize_t total = 0
+    cdef int p
+    for p in range(job.count):
+        total += job.proj[p].segments
+    return total
+
+
+cdef void normalize_segment(const FeatureJob *job, Py_ssize_t r0, Py_ssize_t r1,
+                            Py_ssize_t step, uint16_t *strip_rows, int p,
+                            Py_ssize_t seg) noexcept nogil:
+    """Rows [r0, r1)'s features of this step in one segment of projection p into its panels:
+    rows packed, or, with strip_panels, rows [r0, r1) being one strip, each chunk of them
+    normalised into strip_rows (a strip's rows of a chunk) and then packed by the kernel's
+    transposes (a feature at a time straight into the strip would touch a line for every
+    two)."""
+    cdef Py_ssize_t c0, s0, s1, c, r, at
+    cdef int kt
+    cdef Projection *pr = &job.proj[p]
+    step_range(job, pr, seg, step, &s0, &s1)
+    c0, c = s0, 0
+    while c0 < s1:
+        kt = <int>min(<Py_ssize_t>job.chunk, s1 - c0)
+        at = slot(job, pr, seg, c)
+        for r in range(r0, r1):
+            if job.strip_panels:
+                normalize_piece(job, pr, r, c0, kt, strip_rows + (r - r0) * kt)
+            elif job.bf16_panels:
+                normalize_piece(job, pr, r, c0, kt, <uint16_t *>pr.x + at + r * kt)
+            else:
+                normalize_piece(job, pr, r, c0, kt, pr.x + at + r * kt)
+        if job.strip_panels:
+            pack_x_pairs(job.kern, r1 - r0, kt, strip_rows, kt,
+                         strip_at(<uint32_t *>(<uint16_t *>pr.x + at),
+                                  strip_stride(kt), r0, 0), strip_stride(kt))
+        c0 += kt
+        c += 1
 
 
 cdef inline Py_ssize_t acc_at(const FeatureJob *job, const Projection *pr, Py_ssize_t seg,
@@ -382,14 +402,23 @@ cdef class FeaturePlan:
         cdef uint16_t *mine
         if not self.job.strip_panels:
             with nogil:
-                for r in prange(self.job.n, num_threads=threads, schedule="static"):
+                for r in prange(self.job.n, num_threads=threads, schedule="dynamic"):
                     normalize_rows(&self.job, r, r + 1, step, NULL)
             return
+        # A strip and a segment at a time: few tokens make few strips, and cores of unequal
+        # speed need more pieces than threads to share the work evenly.
+        cdef Py_ssize_t pieces = segment_count(&self.job), piece, seg
+        cdef int p
         with nogil, parallel(num_threads=threads):
             mine = <uint16_t *>(self.rows_bf16 + self.rows_len * omp_get_thread_num())
-            for r in prange(strips, schedule="dynamic"):
-                normalize_rows(&self.job, r * LTX_DOT_PANEL_STRIP,
-                               min(self.job.n, (r + 1) * LTX_DOT_PANEL_STRIP), step, mine)
+            for piece in prange(strips * pieces, schedule="dynamic"):
+                r, seg, p = piece // pieces, piece % pieces, 0
+                while seg >= self.job.proj[p].segments:  # assignments, not reductions
+                    seg = seg - self.job.proj[p].segments
+                    p = p + 1
+                normalize_segment(&self.job, r * LTX_DOT_PANEL_STRIP,
+                                  min(self.job.n, (r + 1) * LTX_DOT_PANEL_STRIP), step, mine,
+                                  p, seg)
 
     def run(self, Py_ssize_t step, Py_ssize_t first, Py_ssize_t stop):
         """Tasks [first, stop) of a step, whose features normalize(step) has produced."""

@@ -493,7 +493,7 @@ cdef class FusePlan:
         if self.shared != NULL and not self.a_packed:
             # a region of its own: every block is packed before any tile reads it
             with nogil, parallel(num_threads=threads):
-                for tj in prange(self.job.tiles_n, schedule="static"):
+                for tj in prange(self.job.tiles_n, schedule="dynamic"):
                     pack_a_pairs(&self.job, tj)
             self.a_packed = True
         # Guided: each thread starts on a long run of neighbouring tiles, as with a static

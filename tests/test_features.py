@@ -209,7 +209,8 @@ def test_the_normalisation_is_the_references_on_every_kernel_table(rng, kernel_t
 
 
 def test_progress(rng, monkeypatch):
-    from ltx2blas import _gemm, linear_layer
+    from ltx2blas import _gemm, _threads, linear_layer
+    monkeypatch.setattr(_threads, "MIN_ROUNDS", 1)   # waves of one round: several here
     monkeypatch.setattr(_gemm, "has_dot_linear", lambda: False)  # the sgemm route everywhere
     monkeypatch.setattr(linear_layer, "panel_above_stream_rows", lambda: False)
     h = hidden(rng, (1, 80, 64, 200))   # 12,800 features, 25 segments (sgemm route)

@@ -149,7 +149,9 @@ def test_matches_torch_within_the_bound(rng):
     assert np.all(np.abs(y - ty) <= 2 * error_bound(x, w, b) + f32_ulp(y))
 
 
-def test_progress_is_reported_and_increasing(rng):
+def test_progress_is_reported_and_increasing(rng, monkeypatch):
+    from ltx2blas import _threads
+    monkeypatch.setattr(_threads, "MIN_ROUNDS", 1)   # waves of one round: several here
     x, w, b = case(rng, 300, 1000, 2600)  # 11 tasks of 256 features: several waves
     seen = []
     y = ltx2blas.linear(x, w, b, threads=2, progress=seen.append)

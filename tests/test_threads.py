@@ -197,3 +197,17 @@ def test_default_tile_rule():
     assert default_tile(4096, 16384) == (512, 256)
     assert default_tile(2048, 4096) == (128, 256)
     assert default_tile(8, 8) == (64, 64)  # no smaller than SMALLEST_TILE
+
+
+@pytest.mark.parametrize("tasks, threads", [(1, 1), (5, 2), (256, 3), (11, 2), (4000, 20),
+                                            (100_000, 7)])
+def test_waves_are_whole_rounds_of_many_tasks(tasks, threads):
+    """Waves of whole rounds of the thread count, each of at least MIN_ROUNDS rounds (so that
+    cores of unequal speed wait for one task at most at a wave's end, a few percent), at most
+    WAVES of them, covering every task once in order."""
+    from ltx2blas._threads import MIN_ROUNDS, WAVES, waves
+    got = waves(tasks, threads)
+    assert got[0][0] == 0 and got[-1][1] == tasks and len(got) <= WAVES
+    assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
+    for first, stop in got[:-1]:
+        assert (stop - first) % threads == 0 and stop - first >= MIN_ROUNDS * threads
