@@ -31,9 +31,9 @@ FP8_BY_NAME = {f.name: key for key, f in FP8.items()}
 #: The several-adapter rules, and the roundings into plain fp8 (docs/arithmetic.md §1, §2).
 RULES = ("addmm", "sum")
 FP8_ROUNDINGS = ("nearest", "stochastic")
-#: What a nearest rounding into F8_E4M3 makes of a value past 448 (inf too): "saturate", +-448,
-#: as torch casts from 2.13 on, or "nan", the NaN code, as torch cast up to 2.12.
-FP8_OVERFLOWS = ("saturate", "nan")
+#: What a nearest rounding into F8_E4M3 makes of a value past 448 (inf too), by rule: "saturate",
+#: +-448, as torch casts from 2.13 on, or "nan", the NaN code, as torch cast up to 2.12.
+FP8_OVERFLOWS = {"saturate": "+-448", "nan": "NaN"}
 #: The BLAS takes 32-bit int sizes.
 BLAS_INT_MAX = 2**31 - 1
 

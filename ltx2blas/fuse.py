@@ -8,10 +8,10 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _fuse, _gemm, _probe, _quant
-from ._validate import (FP8, RULES, WEIGHT_FORMATS, Magnitudes, adapters_for, as_kind, bf16_bits,
-                        bf16_to_f32, bias_f32, choice, contiguous, finite_weight_largest,
-                        fuse_output, fuse_weight, is_bf16, ndarray, output, strength_f32,
-                        tile_arg, where)
+from ._validate import (FP8, FP8_OVERFLOWS, RULES, WEIGHT_FORMATS, Magnitudes, adapters_for,
+                        as_kind, bf16_bits, bf16_to_f32, bias_f32, choice, contiguous,
+                        finite_weight_largest, fuse_output, fuse_weight, is_bf16, ndarray, output,
+                        strength_f32, tile_arg, where)
 from ._threads import blas_single_threaded, resolve_threads
 from .errors import (
     ArgumentTypeError,
@@ -545,11 +545,9 @@ def _raise_nonfinite_result(bad, shape, fmt="bf16", fp8_overflow="saturate"):
     if bad < 0:
         return
     at = where(bad, shape)
-    if fmt == "F8_E4M3":
-        made = "+-448" if fp8_overflow == "saturate" else "NaN"
-        raise NonFiniteResultError(f"the fused weight overflows F8_E4M3 at {at}: past 448, "
-                                   f"which fp8_overflow={fp8_overflow!r} makes {made}")
-    if fmt == "F8_E5M2":
-        raise NonFiniteResultError(f"the fused weight overflows F8_E5M2 at {at}: past 57344, "
-                                   "which rounds to +-inf")
-    raise NonFiniteResultError(f"the fused weight overflows {fmt} at {at}")
+    if fmt not in FP8:
+        raise NonFiniteResultError(f"the fused weight overflows {fmt} at {at}")
+    made = ("rounds to +-inf" if FP8[fmt].e5m2 else
+            f"fp8_overflow={fp8_overflow!r} makes {FP8_OVERFLOWS[fp8_overflow]}")
+    raise NonFiniteResultError(f"the fused weight overflows {fmt} at {at}: past "
+                               f"{FP8[fmt].largest:g}, which {made}")

@@ -5,7 +5,6 @@ bound stated beside the test (work counted in steps, memory in bytes, never in s
 import json
 import re
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from ltx2blas.files.safetensors import MAX_JSON_SEPARATORS, SafetensorsFile
 
 import ckpt_helpers as ck
 from test_cli_fuse import HELD
+from test_hostile import header_file
 from test_peft_metadata import MODULES, M, diffusers_adapter, expected, fuse, metadata
 
 pytest.importorskip("safetensors")
@@ -201,13 +201,6 @@ except errors.FormatError as exc:
     print("refused:", str(exc)[-160:])
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
-
-
-def header_file(path, text):
-    raw = text.encode()
-    raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
-    return path
 
 
 def measured(path):

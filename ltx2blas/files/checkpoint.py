@@ -29,7 +29,8 @@ from ..errors import (
     printable,
 )
 from .._threads import resolve_threads
-from .._validate import FP8, RULES, choice, fp8_rounding_rule, round_up, strength_f32
+from .._validate import (FP8, FP8_OVERFLOWS, RULES, choice, fp8_rounding_rule, progress_arg,
+                         round_up, strength_f32)
 from ..fuse import fuse_bias, fuse_dora, fuse_loras
 from ..quantized import check_weight, fuse_quantized
 from . import adapters as plans
@@ -94,7 +95,7 @@ class FuseReport:
                          f"{self.peak_rss_mib:.0f} MiB -> {printable(self.output)}")
         if self.fp8_overflows:
             first, count = next(iter(self.fp8_overflows.items()))
-            made = "+-448" if self.fp8_overflow == "saturate" else "NaN"
+            made = FP8_OVERFLOWS[self.fp8_overflow]
             lines.append(f"{sum(self.fp8_overflows.values())} fp8 values in "
                          f"{_count(len(self.fp8_overflows), 'weight')} rounded past their "
                          f"format's largest finite value (e.g. {count} in {printable(first)}): "
@@ -452,12 +453,6 @@ def _path_arg(value, what):
                             f"{type(value).__name__}")
 
 
-def _progress_arg(progress):
-    if progress is not None and not callable(progress):
-        raise ArgumentTypeError(f"progress must be a callable or None, got {progress!r}")
-    return progress
-
-
 def _parse_loras(loras, mappings=False):
     """[(path or mapping, strength)], each checked: a path (or, with ``mappings``, a mapping
     of adapter tensors) and a strength finite as f32, so that no bad entry is found after
@@ -695,7 +690,7 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
     if not loras:
         raise ArgumentError("no adapters given")
     resolve_threads(threads)  # a bad count is refused before any file is opened
-    _progress_arg(progress)
+    progress_arg(progress)
     t0 = time.perf_counter()
     ckpt = Checkpoint(model)
     sources = []
@@ -847,7 +842,7 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
                                 f"{type(state_dict).__name__}")
     loras = _parse_loras(loras, mappings=True)
     resolve_threads(threads)
-    _progress_arg(progress)
+    progress_arg(progress)
     t0 = time.perf_counter()
     views = {}
     for name, tensor in state_dict.items():
