@@ -255,7 +255,8 @@ def panel_min_rows():
 
 
 def kernel_name(bint allow_fma=True):
-    """Name of the kernel table used: 'avx512bf16', 'avx512', 'avx2', 'neon' or 'base'."""
+    """Name of the kernel table used: 'avx512bf16', 'avx512', 'avx2', 'neon_bf16', 'neon' or
+    'base'."""
     return kernels(allow_fma).name.decode()
 
 
@@ -301,6 +302,16 @@ def has_pairs_kernel():
 def has_dot_linear():
     """Whether the kernel table in use has the dot-product Linear (bf16 x and weight)."""
     return has_dot_products(_fast)
+
+
+def dot_rule():
+    """(lanes, units) of the dot-product Linear of the table in use, which its error bound
+    counts: the streaming kernel's lane sums, and the unit roundoffs one pair's step can add to
+    a term's error (2: two roundings to nearest, x86; 4: two to odd, Arm).  (0, 0) where the
+    table has none."""
+    if not has_dot_products(_fast):
+        return 0, 0
+    return _fast.dot_lanes, _fast.dot_pair_units
 
 
 def scan_bf16(const uint16_t[::1] bits):

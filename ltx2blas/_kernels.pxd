@@ -89,6 +89,7 @@ cdef extern from "kernels.h" nogil:
                               float *scratch) noexcept nogil
         void (*pack_x_pairs)(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kt,
                              uint32_t *xs, ltx_idx lds) noexcept nogil
+        int dot_lanes, dot_pair_units
         int panel_min_rows
         ltx_idx (*store_fused_fp8)(const float *acc, const uint8_t *w, ltx_idx ldw,
                                    uint8_t *out, ltx_idx ldo, ltx_idx rows, ltx_idx cols,

@@ -151,6 +151,18 @@ def arm_cpu(hwcap, hwcap2, midrs, cpuinfo):
             arm_features(hwcap, hwcap2))
 
 
+#: What each table with the dot-product kernels runs them on, as info prints it: the fuse's
+#: instructions, and the Linear's (docs/arithmetic.md states each one's arithmetic).
+DOT_INSTRUCTIONS = {
+    "avx512bf16": ("adds two terms per instruction from bf16 pairs (VDPBF16PS)",
+                   "two products per instruction (VDPBF16PS, each sum rounded to nearest)"),
+    "neon_bf16": ("adds one term a lane per instruction straight from bf16 (BFMLALT, then "
+                  "BFMLALB: a fused multiply-add)",
+                  "two products per instruction (BFDOT: their sum and the addition rounded to "
+                  "odd, which error_bound counts)"),
+}
+
+
 def cpu_and_features():
     """The CPU's name and the features that choose ltx2blas's kernels, on this machine."""
     if platform.machine().lower() in ("aarch64", "arm64"):
@@ -219,6 +231,8 @@ def collect(probe_depths=(32, 384, 450, 512)):
         "linear_panel_above_stream_rows": panel_above_stream_rows(),
         "linear_routes_bf16_x": bf16_x_routes,
         "dot_product_fuse": _gemm.has_pairs_kernel(),
+        # the dot-product Linear's lanes and unit roundoffs a pair (error_bound counts them)
+        "dot_linear_rule": dict(zip(("lanes", "pair_units"), _gemm.dot_rule())),
     }
 
 
@@ -253,11 +267,11 @@ def format_info(info):
         if route["route"] == "dot-product":
             how = f"the dot-product kernel; otherwise {how}"
         lines.append(f"  rank {k:>5}: {how}")
+    fuse_how, linear_how = DOT_INSTRUCTIONS.get(info["kernel"], ("", ""))
     if info.get("dot_product_fuse"):
-        lines.append("  (the dot-product kernel adds two terms per instruction (VDPBF16PS), in "
-                     "the textbook order, where the adapter's magnitudes rule out subnormal and "
-                     "infinite sums; it also takes each adapter of several, and fp8 and "
-                     "quantised weights)")
+        lines.append(f"  (the dot-product kernel {fuse_how}, in the textbook order, where the "
+                     "adapter's magnitudes rule out subnormal and infinite sums; it also takes "
+                     "each adapter of several, and fp8 and quantised weights)")
     lines.append(f"the Linear, bf16 weight, in {LINEAR_WIDTH} (at out " +
                  " / ".join(next(iter(info["linear_routes"].values()))["tasks"]) + "):")
     for rows, route in info["linear_routes"].items():
@@ -280,8 +294,7 @@ def format_info(info):
                  f"multiplying it{panel}; above, {above})")
     bf16_x = info.get("linear_routes_bf16_x", {})
     if any(r in DOT_ROUTES for r in bf16_x.values()):
-        lines.append("  on bf16 x (what text_features multiplies), two products per instruction "
-                     "(VDPBF16PS): " + ", ".join(f"M {m}: {r}" for m, r in bf16_x.items()) +
+        lines.append(f"  on bf16 x (what text_features multiplies), {linear_how}: " + ", ".join(f"M {m}: {r}" for m, r in bf16_x.items()) +
                      f" (dot streams both operands' rows; from {DOT_PANEL_ROWS} rows dot_panel "
                      "packs x into pairs)")
     return "\n".join(lines)

@@ -240,11 +240,16 @@ def gamma(rows, cols, weight_dtype, accumulate="f32", blocks=None, feats=None,
         block = _gemm.STREAM_BLOCK
         d = 1 + block // 4 + math.ceil(kt / block) + 4 + 15 + chunks
     elif route == "dot":
+        lanes, units = _gemm.dot_rule()
         block = _gemm.DOT_BLOCK
-        d = 1 + block // 16 + math.ceil(kt / block) + 4 + 31 + chunks
+        d = (1 + block // (2 * lanes) * units + math.ceil(kt / block)
+             + (lanes.bit_length() - 1) + (2 * lanes - 1) + chunks)
     elif route == "dot_panel":
+        _, units = _gemm.dot_rule()
         block = _gemm.DOT_PANEL_CHUNK
-        d = 1 + (min(kt, block) - 1) + 1 + math.ceil(kt / block) + chunks
+        run = min(kt, block)
+        d = (1 + units * (run // 2) - units // 2 + run % 2 + math.ceil(kt / block)
+             + chunks)
     elif route == "panel":
         block = _gemm.PANEL_CHUNK
         d = 1 + (min(kt, block) - 1) + math.ceil(kt / block) + chunks
@@ -282,13 +287,21 @@ def error_bound(x, weight, bias=None, accumulate="f32", blocks=None):
         the narrowest) + ceil(kb / 4096) block sums + 4 tree levels + 15 tail additions + n;
       panel route: 1 product + 511 additions in a chunk's sum (512 elements, in order) +
         ceil(kb / 512) chunk sums + n;
-      dot-product route: 1 product + 128 additions in a lane's block (2048 elements, 16 lanes
-        of pairs) + ceil(kb / 2048) block sums + 4 tree levels + 31 tail additions + n;
-      dot-product panel route: 1 product + 511 additions in a chunk's sum (512 elements, in
-        order) + 1 odd last element + ceil(kb / 512) chunk sums + n;
+      dot-product route: 1 product + U per pair in a lane's block (2048 elements, L lanes
+        of pairs) + ceil(kb / 2048) block sums + log2(L) tree levels + 2L - 1 tail additions
+        + n;
+      dot-product panel route: 1 product + U per pair in a chunk's sum (512 elements, in
+        order, U / 2 fewer for the first pair, added to +0.0) + 1 for an odd last element +
+        ceil(kb / 512) chunk sums + n;
       then S - 1 additions of the segments' sums, and 1 for the bias.
-    The dot-product instruction also treats subnormal inputs as zero, and flushes a subnormal
-    product or partial sum to zero, losing less than 2^-126 each: on those routes the bound adds
+    On the dot-product routes, L and U are the kernel table's (``_gemm.dot_rule()``): with
+    VDPBF16PS (x86) 16 lanes, and U = 2, a pair's two products each added with one rounding to
+    nearest; with BFDOT (Arm) 4 lanes, and U = 4, the pair's exact sum rounded to odd and added
+    rounded to odd, each error below one unit in the last place, 2u, which (1 + 2u) <= (1 + u)^2
+    lets gamma_d count as two roundings.  The dot-product instructions also treat subnormal
+    inputs as zero, and flush a subnormal product or partial sum to zero, losing less than
+    2^-126 each (at most two a term: its product, and the sum it joins or its pair's sum and
+    the accumulation): on those routes the bound adds
     (1 + gamma_d) * (sum of |x_i w_i| over the terms with a subnormal factor + 2 * in * 2^-126).
     The final rounding to f32 adds half an ulp of y on top."""
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))

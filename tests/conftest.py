@@ -25,7 +25,7 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
-@pytest.fixture(params=[name for name in ("base", "avx2", "avx512", "avx512bf16", "neon")
+@pytest.fixture(params=[name for name in ("base", "avx2", "avx512", "avx512bf16", "neon", "neon_bf16")
                         if name in _gemm.kernels_built()])
 def kernel_table(request):
     """Every kernel table this build has; skipped where the CPU lacks it."""
@@ -39,7 +39,7 @@ def kernel_table(request):
 
 def _pairs_tables():
     names = []
-    for name in ("avx512bf16",):
+    for name in ("avx512bf16", "neon_bf16"):
         try:
             if name in _gemm.kernels_built() and hooks.has_pairs_kernel(name):
                 names.append(name)

@@ -13,7 +13,7 @@ from ltx2blas.linear_layer import (BLOCKS, STREAM_FEW_BLOCKS, STREAM_FEW_ROWS, S
                                    STREAM_WIDE_BLOCKS, error_bound, gamma, plan, segments,
                                    task_count)
 
-from helpers import random_bf16
+from helpers import bfdot_step, random_bf16
 
 REAL_WIDTH = 49 * 3840  # 188,160: the caption projection's in_features
 
@@ -264,7 +264,18 @@ def test_every_real_shape_is_cut_into_256_tasks():
 
 needs_dot = pytest.mark.skipif(
     not _gemm.has_dot_linear(),
-    reason=f"the {_gemm.kernel_name()} kernel table has no dot-product Linear (AVX512_BF16)")
+    reason=f"the {_gemm.kernel_name()} kernel table has no dot-product Linear (x86's "
+           f"AVX512_BF16 or Arm's BF16)")
+
+
+def dot_pair(acc, x0, w0, x1, w1):
+    """One pair's step of the dot-product instruction of the table in use, in numpy, from its
+    stated rule (docs/arithmetic.md): VDPBF16PS adds the higher element's product (x1 w1), then
+    the lower's, each rounded to nearest; BFDOT adds their exact sum, rounded to odd, rounded
+    to odd again (and flushes subnormals, which the inputs here avoid)."""
+    if _gemm.dot_rule()[1] == 4:
+        return bfdot_step(acc, x0, w0, x1, w1)
+    return (acc + x1 * w1) + x0 * w0
 
 
 @needs_dot
@@ -284,26 +295,28 @@ def test_dot_route_on_bf16_x_within_its_bound_and_thread_independent(rng, rows):
 def dot_route_model(x, w, bias, seg_len):
     """The dot-product route's stated order, in numpy f32 (each operation one rounding), for
     bf16 x and weight whose products and sums stay normal: per segment of seg_len in-features,
-    16 lanes, lane j of each vector of 32 elements adding the product of element 2j + 1, then
-    of 2j; the lanes' sums restarting every DOT_BLOCK elements, each block's sums added to the
-    lanes; the halving tree over the lanes; the last elements in order; that sum added to the
-    segment's start (the f32 bias in the first, +0.0 after); the segments added in order."""
+    L lanes (the table's), lane j of each vector of 2L elements taking the pair of elements 2j,
+    2j + 1 (dot_pair); the lanes' sums restarting every DOT_BLOCK elements, each block's sums
+    added to the lanes; the halving tree over the lanes; the last elements in order; that sum
+    added to the segment's start (the f32 bias in the first, +0.0 after); the segments added in
+    order."""
     xf, wf = reference.bf16_widen(x), reference.bf16_widen(w)
     rows, cols = xf.shape
+    nl = _gemm.dot_rule()[0]
     y = None
     for s0 in range(0, cols, seg_len):
         xs, ws = xf[:, s0:s0 + seg_len], wf[:, s0:s0 + seg_len]
         kt = xs.shape[1]
-        kv = kt - kt % 32
-        lanes = np.zeros((rows, ws.shape[0], 16), np.float32)
+        kv = kt - kt % (2 * nl)
+        lanes = np.zeros((rows, ws.shape[0], nl), np.float32)
         for b0 in range(0, kv, _gemm.DOT_BLOCK):
             block = np.zeros_like(lanes)
-            for v in range(b0, min(kv, b0 + _gemm.DOT_BLOCK), 32):
-                xv, wv = xs[:, None, v:v + 32], ws[None, :, v:v + 32]
-                block = block + xv[..., 1::2] * wv[..., 1::2]
-                block = block + xv[..., 0::2] * wv[..., 0::2]
+            for v in range(b0, min(kv, b0 + _gemm.DOT_BLOCK), 2 * nl):
+                xv, wv = xs[:, None, v:v + 2 * nl], ws[None, :, v:v + 2 * nl]
+                block = dot_pair(block, xv[..., 0::2], wv[..., 0::2], xv[..., 1::2],
+                                 wv[..., 1::2])
             lanes = lanes + block
-        h = 8
+        h = nl // 2
         while h >= 1:
             lanes = lanes[..., :h] + lanes[..., h:2 * h]
             h //= 2
@@ -319,10 +332,10 @@ def dot_route_model(x, w, bias, seg_len):
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, 12, 17, 31])
 def test_dot_route_bytes_are_its_stated_order(rng, rows):
     """Byte for byte, the dot-product route equals its order written out in numpy (one rounding
-    an operation): whatever its tiles -- 8 weight rows by up to 4 rows of x over whole rows, or
-    4 by 4 over spans of blocks -- each lane adds its pairs in k order. 47 outputs leave weight
-    rows past the last whole tile; the in-dimension leaves a partial block, a tail of 5 and,
-    above 4 rows, segments of 12288."""
+    an operation, or the instruction's rule): whatever its tiles -- 8 weight rows by up to 4 (2
+    on Arm) rows of x over whole rows, or 4 by 4 over spans of blocks -- each lane adds its
+    pairs in k order. 47 outputs leave weight rows past the last whole tile; the in-dimension
+    leaves a partial block, a tail of 5 and, above 4 rows, segments of 12288."""
     cols = 2 * 12288 + 4096 + 37
     x, w, b = case(rng, rows, cols, 47, True, True, "f32")
     route, blocks = plan(rows, w.dtype, x_dtype=x.dtype)
@@ -352,6 +365,82 @@ def test_dot_panel_bytes_do_not_depend_on_where_x_is_packed(rng, rows):
     y = ltx2blas.linear(x, w, b, threads=2)
     for other in ((48, 40, blocks[2]), (96, 8, blocks[2]), (32, 128, blocks[2])):
         assert ltx2blas.linear(x, w, b, blocks=other, threads=2).tobytes() == y.tobytes(), other
+
+
+def dot_panel_model(x, w, bias, seg_len):
+    """The dot-product panel route's stated order in numpy, for bf16 x and weight whose
+    products and sums stay normal: per segment of seg_len in-features, from the segment's start
+    (the f32 bias in the first, +0.0 after), each chunk of DOT_PANEL_CHUNK in-features summed
+    from +0.0 pair by pair in order (dot_pair), an odd last element's product added in f32,
+    the chunk's sum added; the segments added in order."""
+    xf, wf = reference.bf16_widen(x), reference.bf16_widen(w)
+    cols = xf.shape[1]
+    y = None
+    for s0 in range(0, cols, seg_len):
+        acc = np.zeros((xf.shape[0], wf.shape[0]), np.float32)
+        if s0 == 0 and bias is not None:
+            acc = acc + bias
+        for c0 in range(s0, min(cols, s0 + seg_len), _gemm.DOT_PANEL_CHUNK):
+            c1 = min(cols, s0 + seg_len, c0 + _gemm.DOT_PANEL_CHUNK)
+            c = np.zeros_like(acc)
+            for k in range(c0, c1 - 1, 2):
+                c = dot_pair(c, xf[:, None, k], wf[None, :, k], xf[:, None, k + 1],
+                             wf[None, :, k + 1])
+            if (c1 - c0) % 2:
+                c = c + xf[:, None, c1 - 1] * wf[None, :, c1 - 1]
+            acc = acc + c
+        y = acc if y is None else y + acc
+    return y
+
+
+@needs_dot
+@pytest.mark.parametrize("rows", [33, 70])
+def test_dot_panel_bytes_are_its_stated_order(rng, rows):
+    """Byte for byte, the dot-product panel route equals its order written out in numpy, with
+    strips cut by the rows (33: one row past a strip; 70: past two), a last row block shorter
+    than the kernel's (13 outputs), a last chunk of odd length and two segments."""
+    cols = STREAM_SEGMENT + 1024 + 37
+    x, w, b = case(rng, rows, cols, 13, True, True, "f32")
+    route, blocks = plan(rows, w.dtype, x_dtype=x.dtype)
+    _, seg_len = segments(rows, 13, cols, route, blocks)
+    assert route == "dot_panel" and seg_len == STREAM_SEGMENT
+    want = dot_panel_model(x, w, b, seg_len)
+    assert ltx2blas.linear(x, w, b, threads=2).tobytes() == want.tobytes()
+
+
+def adversarial_bf16(rng, rows, cols, feats, kind):
+    """bf16 x and weight (as uint16 bits) made to stress a dot-product route's additions:
+    "cancellation" -- every pair of terms nearly cancels (x[2i + 1] = x[2i], w[2i + 1] close to
+    -w[2i]), so the sums are tiny beside the terms' magnitudes; "near_overflow" -- terms of about
+    2^112 whose magnitudes add up to within a few binades of the largest f32."""
+    xr = rng.standard_normal((rows, cols), dtype=np.float32)
+    wr = rng.standard_normal((feats, cols), dtype=np.float32)
+    if kind == "cancellation":
+        xr[:, 1::2] = xr[:, 0::2][:, :xr[:, 1::2].shape[1]]
+        pairs = wr[:, 1::2].shape[1]
+        wr[:, 1::2] = -wr[:, 0::2][:, :pairs] * np.float32(1 + 2.0**-7) + np.float32(1e-3) * wr[:, 1::2]
+    else:
+        scale = np.float32(2.0**56)
+        xr, wr = xr * scale, wr * scale
+    return reference.bf16_round(xr), reference.bf16_round(wr)
+
+
+@needs_dot
+@pytest.mark.parametrize("kind", ["cancellation", "near_overflow"])
+@pytest.mark.parametrize("rows", [3, 9, 40])
+def test_dot_routes_on_adversarial_sums_within_the_bound_for_every_thread_count(rng, kind,
+                                                                                rows):
+    """Sums that cancel and sums near the top of the f32 range, on both dot-product routes (3
+    and 9 rows stream, 40 take the panel): within the derived bound, and the same bytes on 1,
+    2, 3 and 4 threads."""
+    cols = 2 * 12288 + 2048 + 21
+    x, w = adversarial_bf16(rng, rows, cols, 11, kind)
+    y = ltx2blas.linear(x, w, threads=1)
+    assert np.all(np.isfinite(y))
+    err = np.abs(y - exact(x, w))
+    assert np.all(err <= error_bound(x, w) + f32_ulp(y) / 2)
+    for threads in (2, 3, 4):
+        assert ltx2blas.linear(x, w, threads=threads).tobytes() == y.tobytes(), threads
 
 
 @needs_dot

@@ -6,6 +6,9 @@
  * test of whether this CPU runs it; a new instruction set is one DECLARE and one entry. */
 #include <stdlib.h>
 #include <string.h>
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
 
 #include "kernels.h"
 #include "quant.h"
@@ -49,6 +52,19 @@ static int cpu_has_avx512bf16(void)
 #endif
 #endif
 
+#ifdef LTX_HAVE_NEON_BF16
+/* The kernel's word for FEAT_BF16 (BFMLALB/T, BFDOT, BFMMLA, BFCVT): bit 14 of AT_HWCAP2. */
+#define ARM_HWCAP2_BF16 (1ul << 14)
+static int cpu_has_arm_bf16(void)
+{
+#if defined(__linux__)
+    return (getauxval(AT_HWCAP2) & ARM_HWCAP2_BF16) != 0;
+#else
+    return 0;
+#endif
+}
+#endif
+
 DECLARE(base)
 #ifdef LTX_HAVE_AVX2
 DECLARE(avx2)
@@ -58,6 +74,9 @@ DECLARE(avx512)
 #endif
 #ifdef LTX_HAVE_AVX512BF16
 DECLARE(avx512bf16)
+#endif
+#ifdef LTX_HAVE_NEON_BF16
+DECLARE(neon_bf16)
 #endif
 #ifdef LTX_HAVE_NEON
 DECLARE(neon)
@@ -73,6 +92,9 @@ static build builds[] = {
 #endif
 #ifdef LTX_HAVE_AVX2
     BUILD(avx2, cpu_has_avx2),
+#endif
+#ifdef LTX_HAVE_NEON_BF16
+    BUILD(neon_bf16, cpu_has_arm_bf16),
 #endif
 #ifdef LTX_HAVE_NEON
     BUILD(neon, always),

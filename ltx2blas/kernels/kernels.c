@@ -15,6 +15,9 @@
 #if defined(LTX_VARIANT_AVX512)
 #include "fp8_avx512.h"
 #endif
+#if defined(LTX_ARM_BF16)
+#include <arm_neon.h>
+#endif
 
 /* The register tile: VW floats a vector, MR rows by NRV vectors of columns. */
 #if defined(LTX_VARIANT_AVX512)
@@ -498,15 +501,13 @@ product_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *
     }
 }
 
-/* The fuse of an R x NR block: its sums rounded and added to w, into out. */
+/* out[r, v] = bf16(w[r, v] + bf16(acc[r][v])) over a register block: the fuse's last step.
+ * out may alias w (in-place fuse): each vector is read before it is written. Unrolled, so
+ * that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void
-fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, ltx_idx ldy,
-           const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
+store_block_fused(const int R, vf acc[MR][NRV], const uint16_t *w, ltx_idx ldw, uint16_t *out,
+                  ltx_idx ldo)
 {
-    vf acc[MR][NRV];
-    block_sums(R, k, x, ldx, y, ldy, acc);
-    /* out may alias w (in-place fuse): each vector is read before it is written. Unrolled, so
-     * that the accumulators stay in registers. */
 #if defined(LTX_BF16_CONVERT) && NRV == 2
     store_block_rounded(R, acc, w, ldw, out, ldo);
 #elif defined(FUSE_UNPACK_ORDER)
@@ -518,6 +519,16 @@ fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, 
         for (int v = 0; v < NRV; v++)
             fuse_vec(acc[r][v], w + r * ldw + v * VW, out + r * ldo + v * VW);
 #endif
+}
+
+/* The fuse of an R x NR block: its sums rounded and added to w, into out. */
+static inline __attribute__((always_inline)) void
+fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, ltx_idx ldy,
+           const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
+{
+    vf acc[MR][NRV];
+    block_sums(R, k, x, ldx, y, ldy, acc);
+    store_block_fused(R, acc, w, ldw, out, ldo);
 }
 
 /* How far ahead of the block being fused its weight lines are asked for, in blocks of MR x NR:
@@ -543,10 +554,13 @@ static inline void fuse_prefetch(const uint16_t *w, ltx_idx ldw, ltx_idx m, ltx_
     }
 }
 
-#if defined(LTX_BF16_CONVERT)
-/* The register block of the dot-product fuse and Linear: acc[r][v] = the sums, from +0.0 over
- * pairs q = 0 .. kp-1 in order, of row r's pair q (4 bytes at xb + r * row_bytes + 4 q, any
- * alignment) broadcast against vector v of yp's row q (NR columns of pairs, row stride ldyp).
+#if defined(LTX_DOT_PAIRS)
+/* The register block of the dot-product fuse (and, on x86, Linear): acc[r][v] = the sums, from
+ * +0.0 over pairs q = 0 .. kp-1 in order, of row r's pair q (4 bytes at xb + r * row_bytes +
+ * 4 q, any alignment) broadcast against vector v of yp's row q (NR columns of pairs, row stride
+ * ldyp), the pair's high element's product added first, then the low one's, each rounded:
+ * VDPBF16PS on x86 (subnormals flushed), BFMLALT then BFMLALB on Arm (each a fused
+ * multiply-add, so the textbook step wherever the product is exact in f32).
  * With `ahead`, the lines of the R rows laid out as xb's at `ahead` are asked for into L1 as
  * the block runs, a line a row every 16 pairs: rows too short a run for the hardware's
  * prefetcher to find (the Linear's weight rows, a chunk at a time). */
@@ -563,6 +577,21 @@ dot_sums(const int R, ltx_idx kp, const char *xb, ltx_idx row_bytes, const uint3
             for (int r = 0; r < R; r++)
                 __builtin_prefetch(ahead + r * row_bytes + 4 * q0, 0, 3);
         for (ltx_idx q = q0; q < q1; q++) {
+#if defined(LTX_ARM_BF16)
+            bfloat16x8_t yv[NRV];
+            for (int v = 0; v < NRV; v++)
+                yv[v] = vreinterpretq_bf16_u32(vld1q_u32(yp + q * ldyp + v * VW));
+            for (int r = 0; r < R; r++) {
+                uint32_t pair;
+                memcpy(&pair, xb + r * row_bytes + 4 * q, 4);
+                const bfloat16x8_t xs = vreinterpretq_bf16_u32(vdupq_n_u32(pair));
+                for (int v = 0; v < NRV; v++) {
+                    /* the odd bf16 lanes are the pairs' high halves: term 2q first */
+                    float32x4_t a = vbfmlaltq_f32((float32x4_t)acc[r][v], xs, yv[v]);
+                    acc[r][v] = (vf)vbfmlalbq_f32(a, xs, yv[v]);
+                }
+            }
+#else
             __m512bh yv[NRV];
             for (int v = 0; v < NRV; v++)
                 yv[v] = (__m512bh)_mm512_loadu_si512(yp + q * ldyp + v * VW);
@@ -573,6 +602,7 @@ dot_sums(const int R, ltx_idx kp, const char *xb, ltx_idx row_bytes, const uint3
                 for (int v = 0; v < NRV; v++)
                     acc[r][v] = (vf)_mm512_dpbf16_ps((__m512)acc[r][v], xs, yv[v]);
             }
+#endif
         }
     }
 }
@@ -584,7 +614,7 @@ dot_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp, const uint3
 {
     vf acc[MR][NRV];
     dot_sums(R, kp, (const char *)xp, 4 * ldxp, yp, ldyp, NULL, acc);
-    store_block_rounded(R, acc, w, ldw, out, ldo);
+    store_block_fused(R, acc, w, ldw, out, ldo);
 }
 
 /* dot_sums' block stored alone to c (row stride ldc): dot_product_bf16's register tile, and
@@ -611,7 +641,7 @@ walk_block(const enum walk_kind kind, const int R, ltx_idx k, const void *x, ltx
            const void *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw, uint16_t *out,
            ltx_idx ldo, float *c, ltx_idx ldc)
 {
-#if defined(LTX_BF16_CONVERT)
+#if defined(LTX_DOT_PAIRS)
     if (kind == WALK_PAIRS) {
         dot_block(R, k, x, ldx, y, ldy, w, ldw, out, ldo);
         return;
@@ -753,7 +783,7 @@ static void pack_pairs_cols(const float *src, ltx_idx lds, uint32_t *dst, ltx_id
     }
 }
 
-#if defined(LTX_BF16_CONVERT)
+#if defined(LTX_DOT_PAIRS)
 static void dot_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp,
                           const uint32_t *yp, ltx_idx ldyp, const uint16_t *w, ltx_idx ldw,
                           uint16_t *out, ltx_idx ldo)
@@ -918,7 +948,7 @@ stream_tile(ltx_idx mm, ltx_idx R, ltx_idx len, const float *xb, ltx_idx ldx, co
     }
 }
 
-#if defined(LTX_BF16_CONVERT)
+#if defined(LTX_DOT_PAIRS)
 static inline __attribute__((always_inline)) void
 dot_tile(ltx_idx mm, ltx_idx R, ltx_idx len, const uint16_t *xb, ltx_idx ldx, const uint16_t *wb,
          ltx_idx ldw, const uint16_t *next, float *lb, ltx_idx mt);
@@ -957,7 +987,7 @@ lanes_walk(const int dot, ltx_idx vec, ltx_idx block, ltx_idx xrows, ltx_idx spa
                 for (ltx_idx m0 = 0; m0 < mt; m0 += xrows) {
                     const ltx_idx mm = (mt - m0 < xrows) ? mt - m0 : xrows;
                     float *lb = lanes + (o * mt + m0) * VW;
-#if defined(LTX_BF16_CONVERT)
+#if defined(LTX_DOT_PAIRS)
                     if (dot) {
                         dot_tile(mm, R, len, xh + m0 * ldx + k0, ldx, wb, ldw, next, lb, mt);
                         continue;
@@ -985,22 +1015,35 @@ static void stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const float *x, ltx_id
                lanes);
 }
 
-#if defined(LTX_BF16_CONVERT)
+#if defined(LTX_DOT_PAIRS)
 /* ---- The Linear on bf16 x: two products per instruction, straight from both operands' rows ----
  *
- * x and the weight both hold k contiguously, and a vector of 32 bf16 from each is exactly what
- * VDPBF16PS pairs: lane j adds x[2j+1] w[2j+1], then x[2j] w[2j], each rounded. So neither
- * operand is widened or packed; a (weight row, row of x) pair's 16 lane sums restart every
- * LTX_DOT_BLOCK elements, as the streaming kernel's restart every LTX_STREAM_BLOCK, and the
- * rest of the order is stream_wxt's. Register tile: DR weight rows x DM rows of x, 16
- * accumulators (8 loads a 16 instructions; 4 x 6 and 6 x 4 tiles measured slower); up to
- * DOT_FEW8 rows of x, 8 weight rows, for the memory streams, as in stream_wxt. (Tuning runs:
- * bench/results/amd-epyc-zen4-avx512bf16/tuning.md.) */
+ * x and the weight both hold k contiguously, and a vector of 2 VW bf16 from each is exactly
+ * what the instruction pairs. x86 (VDPBF16PS, 16 lanes): lane j adds x[2j+1] w[2j+1], then
+ * x[2j] w[2j], each rounded. Arm (BFDOT, 4 lanes): lane j adds x[2j] w[2j] + x[2j+1] w[2j+1],
+ * the exact products' sum rounded to odd, to its sum, rounded to odd again. Both flush
+ * subnormal inputs, products and sums. So neither operand is widened or packed; a (weight row,
+ * row of x) pair's VW lane sums restart every LTX_DOT_BLOCK elements, as the streaming kernel's
+ * restart every LTX_STREAM_BLOCK, and the rest of the order is stream_wxt's. Register tile: DR
+ * weight rows x DM rows of x, 16 accumulators (8 loads a 16 instructions; 4 x 6 and 6 x 4 tiles
+ * measured slower on x86); up to DOT_FEW8 rows of x, 8 weight rows, for the memory streams, as
+ * in stream_wxt (on Arm 8 x 2, the accumulators that 32 registers hold with the loads). (Tuning
+ * runs: bench/results/amd-epyc-zen4-avx512bf16/tuning.md.) */
 #define DOT_BLOCK LTX_DOT_BLOCK
 #define DOT_VEC (2 * VW)
+/* kernels.h's dot_pair_units: two nearest-even roundings a pair, or two to odd. */
+#if defined(LTX_ARM_BF16)
+#define DOT_PAIR_UNITS 4
+#else
+#define DOT_PAIR_UNITS 2
+#endif
 #define DR 4
 #define DM 4
+#if defined(LTX_ARM_BF16)
+#define DOT_FEW8 2
+#else
 #define DOT_FEW8 4
+#endif
 /* Weight elements ahead asked for into L1, as STREAM_AHEAD; and with more rows of x than
  * DOT_FEW8, also DOT_FAR ahead into L2: the first row group to use a block of weight rows
  * consumes them twice as fast as the streaming kernel does (no widening), in bursts that
@@ -1015,30 +1058,43 @@ dot_stream_block(const int MM, const int R, const int FAR, ltx_idx len, const ui
                  ltx_idx ldx, const uint16_t *w, ltx_idx ldw, const uint16_t *next, float *lanes,
                  ltx_idx mt)
 {
-    __m512 s[8][DM];
+#if defined(LTX_ARM_BF16)
+#define DOT_LOAD(p) vreinterpretq_bf16_u16(vld1q_u16(p))
+#define DOT_STEP(s, x, w) vbfdotq_f32(s, x, w)
+    typedef float32x4_t sum_t;
+    typedef bfloat16x8_t pairs_t;
+#else
+#define DOT_LOAD(p) ((__m512bh)_mm512_loadu_si512(p))
+#define DOT_STEP(s, x, w) _mm512_dpbf16_ps(s, x, w)
+    typedef __m512 sum_t;
+    typedef __m512bh pairs_t;
+#endif
+    sum_t s[8][DM];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MM; m++)
-            s[r][m] = _mm512_setzero_ps();
+            s[r][m] = (sum_t)(vf){0};
     for (ltx_idx k = 0; k < len; k += DOT_VEC) {
-        __m512bh wv[8];
+        pairs_t wv[8];
         const ltx_idx ahead = k + DOT_AHEAD;
         for (int r = 0; r < R; r++) {
             __builtin_prefetch(row_ahead(w, next, r, ldw, ahead, len), 0, 3);
             if (FAR)
                 __builtin_prefetch(row_ahead(w, next, r, ldw, k + DOT_FAR, len), 0, 2);
-            wv[r] = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
+            wv[r] = DOT_LOAD(w + r * ldw + k);
         }
         for (int m = 0; m < MM; m++) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
+            pairs_t xv = DOT_LOAD(x + m * ldx + k);
             IN_REGISTER(xv);
             for (int r = 0; r < R; r++)
-                s[r][m] = _mm512_dpbf16_ps(s[r][m], xv, wv[r]);
+                s[r][m] = DOT_STEP(s[r][m], xv, wv[r]);
         }
     }
+#undef DOT_LOAD
+#undef DOT_STEP
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MM; m++) {
             float *lane = lanes + (r * mt + m) * VW;
-            _mm512_storeu_ps(lane, _mm512_add_ps(_mm512_loadu_ps(lane), s[r][m]));
+            STOREV(lane, LOADV(lane) + (vf)s[r][m]);
         }
 }
 
@@ -1068,7 +1124,9 @@ static void dot_stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x,
                acc, lanes);
 }
 #undef DOT_CASE
+#endif
 
+#if defined(LTX_BF16_CONVERT)
 /* ---- The dot-product Linear with many rows of x: x packed, the weight broadcast ----
  *
  * dot_stream_wxt loads a full vector of each operand for every 16 products a lane pair, which
@@ -1233,6 +1291,157 @@ _Static_assert(MR == 8, "dot_panel_wxt has a case for every row count up to MR")
 _Static_assert(NR % 16 == 0, "pack_x_pairs transposes 16 rows at a time");
 _Static_assert(NR == LTX_DOT_PANEL_STRIP, "the packed x's strips are the register block's columns");
 _Static_assert(LTX_DOT_PANEL_CHUNK % 2 == 0, "a chunk other than the last takes whole pairs");
+#endif
+
+#if defined(LTX_ARM_BF16)
+/* ---- The dot-product Linear with many rows of x, Arm: x packed, the weight broadcast ----
+ *
+ * The x86 panel's order with BFDOT: each chunk's sum of an output (LTX_DOT_PANEL_CHUNK elements
+ * from the call's first) starts from +0.0 and adds its pairs in order, each pair's two exact
+ * products' sum rounded to odd and added rounded to odd (the order inside a pair does not
+ * matter: its sum is rounded once), then an odd last element's product in f32, and is added
+ * to acc. x comes as pack_x_pairs lays it out for every table (strips of
+ * LTX_DOT_PANEL_STRIP = 32 rows); a strip is taken a half at a time (16 rows, 4 vectors), by
+ * DPR weight rows, whose pairs BFDOT's indexed form broadcasts from a vector of 4 of them: 16
+ * accumulators, 4 rows' vectors of pairs and 4 of x in 32 registers. */
+#define DPR 4
+#define HALF_VECS 4
+_Static_assert(LTX_DOT_PANEL_STRIP == 2 * HALF_VECS * VW, "a strip is two halves of 4 vectors");
+
+/* xs[s lds + q 32 + j] = the bf16 pair at x[(s 32 + j), 2q] (elements 2q, 2q + 1) for the
+ * (kt + 1) / 2 pairs of kt elements; an odd last element alone in its pair's low half; zero
+ * rows past mt up to a whole strip. 4 pairs by 4 rows at a time by a transpose, the last
+ * pairs one at a time. */
+static void pack_x_pairs(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kt, uint32_t *xs,
+                         ltx_idx lds)
+{
+    const ltx_idx S = LTX_DOT_PANEL_STRIP, strips = (mt + S - 1) / S, kp = kt / 2;
+    const ltx_idx kv = kp - kp % 4;
+    for (ltx_idx s = 0; s < strips; s++) {
+        uint32_t *strip = xs + s * lds;
+        for (ltx_idx q0 = 0; q0 < kv; q0 += 4)
+            for (ltx_idx j0 = 0; j0 < S; j0 += 4) {
+                uint32x4_t r[4];
+                for (int i = 0; i < 4; i++) {
+                    const ltx_idx row = s * S + j0 + i;
+                    r[i] = row < mt ? vreinterpretq_u32_u16(vld1q_u16(x + row * ldx + 2 * q0))
+                                    : vdupq_n_u32(0);
+                }
+                const uint32x4_t t0 = vtrn1q_u32(r[0], r[1]), t1 = vtrn2q_u32(r[0], r[1]);
+                const uint32x4_t t2 = vtrn1q_u32(r[2], r[3]), t3 = vtrn2q_u32(r[2], r[3]);
+#define HALVES(f, a, b) vreinterpretq_u32_u64(f(vreinterpretq_u64_u32(a), vreinterpretq_u64_u32(b)))
+                vst1q_u32(strip + (q0 + 0) * S + j0, HALVES(vtrn1q_u64, t0, t2));
+                vst1q_u32(strip + (q0 + 1) * S + j0, HALVES(vtrn1q_u64, t1, t3));
+                vst1q_u32(strip + (q0 + 2) * S + j0, HALVES(vtrn2q_u64, t0, t2));
+                vst1q_u32(strip + (q0 + 3) * S + j0, HALVES(vtrn2q_u64, t1, t3));
+#undef HALVES
+            }
+        for (ltx_idx j = 0; j < S; j++) {
+            const ltx_idx row = s * S + j;
+            for (ltx_idx q = kv; q < kp; q++) {
+                uint32_t v = 0;
+                if (row < mt)
+                    memcpy(&v, x + row * ldx + 2 * q, 4);
+                strip[q * S + j] = v;
+            }
+            if (kt & 1)
+                strip[kp * S + j] = row < mt ? x[row * ldx + kt - 1] : 0;
+        }
+    }
+}
+
+/* One half strip (16 rows of x from hs, pairs S apart) of one chunk (len elements) by R weight
+ * rows (wb, row stride ldw): each output's chunk sum, added to acc (rows `cols` valid, at ab,
+ * row stride mt). The weight's next lines (at `next`, rows as wb's) are asked for when given. */
+static inline __attribute__((always_inline)) void
+dot_half_strip(const int R, ltx_idx len, const uint32_t *hs, const uint16_t *wb, ltx_idx ldw,
+               const uint16_t *next, float *ab, ltx_idx mt, ltx_idx cols)
+{
+    const ltx_idx S = LTX_DOT_PANEL_STRIP, kp = len / 2, kv = kp - kp % 4;
+    float32x4_t c[DPR][HALF_VECS];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < HALF_VECS; v++)
+            c[r][v] = vdupq_n_f32(0.0f);
+#define PAIR_STEP(q, lane)                                                                    \
+    do {                                                                                      \
+        for (int v = 0; v < HALF_VECS; v++) {                                                 \
+            const bfloat16x8_t xv = vreinterpretq_bf16_u32(vld1q_u32(hs + (q) * S + v * VW)); \
+            for (int r = 0; r < R; r++)                                                       \
+                c[r][v] = vbfdotq_laneq_f32(c[r][v], xv, wv[r], lane);                        \
+        }                                                                                     \
+    } while (0)
+    for (ltx_idx q = 0; q < kv; q += 4) {
+        bfloat16x8_t wv[DPR];
+        for (int r = 0; r < R; r++) {
+            if (next && q % 16 == 0) /* a line a row every 16 pairs */
+                __builtin_prefetch(next + r * ldw + 2 * q, 0, 3);
+            wv[r] = vreinterpretq_bf16_u16(vld1q_u16(wb + r * ldw + 2 * q));
+        }
+        PAIR_STEP(q, 0);
+        PAIR_STEP(q + 1, 1);
+        PAIR_STEP(q + 2, 2);
+        PAIR_STEP(q + 3, 3);
+    }
+    for (ltx_idx q = kv; q < kp; q++) {
+        bfloat16x8_t wv[DPR];
+        for (int r = 0; r < R; r++) {
+            uint32_t pair;
+            memcpy(&pair, wb + r * ldw + 2 * q, 4);
+            wv[r] = vreinterpretq_bf16_u32(vdupq_n_u32(pair));
+        }
+        PAIR_STEP(q, 0);
+    }
+#undef PAIR_STEP
+    for (int r = 0; r < R; r++) {
+        const float wl = (len & 1) ? ltx_bf16_value(wb[r * ldw + len - 1]) : 0.0f;
+        for (int v = 0; v < HALF_VECS; v++) {
+            vf sum = (vf)c[r][v];
+            if (len & 1) {
+                /* the odd last element, alone in its pair's low half, as an f32 */
+                const vf xo = (vf)vshlq_n_u32(vld1q_u32(hs + kp * S + v * VW), 16);
+                sum = sum + xo * wl;
+            }
+            float *a = ab + r * mt + v * VW;
+            const ltx_idx left = cols - v * VW;
+            if (left >= VW)
+                STOREV(a, LOADV(a) + sum);
+            else
+                for (ltx_idx t = 0; t < left; t++)
+                    a[t] = a[t] + sum[t];
+        }
+    }
+}
+
+/* xs: pack_x_pairs of the call's x (kt elements from the first); scratch is not needed. Row
+ * blocks outer, so that each weight row is read in one run through the call. */
+static void dot_panel_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint32_t *xs, ltx_idx lds,
+                          const uint16_t *w, ltx_idx ldw, float *acc, float *scratch)
+{
+    (void)scratch;
+    const ltx_idx S = LTX_DOT_PANEL_STRIP, H = S / 2;
+    for (ltx_idx i = 0; i < n; i += DPR) {
+        const ltx_idx rows = (n - i < DPR) ? n - i : DPR;
+        for (ltx_idx k0 = 0; k0 < kt; k0 += LTX_DOT_PANEL_CHUNK) {
+            const ltx_idx len = (kt - k0 < LTX_DOT_PANEL_CHUNK) ? kt - k0 : LTX_DOT_PANEL_CHUNK;
+            const uint16_t *wb = w + i * ldw + k0;
+            const uint16_t *next = k0 + len < kt ? wb + len
+                                   : i + DPR < n ? w + (i + DPR) * ldw : NULL;
+            for (ltx_idx m0 = 0; m0 < mt; m0 += H) {
+                const uint32_t *hs = xs + (m0 / S) * lds + (k0 / 2) * S + m0 % S;
+                const ltx_idx cols = (mt - m0 < H) ? mt - m0 : H;
+                const uint16_t *ahead = m0 == 0 ? next : NULL;
+                float *ab = acc + i * mt + m0;
+                switch (rows) {
+                case 1: dot_half_strip(1, len, hs, wb, ldw, ahead, ab, mt, cols); break;
+                case 2: dot_half_strip(2, len, hs, wb, ldw, ahead, ab, mt, cols); break;
+                case 3: dot_half_strip(3, len, hs, wb, ldw, ahead, ab, mt, cols); break;
+                default: dot_half_strip(DPR, len, hs, wb, ldw, ahead, ab, mt, cols); break;
+                }
+            }
+        }
+    }
+}
+_Static_assert(DPR == 4, "dot_panel_wxt has a case for every row count up to DPR");
 #endif
 
 /* ---- The Linear from 48 to 64 rows of x: the fuse's register blocks ----
@@ -1714,12 +1923,14 @@ const ltx_kernels LTX_KERNELS_TABLE = {
     .seq_fuse_bf16 = seq_fuse_bf16,
     .pack_fuse_panel = pack_fuse_panel,
     .seq_product_panel = seq_product_panel,
-#if defined(LTX_BF16_CONVERT)
+#if defined(LTX_DOT_PAIRS)
     .dot_fuse_bf16 = dot_fuse_bf16,  /* NULL in the other tables */
     .dot_product_bf16 = dot_product_bf16,
     .dot_stream_wxt = dot_stream_wxt,
     .dot_panel_wxt = dot_panel_wxt,
     .pack_x_pairs = pack_x_pairs,
+    .dot_lanes = VW,
+    .dot_pair_units = DOT_PAIR_UNITS,
 #endif
     .pack_pairs_rows = pack_pairs_rows,
     .pack_pairs_cols = pack_pairs_cols,

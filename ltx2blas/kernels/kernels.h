@@ -220,6 +220,12 @@ typedef struct {
      * zero rows past mt, up to a whole strip. NULL where dot_stream_wxt is. */
     void (*pack_x_pairs)(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kt, uint32_t *xs,
                          ltx_idx lds);
+    /* The dot-product Linear's arithmetic, which its error bound counts: dot_stream_wxt's
+     * lanes (a vector of pairs holds 2 * dot_lanes elements), and how many unit roundoffs
+     * (2^-24) one pair's step can add to a term's error: 2 where the step rounds twice to
+     * nearest (VDPBF16PS), 4 where it rounds twice to odd, each error below one unit in the
+     * last place, twice nearest's (BFDOT). 0 where dot_stream_wxt is NULL. */
+    int dot_lanes, dot_pair_units;
     /* The fewest rows of x for which this table's Linear takes panel_wxt (0: never; the
      * tables where it was not measured faster keep the streaming kernel) */
     int panel_min_rows;
@@ -299,7 +305,7 @@ typedef struct {
 const ltx_kernels *ltx_fast_kernels(void);
 /* Never contracts: mul then add, as the reference loop does. */
 const ltx_kernels *ltx_strict_kernels(void);
-/* A table by name ("avx512bf16", "avx512", "avx2", "neon", "base"), or NULL if absent or unsupported here. */
+/* A table by name ("avx512bf16", "avx512", "avx2", "neon_bf16", "neon", "base"), or NULL if absent or unsupported here. */
 const ltx_kernels *ltx_kernels_by_name(const char *name);
 /* Names of the tables built into this module, comma separated. */
 const char *ltx_kernels_built(void);

@@ -17,12 +17,23 @@
 #define LTX_VARIANT avx512
 #elif defined(LTX_VARIANT_AVX2)
 #define LTX_VARIANT avx2
+#elif defined(LTX_VARIANT_NEON_BF16)
+/* Armv8.2 with FEAT_BF16: the neon build with the BF16 instructions besides (BFMLALB/T for the
+ * exact fuse, BFDOT for the Linear), chosen where the kernel reports HWCAP2_BF16. */
+#define LTX_VARIANT_NEON
+#define LTX_ARM_BF16
+#define LTX_VARIANT neon_bf16
 #elif defined(LTX_VARIANT_NEON)
 #define LTX_VARIANT neon
 #elif defined(LTX_VARIANT_BASE)
 #define LTX_VARIANT base
 #else
 #error "define one LTX_VARIANT_*"
+#endif
+
+/* The builds with the dot-product kernels (kernels.h: dot_fuse_bf16 and the dot Linear). */
+#if defined(LTX_BF16_CONVERT) || defined(LTX_ARM_BF16)
+#define LTX_DOT_PAIRS
 #endif
 
 #define LTX_CAT_(a, b) a##b
