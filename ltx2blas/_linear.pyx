@@ -25,8 +25,8 @@ from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_a
 
 import numpy as np
 
-# Elements of a row packed by one task of LinearPlan.pack_x: even, so that every piece starts
-# a pair.
+# Elements of a row packed by one task of LinearPlan.pack_x: a multiple of 4, so that every
+# piece starts a group of two pairs.
 cdef enum:
     PACK_PIECE = 16384
 
@@ -57,9 +57,9 @@ cdef struct LinearJob:
 def takes_packed_x(int product, int task_rows, int chunk, Py_ssize_t seg_len):
     """Whether a call packs its bf16 x whole, once, for the dot-product panel kernel, rather
     than every task packing its rows for every chunk (once per block of output features):
-    where its tasks' rows start strips (packs_strips) and every chunk starts a pair. The bytes
-    are the same."""
-    return packs_strips(product, task_rows) and chunk % 2 == 0 and seg_len % 2 == 0
+    where its tasks' rows start strips (packs_strips) and every chunk starts a group of two
+    pairs (kernels.h, pack_x_pairs). The bytes are the same."""
+    return packs_strips(product, task_rows) and chunk % 4 == 0 and seg_len % 4 == 0
 
 
 def packed_x_bytes(Py_ssize_t rows, Py_ssize_t cols):

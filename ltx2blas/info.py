@@ -158,8 +158,9 @@ DOT_INSTRUCTIONS = {
                    "two products per instruction (VDPBF16PS, each sum rounded to nearest)"),
     "neon_bf16": ("adds one term a lane per instruction straight from bf16 (BFMLALT, then "
                   "BFMLALB: a fused multiply-add)",
-                  "two products per instruction (BFDOT: their sum and the addition rounded to "
-                  "odd, which error_bound counts)"),
+                  "two products a lane per instruction streaming (BFDOT), sixteen a 2 x 2 block "
+                  "in the panel (BFMMLA, as two BFDOT steps): each pair's sum and its addition "
+                  "rounded to odd, which error_bound counts"),
 }
 
 

@@ -52,3 +52,16 @@ def test_bf16_instructions_compute_the_stated_rules(tmp_path):
             assert bad == 0, f"{name}: {bad} of {cases} differ, first {first}"
         else:   # BFDOT is not two textbook steps: its sums round to odd, subnormals flushed
             assert bad > cases // 10, f"{name}: only {bad} of {cases} differ"
+
+
+@pytest.mark.skipif(_bf16_cpu() is not None, reason=f"needs {_bf16_cpu()}")
+def test_the_bf16_table_is_chosen_where_the_cpu_has_bf16():
+    """Where the kernel reports HWCAP2_BF16, the neon_bf16 table serves (so the kernel tests
+    run what users run), with its dot-product fuse and Linear and their rule."""
+    from ltx2blas import _gemm
+    assert "neon_bf16" in _gemm.kernels_built()
+    assert _gemm.kernel_name() == "neon_bf16"
+    assert _gemm.has_pairs_kernel() and _gemm.has_dot_linear()
+    assert _gemm.dot_rule() == (4, 4)   # 4 lanes; two round-to-odd steps a pair
+    text = info.format_info(info.collect(probe_depths=(32,)))
+    assert "kernels    neon_bf16" in text and "BFMLALT" in text and "BFMMLA" in text

@@ -1294,51 +1294,48 @@ _Static_assert(LTX_DOT_PANEL_CHUNK % 2 == 0, "a chunk other than the last takes 
 #endif
 
 #if defined(LTX_ARM_BF16)
-/* ---- The dot-product Linear with many rows of x, Arm: x packed, the weight broadcast ----
+/* ---- The dot-product Linear with many rows of x, Arm: BFMMLA on x packed, the weight as it lies
  *
- * The x86 panel's order with BFDOT: each chunk's sum of an output (LTX_DOT_PANEL_CHUNK elements
- * from the call's first) starts from +0.0 and adds its pairs in order, each pair's two exact
- * products' sum rounded to odd and added rounded to odd (the order inside a pair does not
- * matter: its sum is rounded once), then an odd last element's product in f32, and is added
- * to acc. x comes as pack_x_pairs lays it out for every table (strips of
- * LTX_DOT_PANEL_STRIP = 32 rows); a strip is taken a half at a time (16 rows, 4 vectors), by
- * DPR weight rows, whose pairs BFDOT's indexed form broadcasts from a vector of 4 of them: 16
- * accumulators, 4 rows' vectors of pairs and 4 of x in 32 registers. */
+ * BFMMLA multiplies a 2 x 4 block of bf16 by a 4 x 2 one into a 2 x 2 block of f32 sums, each
+ * sum taking its first pair, then its second, by BFDOT's step (docs/arithmetic.md, "Arm's BF16
+ * instructions"): 16 products an instruction, twice BFDOT's, at the same issue rate. So the
+ * order is the x86 panel's, pair by pair: each chunk's sum of an output (LTX_DOT_PANEL_CHUNK
+ * elements from the call's first) starts from +0.0 and adds its pairs in order, each pair's
+ * exact products' sum rounded to odd and added rounded to odd (the order inside a pair does
+ * not matter: its sum is rounded once), then an odd last element's product in f32, and is
+ * added to acc -- the bytes BFDOT gives pair by pair.
+ *
+ * x is packed (pack_x_pairs) so that a 16-byte load is a 2 x 4 block: in a strip of
+ * LTX_DOT_PANEL_STRIP = 32 rows, the rows' elements 4g .. 4g + 3 (group g: pairs 2g, 2g + 1)
+ * lie at strip + 64 g, row pair by row pair (rows 2h, 2h + 1 at + 4 h), the 4 elements of
+ * row 2h, then those of row 2h + 1. The pairs past the last whole group (a last whole pair,
+ * an odd last element alone in its pair's low half) lie as x86 lays pairs out, a row of the
+ * strip's 32 pairs at strip + 32 q. Pair q of an even q starts at strip + 32 q in both, so a
+ * chunk starting at a multiple of 4 elements finds its pairs where a whole x was packed. The
+ * weight's 2 x 4 blocks come from two rows' 8-byte runs, as they lie. Register block: a half
+ * strip (8 row pairs) by 2 weight-row pairs, 16 accumulators. */
 #define DPR 4
-#define HALF_VECS 4
-_Static_assert(LTX_DOT_PANEL_STRIP == 2 * HALF_VECS * VW, "a strip is two halves of 4 vectors");
+#define HALF_PAIRS 8
+_Static_assert(LTX_DOT_PANEL_STRIP == 4 * HALF_PAIRS, "a strip is two halves of 8 row pairs");
 
-/* xs[s lds + q 32 + j] = the bf16 pair at x[(s 32 + j), 2q] (elements 2q, 2q + 1) for the
- * (kt + 1) / 2 pairs of kt elements; an odd last element alone in its pair's low half; zero
- * rows past mt up to a whole strip. 4 pairs by 4 rows at a time by a transpose, the last
- * pairs one at a time. */
 static void pack_x_pairs(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kt, uint32_t *xs,
                          ltx_idx lds)
 {
     const ltx_idx S = LTX_DOT_PANEL_STRIP, strips = (mt + S - 1) / S, kp = kt / 2;
-    const ltx_idx kv = kp - kp % 4;
+    const ltx_idx groups = kp / 2;
+    const uint16x4_t zero = vdup_n_u16(0);
     for (ltx_idx s = 0; s < strips; s++) {
         uint32_t *strip = xs + s * lds;
-        for (ltx_idx q0 = 0; q0 < kv; q0 += 4)
-            for (ltx_idx j0 = 0; j0 < S; j0 += 4) {
-                uint32x4_t r[4];
-                for (int i = 0; i < 4; i++) {
-                    const ltx_idx row = s * S + j0 + i;
-                    r[i] = row < mt ? vreinterpretq_u32_u16(vld1q_u16(x + row * ldx + 2 * q0))
-                                    : vdupq_n_u32(0);
-                }
-                const uint32x4_t t0 = vtrn1q_u32(r[0], r[1]), t1 = vtrn2q_u32(r[0], r[1]);
-                const uint32x4_t t2 = vtrn1q_u32(r[2], r[3]), t3 = vtrn2q_u32(r[2], r[3]);
-#define HALVES(f, a, b) vreinterpretq_u32_u64(f(vreinterpretq_u64_u32(a), vreinterpretq_u64_u32(b)))
-                vst1q_u32(strip + (q0 + 0) * S + j0, HALVES(vtrn1q_u64, t0, t2));
-                vst1q_u32(strip + (q0 + 1) * S + j0, HALVES(vtrn1q_u64, t1, t3));
-                vst1q_u32(strip + (q0 + 2) * S + j0, HALVES(vtrn2q_u64, t0, t2));
-                vst1q_u32(strip + (q0 + 3) * S + j0, HALVES(vtrn2q_u64, t1, t3));
-#undef HALVES
+        for (ltx_idx g = 0; g < groups; g++)
+            for (ltx_idx h = 0; h < S / 2; h++) {
+                const ltx_idx r0 = s * S + 2 * h, r1 = r0 + 1;
+                const uint16x4_t a = r0 < mt ? vld1_u16(x + r0 * ldx + 4 * g) : zero;
+                const uint16x4_t b = r1 < mt ? vld1_u16(x + r1 * ldx + 4 * g) : zero;
+                vst1q_u16((uint16_t *)(strip + 64 * g + 4 * h), vcombine_u16(a, b));
             }
         for (ltx_idx j = 0; j < S; j++) {
             const ltx_idx row = s * S + j;
-            for (ltx_idx q = kv; q < kp; q++) {
+            for (ltx_idx q = 2 * groups; q < kp; q++) {
                 uint32_t v = 0;
                 if (row < mt)
                     memcpy(&v, x + row * ldx + 2 * q, 4);
@@ -1350,66 +1347,80 @@ static void pack_x_pairs(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kt,
     }
 }
 
-/* One half strip (16 rows of x from hs, pairs S apart) of one chunk (len elements) by R weight
- * rows (wb, row stride ldw): each output's chunk sum, added to acc (rows `cols` valid, at ab,
- * row stride mt). The weight's next lines (at `next`, rows as wb's) are asked for when given. */
-static inline __attribute__((always_inline)) void
-dot_half_strip(const int R, ltx_idx len, const uint32_t *hs, const uint16_t *wb, ltx_idx ldw,
-               const uint16_t *next, float *ab, ltx_idx mt, ltx_idx cols)
+/* The 2 x 4 block of weight rows a and b (elements 4g .. 4g + 3 of each): BFMMLA's second
+ * operand. */
+static inline bfloat16x8_t weight_block(const uint16_t *a, const uint16_t *b, ltx_idx g)
 {
-    const ltx_idx S = LTX_DOT_PANEL_STRIP, kp = len / 2, kv = kp - kp % 4;
-    float32x4_t c[DPR][HALF_VECS];
-    for (int r = 0; r < R; r++)
-        for (int v = 0; v < HALF_VECS; v++)
-            c[r][v] = vdupq_n_f32(0.0f);
-#define PAIR_STEP(q, lane)                                                                    \
-    do {                                                                                      \
-        for (int v = 0; v < HALF_VECS; v++) {                                                 \
-            const bfloat16x8_t xv = vreinterpretq_bf16_u32(vld1q_u32(hs + (q) * S + v * VW)); \
-            for (int r = 0; r < R; r++)                                                       \
-                c[r][v] = vbfdotq_laneq_f32(c[r][v], xv, wv[r], lane);                        \
-        }                                                                                     \
-    } while (0)
-    for (ltx_idx q = 0; q < kv; q += 4) {
-        bfloat16x8_t wv[DPR];
-        for (int r = 0; r < R; r++) {
-            if (next && q % 16 == 0) /* a line a row every 16 pairs */
-                __builtin_prefetch(next + r * ldw + 2 * q, 0, 3);
-            wv[r] = vreinterpretq_bf16_u16(vld1q_u16(wb + r * ldw + 2 * q));
-        }
-        PAIR_STEP(q, 0);
-        PAIR_STEP(q + 1, 1);
-        PAIR_STEP(q + 2, 2);
-        PAIR_STEP(q + 3, 3);
-    }
-    for (ltx_idx q = kv; q < kp; q++) {
-        bfloat16x8_t wv[DPR];
-        for (int r = 0; r < R; r++) {
-            uint32_t pair;
-            memcpy(&pair, wb + r * ldw + 2 * q, 4);
-            wv[r] = vreinterpretq_bf16_u32(vdupq_n_u32(pair));
-        }
-        PAIR_STEP(q, 0);
-    }
-#undef PAIR_STEP
-    for (int r = 0; r < R; r++) {
-        const float wl = (len & 1) ? ltx_bf16_value(wb[r * ldw + len - 1]) : 0.0f;
-        for (int v = 0; v < HALF_VECS; v++) {
-            vf sum = (vf)c[r][v];
-            if (len & 1) {
-                /* the odd last element, alone in its pair's low half, as an f32 */
-                const vf xo = (vf)vshlq_n_u32(vld1q_u32(hs + kp * S + v * VW), 16);
-                sum = sum + xo * wl;
+    return vreinterpretq_bf16_u16(vcombine_u16(vld1_u16(a + 4 * g), vld1_u16(b + 4 * g)));
+}
+
+/* One half strip (8 row pairs of x: `half` of the strip at `strip`) of one chunk (len
+ * elements) by R weight rows (wb, row stride ldw): each output's chunk sum, added to acc
+ * (rows `cols` valid, at ab, row stride mt). With R odd the last row is read twice, its second
+ * sums dropped. The weight's next lines (at `next`, rows as wb's) are asked for when given. */
+static inline __attribute__((always_inline)) void
+mmla_half_strip(const int R, ltx_idx len, const uint32_t *strip, int half, const uint16_t *wb,
+                ltx_idx ldw, const uint16_t *next, float *ab, ltx_idx mt, ltx_idx cols)
+{
+    const ltx_idx S = LTX_DOT_PANEL_STRIP, kp = len / 2, groups = kp / 2;
+    const int OB = (R + 1) / 2;
+    const uint16_t *wr[DPR];
+    for (int o = 0; o < DPR; o++)
+        wr[o] = wb + (o < R ? o : R - 1) * ldw;
+    const uint32_t *gx = strip + half * 4 * HALF_PAIRS;
+    float32x4_t c[HALF_PAIRS][DPR / 2];
+    for (int h = 0; h < HALF_PAIRS; h++)
+        for (int b = 0; b < OB; b++)
+            c[h][b] = vdupq_n_f32(0.0f);
+    for (ltx_idx g = 0; g < groups; g++) {
+        bfloat16x8_t wv[DPR / 2];
+        for (int b = 0; b < OB; b++) {
+            if (next && g % 8 == 0) { /* a line a row every 8 groups */
+                __builtin_prefetch(next + 2 * b * ldw + 4 * g, 0, 3);
+                __builtin_prefetch(next + (2 * b + 1 < R ? 2 * b + 1 : 2 * b) * ldw + 4 * g, 0, 3);
             }
-            float *a = ab + r * mt + v * VW;
-            const ltx_idx left = cols - v * VW;
-            if (left >= VW)
-                STOREV(a, LOADV(a) + sum);
-            else
-                for (ltx_idx t = 0; t < left; t++)
-                    a[t] = a[t] + sum[t];
+            wv[b] = weight_block(wr[2 * b], wr[2 * b + 1], g);
+        }
+        for (int h = 0; h < HALF_PAIRS; h++) {
+            const bfloat16x8_t xv = vreinterpretq_bf16_u32(vld1q_u32(gx + 64 * g + 4 * h));
+            for (int b = 0; b < OB; b++)
+                c[h][b] = vbfmmlaq_f32(c[h][b], xv, wv[b]);
         }
     }
+    const uint32_t *row_pairs = strip + half * 2 * HALF_PAIRS;  /* the row layout's rows */
+    if (kp & 1) {
+        /* The last whole pair (q = 2 groups), by BFDOT on operands laid out as the sums' lanes
+         * are: (x row 2h, weight row 2b), (2h, 2b + 1), (2h + 1, 2b), (2h + 1, 2b + 1). */
+        const ltx_idx q = 2 * groups;
+        for (int b = 0; b < OB; b++) {
+            uint32_t w0, w1;
+            memcpy(&w0, wr[2 * b] + 2 * q, 4);
+            memcpy(&w1, wr[2 * b + 1] + 2 * q, 4);
+            const uint32_t wl[4] = {w0, w1, w0, w1};
+            const bfloat16x8_t wp = vreinterpretq_bf16_u32(vld1q_u32(wl));
+            for (int h = 0; h < HALF_PAIRS; h++) {
+                const uint32_t x0 = row_pairs[q * S + 2 * h], x1 = row_pairs[q * S + 2 * h + 1];
+                const uint32_t xl[4] = {x0, x0, x1, x1};
+                c[h][b] = vbfdotq_f32(c[h][b], vreinterpretq_bf16_u32(vld1q_u32(xl)), wp);
+            }
+        }
+    }
+    for (int h = 0; h < HALF_PAIRS; h++)
+        for (int b = 0; b < OB; b++) {
+            float t[4];
+            vst1q_f32(t, c[h][b]);
+            for (int i = 0; i < 4; i++) {
+                const ltx_idx m = 2 * h + i / 2;
+                const int o = 2 * b + i % 2;
+                if (m >= cols || o >= R)
+                    continue;
+                float sum = t[i];
+                if (len & 1) /* the odd last element, alone in its pair's low half */
+                    sum = sum + ltx_bf16_value((uint16_t)row_pairs[kp * S + m]) *
+                                    ltx_bf16_value(wr[o][len - 1]);
+                ab[o * mt + m] = ab[o * mt + m] + sum;
+            }
+        }
 }
 
 /* xs: pack_x_pairs of the call's x (kt elements from the first); scratch is not needed. Row
@@ -1427,21 +1438,23 @@ static void dot_panel_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint32_t *xs,
             const uint16_t *next = k0 + len < kt ? wb + len
                                    : i + DPR < n ? w + (i + DPR) * ldw : NULL;
             for (ltx_idx m0 = 0; m0 < mt; m0 += H) {
-                const uint32_t *hs = xs + (m0 / S) * lds + (k0 / 2) * S + m0 % S;
+                const uint32_t *strip = xs + (m0 / S) * lds + (k0 / 2) * S;
+                const int half = (int)((m0 % S) / H);
                 const ltx_idx cols = (mt - m0 < H) ? mt - m0 : H;
                 const uint16_t *ahead = m0 == 0 ? next : NULL;
                 float *ab = acc + i * mt + m0;
                 switch (rows) {
-                case 1: dot_half_strip(1, len, hs, wb, ldw, ahead, ab, mt, cols); break;
-                case 2: dot_half_strip(2, len, hs, wb, ldw, ahead, ab, mt, cols); break;
-                case 3: dot_half_strip(3, len, hs, wb, ldw, ahead, ab, mt, cols); break;
-                default: dot_half_strip(DPR, len, hs, wb, ldw, ahead, ab, mt, cols); break;
+                case 1: mmla_half_strip(1, len, strip, half, wb, ldw, ahead, ab, mt, cols); break;
+                case 2: mmla_half_strip(2, len, strip, half, wb, ldw, ahead, ab, mt, cols); break;
+                case 3: mmla_half_strip(3, len, strip, half, wb, ldw, ahead, ab, mt, cols); break;
+                default: mmla_half_strip(DPR, len, strip, half, wb, ldw, ahead, ab, mt, cols); break;
                 }
             }
         }
     }
 }
 _Static_assert(DPR == 4, "dot_panel_wxt has a case for every row count up to DPR");
+_Static_assert(LTX_DOT_PANEL_CHUNK % 4 == 0, "a chunk other than the last takes whole groups");
 #endif
 
 /* ---- The Linear from 48 to 64 rows of x: the fuse's register blocks ----

@@ -207,17 +207,21 @@ typedef struct {
                            const uint16_t *w, ltx_idx ldw, float *acc, float *lanes);
     /* The same sum in another fixed order: k cut into chunks of LTX_DOT_PANEL_CHUNK from 0,
      * each chunk's sum from +0.0 adding its pairs in order (VDPBF16PS: the higher element's
-     * product, then the lower's, subnormals flushed), then an odd last element, the chunks'
-     * sums added to acc in order; the weight rows broadcast against x packed by pack_x_pairs
-     * (strip s of LTX_DOT_PANEL_STRIP rows at xs + s * lds, its pairs from the call's first
-     * element), for many rows of x. scratch: LTX_DOT_PANEL_SCRATCH(mt) floats. NULL where
-     * dot_stream_wxt is. */
+     * product, then the lower's, subnormals flushed; BFDOT's step, by BFMMLA: the pair's sum
+     * and the addition rounded to odd), then an odd last element, the chunks' sums added to
+     * acc in order; against x packed by pack_x_pairs (strip s of LTX_DOT_PANEL_STRIP rows at
+     * xs + s * lds, its pairs from the call's first element), for many rows of x. scratch:
+     * LTX_DOT_PANEL_SCRATCH(mt) floats. NULL where dot_stream_wxt is. */
     void (*dot_panel_wxt)(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint32_t *xs, ltx_idx lds,
                           const uint16_t *w, ltx_idx ldw, float *acc, float *scratch);
-    /* xs[s * lds + q * LTX_DOT_PANEL_STRIP + j] = the bf16 pair (elements 2q, 2q + 1) of row
-     * s * LTX_DOT_PANEL_STRIP + j of x (mt rows, row stride ldx) for the
-     * LTX_DOT_PANEL_PAIRS(kt) pairs of kt elements, an odd last element alone in the low half;
-     * zero rows past mt, up to a whole strip. NULL where dot_stream_wxt is. */
+    /* The LTX_DOT_PANEL_PAIRS(kt) pairs (elements 2q, 2q + 1) of kt elements of mt rows of x
+     * (row stride ldx), an odd last element alone in the low half, in strips of
+     * LTX_DOT_PANEL_STRIP rows lds apart, zero rows past mt up to a whole strip, laid out as
+     * this table's dot_panel_wxt reads them: x86, xs[s * lds + q * LTX_DOT_PANEL_STRIP + j] =
+     * the pair q of row s * LTX_DOT_PANEL_STRIP + j; Arm, groups of two pairs as BFMMLA's 2 x 4
+     * blocks (kernels.c). Either way pair q of an even q starts at q * LTX_DOT_PANEL_STRIP, so
+     * x packed in pieces of a multiple of 4 elements reads as x packed whole. NULL where
+     * dot_stream_wxt is. */
     void (*pack_x_pairs)(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kt, uint32_t *xs,
                          ltx_idx lds);
     /* The dot-product Linear's arithmetic, which its error bound counts: dot_stream_wxt's
