@@ -20,6 +20,7 @@ from libc.string cimport memset
 from ._parallel cimport LTX_HAVE_OPENMP, omp_get_max_threads, up64
 
 import os
+import time
 
 import numpy as np
 
@@ -312,6 +313,63 @@ def dot_rule():
     if not has_dot_products(_fast):
         return 0, 0
     return _fast.dot_lanes, _fast.dot_pair_units
+
+
+#: The in-cache fuse fuse_rates times: a tile of RATE_ROWS x RATE_COLS, depth RATE_DEPTH (x
+#: 32 KiB, the f32 panel 128 KiB, the pairs half that, the weight 32 KiB: L2 on any CPU).
+RATE_ROWS, RATE_COLS, RATE_DEPTH = 64, 256, 128
+#: fuse_rates' interleaved rounds, and the calls of each kernel a round times.
+RATE_ROUNDS, RATE_CALLS = 7, 4
+_fuse_rates = {}
+
+
+def fuse_rates():
+    """(dot, fma): GFLOP/s of the table in use's two one-adapter fuse kernels on an in-cache
+    tile -- the dot-product kernel (dot_fuse_bf16, bf16 pairs) and the f32 FMA kernel
+    (seq_fuse_bf16, the fuse panel) -- the best of RATE_ROUNDS interleaved rounds, measured
+    once per process and table (a few milliseconds).  dot is 0.0 where the table has no
+    dot-product kernel.  Both give the textbook bytes where the fuse takes them; only the
+    rate differs, by CPU: VDPBF16PS runs at twice the FMA rate on AMD Zen 4 and 5 and at half
+    of it on Intel Xeon."""
+    cdef const ltx_kernels *kern = _fast
+    name = kern.name.decode()
+    if name in _fuse_rates:
+        return _fuse_rates[name]
+    cdef int m = RATE_ROWS, n = RATE_COLS, k = RATE_DEPTH, kp = RATE_DEPTH // 2, i
+    rng = np.random.default_rng(0)
+    # bf16 values of ordinary magnitude: no subnormal or overflowing product or sum
+    x16 = (rng.integers(0x3E00, 0x3F80, (m, k)) | (rng.integers(0, 2, (m, k)) << 15)).astype(np.uint16)
+    y16 = (rng.integers(0x3E00, 0x3F80, (k, n)) | (rng.integers(0, 2, (k, n)) << 15)).astype(np.uint16)
+    cdef float[:, ::1] x = (x16.astype(np.uint32) << 16).view(np.float32)
+    cdef uint16_t[:, ::1] y = y16
+    cdef float[::1] panel = np.empty(k * n, np.float32)
+    cdef uint32_t[:, ::1] xp = np.empty((m, kp), np.uint32)
+    cdef uint32_t[:, ::1] yp = np.empty((kp, n), np.uint32)
+    cdef uint16_t[:, ::1] w = np.zeros((m, n), np.uint16)
+    cdef uint16_t[:, ::1] out = np.empty((m, n), np.uint16)
+    kern.pack_fuse_panel(&y[0, 0], n, &panel[0], k, n)
+    has_dot = kern.dot_fuse_bf16 != NULL
+    if has_dot:
+        kern.pack_pairs_rows(&y[0, 0], n, &yp[0, 0], k, n)
+        kern.pack_pairs_cols(&x[0, 0], k, &xp[0, 0], kp, m, k)
+    best = [float("inf"), float("inf")]
+    cdef int which, calls = RATE_CALLS
+    for _ in range(RATE_ROUNDS):
+        for which in range(0 if has_dot else 1, 2):
+            t0 = time.perf_counter()
+            with nogil:
+                for i in range(calls):
+                    if which == 0:
+                        kern.dot_fuse_bf16(m, n, kp, &xp[0, 0], kp, &yp[0, 0], n, &w[0, 0], n,
+                                           &out[0, 0], n)
+                    else:
+                        kern.seq_fuse_bf16(m, n, k, &x[0, 0], k, &panel[0], n, &w[0, 0], n,
+                                           &out[0, 0], n)
+            best[which] = min(best[which], time.perf_counter() - t0)
+    flops = 2.0 * m * n * k * RATE_CALLS / 1e9
+    rates = (flops / best[0] if has_dot else 0.0, flops / best[1])
+    _fuse_rates[name] = rates
+    return rates
 
 
 def scan_bf16(const uint16_t[::1] bits):

@@ -3,6 +3,7 @@
 The arithmetic is docs/arithmetic.md §1 (see :mod:`ltx2blas.reference`), and the result is byte-identical to
 that loop for every shape, rank, strength and thread count.  How: :mod:`ltx2blas._gemm`.
 """
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -306,6 +307,43 @@ def buffer_bytes(ranks, threads=1, tile=None, several=None, cols=None):
     return max(with_pairs, without)
 
 
+#: The fuse kernels a caller may force (LTX2BLAS_FUSE_KERNEL or use_fuse_kernel): "dot", the
+#: dot-product kernel wherever it gives the textbook bytes, or "fma", never it.
+FUSE_KERNELS = ("dot", "fma")
+_forced_fuse_kernel = None
+
+
+def use_fuse_kernel(name=None):
+    """Force the fuse's kernel choice for every later call: "dot" (the dot-product kernel
+    wherever the adapter's magnitudes let it give the textbook bytes) or "fma" (the f32
+    kernels and sgemm only); None restores the choice by measured rate
+    (:func:`dot_fuse_chosen`).  The bytes are the same either way.  The environment variable
+    ``LTX2BLAS_FUSE_KERNEL`` does the same when the module loads."""
+    global _forced_fuse_kernel
+    _forced_fuse_kernel = None if name is None else choice(name, FUSE_KERNELS, "fuse kernel")
+
+
+def forced_fuse_kernel():
+    """The fuse kernel forced by :func:`use_fuse_kernel` ("dot" or "fma"), or None."""
+    return _forced_fuse_kernel
+
+
+def dot_fuse_chosen():
+    """Whether the fuse takes the kernel table's dot-product kernel where it may: forced by
+    :func:`use_fuse_kernel`, else where it ran faster than the same table's f32 FMA kernel on an
+    in-cache tile (``_gemm.fuse_rates``, measured once per process)."""
+    if not _gemm.has_pairs_kernel():
+        return False
+    if _forced_fuse_kernel is not None:
+        return _forced_fuse_kernel == "dot"
+    dot, fma = _gemm.fuse_rates()
+    return dot > fma
+
+
+if os.environ.get("LTX2BLAS_FUSE_KERNEL"):
+    use_fuse_kernel(os.environ["LTX2BLAS_FUSE_KERNEL"])
+
+
 def _pairs_exact(rank, bs_min, a_min, overflow_bound):
     """Whether the dot-product kernel (VDPBF16PS, two terms per instruction) gives the textbook
     bytes for this adapter.  It adds each product in order, rounded, as the textbook loop does,
@@ -410,7 +448,7 @@ def _choose_route(prepared, fmt, rule, check_finite):
         product_bound = ad.rank * bs_max * amag.max * 1.01  # of the product, before any scale
         route.bound += product_bound * (1.0 if prescaled else abs(float(ad.s)))
         route.pairs[i] = route.pairs[i] and _pairs_exact(ad.rank, bs_min, amag.min, product_bound)
-    usable = route.blas and route.fma and _gemm.has_pairs_kernel()
+    usable = route.blas and route.fma and dot_fuse_chosen()
     route.pairs = [p and usable for p in route.pairs]
     return route
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from . import _gemm, _probe
 from ._threads import available_cpus, blas_single_threaded, default_threads, scipy_blas
-from .fuse import default_tile, route_of
+from .fuse import default_tile, dot_fuse_chosen, forced_fuse_kernel, route_of
 from .linear_layer import (
     DOT_PANEL_ROWS,
     DOT_ROUTES,
@@ -232,6 +232,10 @@ def collect(probe_depths=(32, 384, 450, 512)):
         "linear_panel_above_stream_rows": panel_above_stream_rows(),
         "linear_routes_bf16_x": bf16_x_routes,
         "dot_product_fuse": _gemm.has_pairs_kernel(),
+        # the one-adapter fuse kernels' in-cache rates (GFLOP/s) and which the fuse takes
+        "fuse_rates": dict(zip(("dot", "fma"), (round(r, 1) for r in _gemm.fuse_rates()))),
+        "fuse_kernel": "dot" if dot_fuse_chosen() else "fma",
+        "fuse_kernel_forced": forced_fuse_kernel() is not None,
         # the dot-product Linear's lanes and unit roundoffs a pair (error_bound counts them)
         "dot_linear_rule": dict(zip(("lanes", "pair_units"), _gemm.dot_rule())),
     }
@@ -270,6 +274,12 @@ def format_info(info):
         lines.append(f"  rank {k:>5}: {how}")
     fuse_how, linear_how = DOT_INSTRUCTIONS.get(info["kernel"], ("", ""))
     if info.get("dot_product_fuse"):
+        rates = info["fuse_rates"]
+        why = ("forced (LTX2BLAS_FUSE_KERNEL)" if info["fuse_kernel_forced"] else
+               "the faster on a 64 x 256 tile of depth 128, in cache, timed once a process")
+        lines.append(f"  (kernels measured: dot-product {rates['dot']} GFLOP/s, f32 FMA "
+                     f"{rates['fma']} GFLOP/s; the fuse takes the "
+                     f"{'dot-product' if info['fuse_kernel'] == 'dot' else 'FMA'} kernel: {why})")
         lines.append(f"  (the dot-product kernel {fuse_how}, in the textbook order, where the "
                      "adapter's magnitudes rule out subnormal and infinite sums; it also takes "
                      "each adapter of several, and fp8 and quantised weights)")

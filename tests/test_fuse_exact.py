@@ -468,3 +468,33 @@ def test_rank_past_one_pass_with_non_finite_factors(rng, special):
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf and inf * 0 in the oracle
         expected = reference.fuse_lora(weight, lora_a, lora_b, 0.8)
     assert got.view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
+
+
+@pytest.mark.parametrize("dot, fma, chosen", [(200.0, 110.0, True), (60.0, 95.0, False)])
+def test_the_fuse_takes_the_faster_kernel_by_measured_rate(monkeypatch, dot, fma, chosen):
+    """With the rates injected (as on AMD Zen, where VDPBF16PS runs at twice the FMA rate, and
+    on Intel Xeon, where it runs at half), the fuse takes the dot-product kernel exactly where
+    it measured faster, and the routes info reports follow."""
+    from ltx2blas import fuse
+    if not _gemm.has_pairs_kernel():
+        pytest.skip(f"the {_gemm.kernel_name()} kernel table has no dot-product fuse")
+    monkeypatch.setattr(_gemm, "fuse_rates", lambda: (dot, fma))
+    assert fuse.dot_fuse_chosen() is chosen
+    assert (fuse.route_of(384) == "dot-product") is chosen
+    assert (fuse.route_of(32) == "dot-product") is chosen
+    fuse.use_fuse_kernel("dot" if not chosen else "fma")   # forcing overrides the rates
+    try:
+        assert fuse.dot_fuse_chosen() is not chosen
+    finally:
+        fuse.use_fuse_kernel(None)
+
+
+def test_fuse_rates_are_measured_once_and_forcing_is_checked():
+    from ltx2blas import fuse
+    from ltx2blas.errors import ArgumentError
+    rates = _gemm.fuse_rates()
+    assert rates is _gemm.fuse_rates()                      # cached for the process
+    assert rates[1] > 0 and (rates[0] > 0) == _gemm.has_pairs_kernel()
+    with pytest.raises(ArgumentError, match="fuse kernel must be 'dot' or 'fma'"):
+        fuse.use_fuse_kernel("avx")
+    assert fuse.forced_fuse_kernel() is None

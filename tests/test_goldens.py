@@ -81,6 +81,38 @@ def test_fuse_quantized_reproduces_golden(path, threads):
                               np.asarray(want).reshape(-1).view(np.uint8))
 
 
+@pytest.fixture(params=ltx2blas.fuse.FUSE_KERNELS)
+def forced_fuse_kernel(request):
+    """The fuse's kernel forced either way (the dot-product kernel where the table has one and
+    the magnitudes allow it, or never), as LTX2BLAS_FUSE_KERNEL forces it."""
+    ltx2blas.fuse.use_fuse_kernel(request.param)
+    yield request.param
+    ltx2blas.fuse.use_fuse_kernel(None)
+
+
+@pytest.mark.parametrize("path", FUSE_CASES + QUANT_CASES, ids=os.path.basename)
+def test_goldens_on_either_fuse_kernel(path, forced_fuse_kernel):
+    """The route chosen by measured rate changes no byte: forced either way, every fuse and
+    quantised golden is reproduced."""
+    case, adapters = load(path)
+    if "layout" in case:
+        layout, fmt, scales, expected = _quant_args(case)
+        got = ltx2blas.quantized.fuse_quantized(
+            layout, case["weight"], adapters, scale=scales[0],
+            scale_2=scales[1] if len(scales) > 1 else None, fmt=fmt if layout.endswith("fp8") or
+            layout == "fp8_scaled" else None, threads=2)
+    elif str(case["rule"]) == "fuse_lora":
+        expected = [case["expected"]]
+        got = [ltx2blas.fuse_lora(case["weight"], *adapters[0], threads=2, tile=(8, 16))]
+    else:
+        expected = [case["expected"]]
+        got = [ltx2blas.fuse_loras(case["weight"], adapters, rule=str(case["rule"]).split(":")[1],
+                                   threads=2, tile=(8, 16))]
+    for value, want in zip(got, expected):
+        assert np.array_equal(np.asarray(value).reshape(-1).view(np.uint8),
+                              np.asarray(want).reshape(-1).view(np.uint8))
+
+
 @pytest.mark.parametrize("path", QUANT_CASES, ids=os.path.basename)
 def test_reference_reproduces_quantized_golden(path):
     case, adapters = load(path)
