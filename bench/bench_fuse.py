@@ -36,6 +36,7 @@ def run(threads_list, shapes, ranks, ceilings, repeats=5, sample_rows=16, log=pr
     import ltx2blas
     import _ltx2blas_hooks as hooks
     from ltx2blas import reference
+    from ltx2blas.fuse import default_tile, route_of
     from threadpoolctl import threadpool_limits
 
     have_numpy_peer = peers.ml_dtypes_module() is not None
@@ -97,6 +98,9 @@ def run(threads_list, shapes, ranks, ceilings, repeats=5, sample_rows=16, log=pr
                     "of_sgemm_same": t["sgemm_same"][harness.STAT] / ours_s,
                     "peak_rss_mib": harness.peak_rss_mib(),
                     "checked": bool(np.array_equal(out[sample], expected)),
+                    # the register-only peak of the instruction this rank's route runs on
+                    **harness.of_instruction_peak(rate, route_of(rank, default_tile(rows, cols)),
+                                                  ceilings[threads]),
                     "peers": {},
                 }
                 if scalar:

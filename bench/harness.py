@@ -179,8 +179,9 @@ def square_sgemm(threads, n=2048):
 
 def ceilings(threads, n=2048, bandwidth_mib=1024, repeats=5):
     """The machine at ``threads`` threads, measured now: square sgemm and dgemm rates (GFLOP/s,
-    through the BLAS ltx2blas calls) and memory read bandwidth (GB/s, one stripe per thread read
-    by ltx2blas's scan kernel).  Best of ``repeats``, each after the previous parallel call's
+    through the BLAS ltx2blas calls), memory read bandwidth (GB/s, one stripe per thread read
+    by ltx2blas's scan kernel) and the register-only peaks of the instructions the kernels run
+    on (instruction_peaks).  Best of ``repeats``, each after the previous parallel call's
     worker threads have gone quiet."""
 
     import _ltx2blas_hooks as hooks
@@ -213,7 +214,106 @@ def ceilings(threads, n=2048, bandwidth_mib=1024, repeats=5):
     time.sleep(0.2)
     return {"threads": threads, "sgemm_gflops": 2.0 * n**3 / best["sgemm"] / 1e9,
             "dgemm_gflops": 2.0 * n**3 / best["dgemm"] / 1e9,
-            "read_gbs": buffer.nbytes / best["read"] / 1e9}
+            "read_gbs": buffer.nbytes / best["read"] / 1e9,
+            "peaks_gflops": instruction_peaks(threads)}
+
+
+#: bench/peaks.c's register-only loops: name -> (flops a loop iteration, the CPU features it
+#: needs, as ltx2blas info names them). 24 accumulators an iteration.
+PEAK_LOOPS = {
+    "fma_avx2": (24 * 8 * 2, {"avx2", "fma"}),
+    "fma_avx512": (24 * 16 * 2, {"avx512f"}),
+    "dot_avx512bf16": (24 * 16 * 4, {"avx512f", "avx512_bf16"}),
+    "fma_neon": (24 * 4 * 2, set()),
+    "bfmlal_neon_bf16": (24 * 4 * 2, {"bf16"}),
+    "dot_neon_bf16": (24 * 4 * 4, {"bf16"}),
+    "mmla_neon_bf16": (24 * 4 * 4 * 2, {"bf16"}),
+}
+_PEAKS_LIB = None
+
+
+def _peaks_library():
+    """bench/peaks.c compiled to a shared library (cached), or None without a C compiler."""
+    global _PEAKS_LIB
+    if _PEAKS_LIB is not None:
+        return _PEAKS_LIB or None
+    import ctypes
+    import shutil
+    import subprocess
+    import tempfile
+
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        _PEAKS_LIB = False
+        return None
+    folder = tempfile.mkdtemp(prefix="ltx2blas-peaks-")
+    out = os.path.join(folder, "peaks.so")
+    try:
+        subprocess.run([cc, "-O2", "-shared", "-fPIC", os.path.join(os.path.dirname(
+            os.path.abspath(__file__)), "peaks.c"), "-o", out], check=True)
+        _PEAKS_LIB = ctypes.CDLL(out)
+    except (OSError, subprocess.CalledProcessError):
+        _PEAKS_LIB = False
+        return None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # loaded: the file is no longer needed
+    return _PEAKS_LIB
+
+
+def instruction_peaks(threads, seconds=0.05, repeats=5):
+    """GFLOP/s of each register-only loop of bench/peaks.c this CPU runs (PEAK_LOOPS), on
+    ``threads`` threads at once (each its own loop; ctypes lets go of the GIL): the FMA peak
+    and, where the CPU has one, the bf16 dot-product peak -- what the fuse's and the Linear's
+    kernels run on. Best of ``repeats``. Empty without a C compiler."""
+    import ctypes
+    import threading
+
+    from ltx2blas.info import cpu_and_features
+
+    lib = _peaks_library()
+    if lib is None:
+        return {}
+    have = set(cpu_and_features()[1])
+    arch = platform.machine().lower()
+    rates = {}
+    for name, (flops, needs) in PEAK_LOOPS.items():
+        if ("neon" in name) != (arch in ("aarch64", "arm64")) or not needs <= have:
+            continue
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [ctypes.c_long, ctypes.c_float, ctypes.c_float], ctypes.c_float
+        iters = 1000
+        while True:  # enough iterations for about `seconds` on one thread
+            t0 = time.perf_counter()
+            fn(iters, 1.0, 1e-3)
+            if time.perf_counter() - t0 >= seconds / 4:
+                break
+            iters *= 4
+        best = float("inf")
+        for _ in range(repeats):
+            workers = [threading.Thread(target=fn, args=(iters, 1.0, 1e-3))
+                       for _ in range(threads)]
+            t0 = time.perf_counter()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            best = min(best, time.perf_counter() - t0)
+        rates[name] = flops * iters * threads / best / 1e9
+    return rates
+
+
+def of_instruction_peak(rate, route, ceilings):
+    """A fuse row's rate against the register-only peak of the instruction its route runs on
+    (ceilings' peaks_gflops): the dot-product peak on the dot-product route, else the widest
+    FMA peak. {} where no peak was measured."""
+    peaks = ceilings.get("peaks_gflops") or {}
+    dot = [k for k in peaks if k.startswith("dot_")]
+    fma = [k for k in ("fma_avx512", "fma_avx2", "fma_neon") if k in peaks]
+    name = dot[0] if route == "dot-product" and dot else fma[0] if fma else None
+    if name is None:
+        return {}
+    return {"instruction_peak": name, "peak_gflops": peaks[name],
+            "of_instruction_peak": rate / peaks[name]}
 
 
 def random_bf16(rng, shape, scale, chunk=1 << 24):

@@ -64,18 +64,23 @@ def markdown(results):
              "interleaved with the workload's calls (a 2048³ sgemm; the memory read rate); "
              "\"at start\" divides by the best of five of the ceilings below, measured once "
              "before the workloads.", "", "## Ceilings", "",
-             "| threads | sgemm GFLOP/s | dgemm GFLOP/s | read GB/s |", "|---|---|---|---|"]
+             "| threads | sgemm GFLOP/s | dgemm GFLOP/s | read GB/s | register-only peaks, "
+             "GFLOP/s (bench/peaks.c) |", "|---|---|---|---|---|"]
     for c in results["ceilings"]:
+        peaks = ", ".join(f"{k} {v:.0f}" for k, v in (c.get("peaks_gflops") or {}).items())
         lines.append(f"| {c['threads']} | {c['sgemm_gflops']:.0f} | {c['dgemm_gflops']:.0f} | "
-                     f"{c['read_gbs']:.1f} |")
+                     f"{c['read_gbs']:.1f} | {peaks or '–'} |")
     def yes(r):
         return "yes" if r["checked"] else "NO"
 
     _section(lines, rows, "fuse", "## Fuse (in place, rank-r adapter, strength 0.8)",
              ["threads", "W", "rank", "GFLOP/s", "÷ sgemm", "÷ sgemm at start",
-              "÷ same-shape sgemm", "scaling", "peak RSS MiB", "checked", "vs peers"],
+              "÷ same-shape sgemm", "÷ its instruction's peak", "scaling", "peak RSS MiB",
+              "checked", "vs peers"],
              lambda r: [r["threads"], f"{r['rows']}×{r['cols']}", r["rank"], f"{r['gflops']:.0f}",
                         f"{r['of_sgemm']:.2f}", _at_start(r, "of_sgemm"), f"{r['of_sgemm_same']:.2f}",
+                        (f"{r['of_instruction_peak']:.2f} ({r['instruction_peak']})"
+                         if "of_instruction_peak" in r else "–"),
                         _eff(r),
                         f"{r['peak_rss_mib']:.0f}", yes(r), _peers(r)])
     _section(lines, rows, "linear", "## Linear (in = 188,160, bf16 weight, f32 accumulation)",

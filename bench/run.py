@@ -259,8 +259,10 @@ def run(args, only, threads, output, t0, state):
                                        bandwidth_mib=256 if args.quick else 1024,
                                        repeats=3 if args.quick else 5)
         c = ceilings[t]
+        peaks = ", ".join(f"{k} {v:.0f}" for k, v in c["peaks_gflops"].items())
         say(f"ceilings, {count(t, 'thread')}: sgemm {c['sgemm_gflops']:.0f} GFLOP/s, dgemm "
-            f"{c['dgemm_gflops']:.0f} GFLOP/s, read {c['read_gbs']:.1f} GB/s")
+            f"{c['dgemm_gflops']:.0f} GFLOP/s, read {c['read_gbs']:.1f} GB/s; register-only "
+            f"peaks (GFLOP/s): {peaks or 'none (no C compiler)'}")
     rows, timings, figures = [], [], []
     machine = harness.machine()
     for index, name in enumerate(only, 1):

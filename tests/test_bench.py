@@ -68,6 +68,12 @@ def test_quick_suite_runs_every_part(tmp_path):
     assert results["complete"] and results["not_run"] == []
     assert all(row["checked"] for row in results["rows"])
     assert results["ceilings"][0]["sgemm_gflops"] > 0 and results["ceilings"][0]["read_gbs"] > 0
+    # the register-only FMA peak (every CPU has one; a C compiler is there, as it built us)
+    # and each fuse row read against its instruction's peak
+    peaks = results["ceilings"][0]["peaks_gflops"]
+    assert any(k.startswith("fma_") and v > 0 for k, v in peaks.items())
+    assert all(row["of_instruction_peak"] > 0 for row in results["rows"]
+               if row["workload"] == "fuse")
     assert {"cpu", "blas", "date", "ltx2blas"} <= set(results["machine"])
     text = (out / "results.md").read_text()
     for section in ("## Ceilings", "## Fuse", "## Linear", "## Checkpoint", "## Text feature"):
