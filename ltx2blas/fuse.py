@@ -3,6 +3,7 @@
 The arithmetic is docs/arithmetic.md §1 (see :mod:`ltx2blas.reference`), and the result is byte-identical to
 that loop for every shape, rank, strength and thread count.  How: :mod:`ltx2blas._gemm`.
 """
+import contextlib
 import os
 from typing import NamedTuple
 
@@ -506,9 +507,12 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
     dry_run = check_finite and given_out and not (route.bound + w_largest < _FORMAT_LIMIT[fmt])
     stochastic_key = (_quant.stochastic_key(int(seed), str(name))
                       if fp8_rounding == "stochastic" else None)
-    with blas_single_threaded():
-        plan = _plan(w, result, fmt, prepared, route, tile, threads, stochastic_key, dry_run,
-                     fp8_overflow)
+    plan = _plan(w, result, fmt, prepared, route, tile, threads, stochastic_key, dry_run,
+                 fp8_overflow)
+    # The BLAS is held to one thread only where a tile calls sgemm (the probe pins its own
+    # calls): threadpoolctl's limit and restore cost tens of microseconds a call, a serial
+    # step that the dot-product and one-pass routes, which call no BLAS, need not take.
+    with blas_single_threaded() if plan.depths.any() else contextlib.nullcontext():
         if dry_run:
             _raise_nonfinite_result(plan.run(check=True, dry_run=True), w.shape, fmt,
                                     fp8_overflow)

@@ -1,0 +1,165 @@
+"""Where one fuse call spends its time, step by step, and what that makes of many threads.
+
+A fuse call (``ltx2blas.fuse_lora``, in place) runs, in order:
+
+  * ``validate``  the weight, the adapter, ``out``, the thread count and the tile checked
+                  (Python, one thread);
+  * ``route``     the adapter's magnitudes scanned and the route chosen (one thread);
+  * ``pin``       the BLAS held to one thread for the call (threadpoolctl, one thread);
+  * ``plan``      the sgemm depths looked up and the tile driver's buffers allocated (one
+                  thread);
+  * ``run``       the tiles, in parallel (with the dot-product route, A packed into pairs
+                  first, in parallel too), and the per-tile results gathered.
+
+Each step is timed on its own, interleaved with the others and with the whole call, at every
+thread count asked; ``run`` at two thread counts or more gives its serial and parallel parts
+by a straight-line fit of time against 1 / threads (the run's own fork, join and gathering
+are in the serial part). Amdahl's model then gives the time at 16 and 20 threads:
+``T(n) = S + P / n``, S the serial steps plus the run's serial part, P the run's parallel
+part, and the efficiency ``T(1) / (n T(n))``. Memory bandwidth is not in the model: where the
+weight's reading and writing outgrow the cores' share of it the real time is longer.
+
+    python bench/bench_steps.py [--threads 1,2] [--cases 4096x4096:32,...] [--out FILE.json]
+
+A case is RxC:rank, or RxC:rank:fp8 for an F8_E4M3 weight.
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+CASES = ["4096x4096:32", "4096x4096:384", "2048x2048:32", "2048x2048:384", "4096x4096:32:fp8"]
+STEPS = ("validate", "route", "pin", "plan", "run")
+#: The thread counts the model is evaluated at: a 16-core Xeon, a 20-core GB10.
+MODEL_THREADS = (16, 20)
+
+
+def parse_case(text):
+    shape, rank, *fmt = text.split(":")
+    rows, cols = (int(v) for v in shape.split("x"))
+    return rows, cols, int(rank), (fmt[0] if fmt else "bf16")
+
+
+def step_calls(weight, lora_a, lora_b, fmt, threads):
+    """The call's steps as separate callables, each doing what fuse._fuse_into does for it
+    (the later ones on what the earlier ones made, made once here), and the whole call."""
+    import ltx2blas
+    from ltx2blas import _validate, fuse
+    from ltx2blas._threads import blas_single_threaded, resolve_threads
+
+    weight_format = "F8_E4M3" if fmt == "fp8" else None
+    adapters = [(lora_a, lora_b, 0.8)]
+
+    def validate():
+        f, w = _validate.fuse_weight(weight, weight_format, "nearest", "saturate")
+        prepared = _validate.adapters_for(adapters, *w.shape)
+        resolve_threads(threads)
+        fuse.default_tile(*w.shape)
+        _validate.fuse_output(weight, w, f, prepared)
+        return f, w, prepared
+
+    f, w, prepared = validate()
+    tile = fuse.default_tile(*w.shape)
+
+    def route():
+        return fuse._choose_route(prepared, f, "one", False)
+
+    chosen = route()
+
+    def pin():
+        with blas_single_threaded():
+            pass
+
+    def plan():
+        with blas_single_threaded():
+            return fuse._plan(w, w, f, prepared, chosen, tile, threads)
+
+    made = plan()
+
+    def run():
+        with blas_single_threaded():
+            made.run()
+
+    def whole():
+        ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=threads, out=weight,
+                           weight_format=weight_format)
+
+    return {"validate": validate, "route": route, "pin": pin, "plan": plan, "run": run,
+            "call": whole}, made.routes()[0]
+
+
+def run_bench(threads_list, cases, repeats=15, log=print):
+    rng = np.random.default_rng(0)
+    rows_out = []
+    for text in cases:
+        rows, cols, rank, fmt = parse_case(text)
+        if fmt == "fp8":
+            weight = rng.integers(0, 0x7E, (rows, cols), dtype=np.uint8)
+        else:
+            weight = harness.random_bf16(rng, (rows, cols), 0.02)
+        lora_a = harness.random_bf16(rng, (rank, cols), 0.05)
+        lora_b = harness.random_bf16(rng, (rows, rank), 0.05)
+        per_threads = {}
+        for threads in threads_list:
+            calls, route = step_calls(weight, lora_a, lora_b, fmt, threads)
+            t = harness.interleaved(calls, repeats=repeats)
+            per_threads[threads] = {name: t[name][harness.STAT] for name in calls}
+            got = per_threads[threads]
+            log(f"{text} {threads} thread(s) [{route}]: call {got['call'] * 1e3:.3f} ms; "
+                + ", ".join(f"{s} {got[s] * 1e6:.0f} us" for s in STEPS))
+        row = {"case": text, "rows": rows, "cols": cols, "rank": rank, "format": fmt,
+               "route": route, "seconds": per_threads}
+        row.update(model(per_threads))
+        rows_out.append(row)
+        if "model" in row:
+            m = row["model"]
+            log(f"  serial {m['serial_s'] * 1e6:.0f} us (steps {m['serial_steps_s'] * 1e6:.0f}, "
+                f"run {m['run_serial_s'] * 1e6:.0f}), parallel {m['parallel_s'] * 1e3:.2f} ms; "
+                + ", ".join(f"{n} threads: {m[str(n)]['ms']:.3f} ms, efficiency "
+                            f"{m[str(n)]['efficiency']:.2f}" for n in MODEL_THREADS))
+    return rows_out
+
+
+def model(per_threads):
+    """Amdahl's model from the step timings: the serial steps at one thread, the run's serial
+    and parallel parts from the fit over the thread counts measured (at least two)."""
+    counts = sorted(per_threads)
+    if len(counts) < 2:
+        return {}
+    steps = sum(per_threads[counts[0]][s] for s in STEPS if s != "run")
+    inv = np.array([1.0 / n for n in counts])
+    run = np.array([per_threads[n]["run"] for n in counts])
+    parallel, serial = np.polyfit(inv, run, 1)
+    serial, parallel = max(0.0, float(serial)), max(0.0, float(parallel))
+    out = {"serial_steps_s": steps, "run_serial_s": serial, "parallel_s": parallel,
+           "serial_s": steps + serial}
+    one = steps + serial + parallel
+    for n in MODEL_THREADS:
+        t = steps + serial + parallel / n
+        out[str(n)] = {"ms": t * 1e3, "efficiency": one / (n * t)}
+    return {"model": out}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", default=None, help="comma list, default 1..all CPUs")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help="comma list of RxC:rank[:fp8], default %(default)s")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", default=None, help="write the rows and the machine as JSON")
+    args = parser.parse_args(argv)
+    harness.check_installed_not_checkout()
+    threads = harness.thread_counts(args.threads)
+    rows = run_bench(threads, args.cases.split(","), repeats=args.repeats)
+    if args.out:
+        harness.write_json(args.out, {"machine": harness.machine(), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
