@@ -113,7 +113,8 @@ def run_bench(threads_list, cases, repeats=15, log=print):
             log(f"{text} {threads} thread(s) [{route}]: call {got['call'] * 1e3:.3f} ms; "
                 + ", ".join(f"{s} {got[s] * 1e6:.0f} us" for s in STEPS))
         row = {"case": text, "rows": rows, "cols": cols, "rank": rank, "format": fmt,
-               "route": route, "seconds": per_threads}
+               "route": route, "seconds": per_threads,
+               "checked": checked(weight, lora_a, lora_b, fmt, max(threads_list))}
         row.update(model(per_threads))
         rows_out.append(row)
         if "model" in row:
@@ -123,6 +124,23 @@ def run_bench(threads_list, cases, repeats=15, log=print):
                 + ", ".join(f"{n} threads: {m[str(n)]['ms']:.3f} ms, efficiency "
                             f"{m[str(n)]['efficiency']:.2f}" for n in MODEL_THREADS))
     return rows_out
+
+
+def checked(weight, lora_a, lora_b, fmt, threads, sample_rows=16):
+    """Whether the call's result on a fresh copy equals the reference on its first rows."""
+    import ltx2blas
+    from ltx2blas import reference
+
+    part = slice(0, min(sample_rows, weight.shape[0]))
+    if fmt == "fp8":
+        got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=threads,
+                                 weight_format="F8_E4M3")
+        want = reference.fuse_loras_fp8(weight[part], [(lora_a, lora_b[part], 0.8)], "F8_E4M3")
+    else:
+        got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=threads)
+        want = reference.fuse_lora(weight[part], lora_a, lora_b[part], 0.8)
+    return bool(np.array_equal(np.asarray(got)[part].view(np.uint8),
+                               np.asarray(want).view(np.uint8)))
 
 
 def model(per_threads):
@@ -158,7 +176,7 @@ def main(argv=None):
     rows = run_bench(threads, args.cases.split(","), repeats=args.repeats)
     if args.out:
         harness.write_json(args.out, {"machine": harness.machine(), "rows": rows})
-    return 0
+    return 0 if all(row["checked"] for row in rows) else 1
 
 
 if __name__ == "__main__":

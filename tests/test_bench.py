@@ -36,6 +36,17 @@ def test_tile_route_and_segment_benchmarks_run_and_check_their_results(tmp_path)
     # the panel route against the streaming kernel up to 64 rows, against sgemm above
     assert [row["checked"] for row in rows] == [{"panel": True, "stream": True},
                                                 {"panel": True, "sgemm": True}]
+    # the steps of one fuse call, and the model from them
+    out = tmp_path / "steps.json"
+    r = subprocess.run([sys.executable, os.path.join(folder, "bench_steps.py"), "--threads", "1,2",
+                        "--cases", "256x320:8,256x320:40:fp8", "--repeats", "2", "--out",
+                        str(out)], capture_output=True, text=True, cwd="/", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["format"] for row in rows] == ["bf16", "fp8"] and all(r["checked"] for r in rows)
+    for row in rows:
+        assert set(row["seconds"]["1"]) == {"validate", "route", "pin", "plan", "run", "call"}
+        assert 0 < row["model"]["16"]["efficiency"] <= 1.0 + 1e-9
     # its text_features part, on small hidden states
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_linear_routes as b; "
             "rows = b.run_features([1], 8, depth=64, layers=3, outs=(40, 24), repeats=1); "
