@@ -26,7 +26,6 @@ A case is RxC:rank, or RxC:rank:fp8 for an F8_E4M3 weight.
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 

@@ -229,35 +229,34 @@ PEAK_LOOPS = {
     "dot_neon_bf16": (24 * 4 * 4, {"bf16"}),
     "mmla_neon_bf16": (24 * 4 * 4 * 2, {"bf16"}),
 }
-_PEAKS_LIB = None
+_C_LIBRARIES = {}
 
 
-def _peaks_library():
-    """bench/peaks.c compiled to a shared library (cached), or None without a C compiler."""
-    global _PEAKS_LIB
-    if _PEAKS_LIB is not None:
-        return _PEAKS_LIB or None
+def c_library(source):
+    """bench/<source> (C) compiled with the system compiler at -O2 to a shared library and
+    loaded (once a process), or None without a compiler or where it fails to build."""
     import ctypes
     import shutil
     import subprocess
     import tempfile
 
+    if source in _C_LIBRARIES:
+        return _C_LIBRARIES[source]
+    lib = None
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        _PEAKS_LIB = False
-        return None
-    folder = tempfile.mkdtemp(prefix="ltx2blas-peaks-")
-    out = os.path.join(folder, "peaks.so")
-    try:
-        subprocess.run([cc, "-O2", "-shared", "-fPIC", os.path.join(os.path.dirname(
-            os.path.abspath(__file__)), "peaks.c"), "-o", out], check=True)
-        _PEAKS_LIB = ctypes.CDLL(out)
-    except (OSError, subprocess.CalledProcessError):
-        _PEAKS_LIB = False
-        return None
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)  # loaded: the file is no longer needed
-    return _PEAKS_LIB
+    if cc is not None:
+        folder = tempfile.mkdtemp(prefix="ltx2blas-bench-")
+        out = os.path.join(folder, source + ".so")
+        try:
+            subprocess.run([cc, "-O2", "-shared", "-fPIC", os.path.join(
+                os.path.dirname(os.path.abspath(__file__)), source), "-o", out], check=True)
+            lib = ctypes.CDLL(out)
+        except (OSError, subprocess.CalledProcessError):
+            lib = None
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # loaded: the file is no longer needed
+    _C_LIBRARIES[source] = lib
+    return lib
 
 
 def instruction_peaks(threads, seconds=0.05, repeats=5):
@@ -270,7 +269,7 @@ def instruction_peaks(threads, seconds=0.05, repeats=5):
 
     from ltx2blas.info import cpu_and_features
 
-    lib = _peaks_library()
+    lib = c_library("peaks.c")
     if lib is None:
         return {}
     have = set(cpu_and_features()[1])

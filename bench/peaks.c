@@ -13,9 +13,8 @@
 
 #define ACC 24
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-
+/* ACC accumulators of type vec from zero, `step` on each of them iters times, then the sum of
+ * `sum` over them (a[i] the accumulator). */
 #define LOOP(vec, zero, step, sum)                                                            \
     vec a[ACC];                                                                               \
     for (int i = 0; i < ACC; i++)                                                             \
@@ -27,6 +26,9 @@
     for (int i = 0; i < ACC; i++)                                                             \
         total += sum;                                                                         \
     return total;
+
+#if defined(__x86_64__)
+#include <immintrin.h>
 
 /* 8 lanes x 2 flops an FMA */
 __attribute__((target("avx2,fma"))) float fma_avx2(long iters, float x, float y)
@@ -55,23 +57,11 @@ __attribute__((target("avx512f,avx512bf16"))) float dot_avx512bf16(long iters, f
 #if defined(__aarch64__)
 #include <arm_neon.h>
 
-#define LOOP(zero, step)                                                                      \
-    float32x4_t a[ACC];                                                                       \
-    for (int i = 0; i < ACC; i++)                                                             \
-        a[i] = zero;                                                                          \
-    for (long n = 0; n < iters; n++)                                                          \
-        _Pragma("GCC unroll 24") for (int i = 0; i < ACC; i++)                                \
-            a[i] = step;                                                                      \
-    float total = 0.0f;                                                                       \
-    for (int i = 0; i < ACC; i++)                                                             \
-        total += vaddvq_f32(a[i]);                                                            \
-    return total;
-
 /* 4 lanes x 2 flops */
 float fma_neon(long iters, float x, float y)
 {
     const float32x4_t xv = vdupq_n_f32(x), yv = vdupq_n_f32(y);
-    LOOP(vdupq_n_f32(0.0f), vfmaq_f32(a[i], xv, yv))
+    LOOP(float32x4_t, vdupq_n_f32(0.0f), vfmaq_f32(a[i], xv, yv), vaddvq_f32(a[i]))
 }
 
 /* 4 lanes x 2 products x 2 flops */
@@ -79,7 +69,7 @@ __attribute__((target("arch=armv8.2-a+bf16"))) float dot_neon_bf16(long iters, f
 {
     const bfloat16x8_t xv = vcombine_bf16(vcvt_bf16_f32(vdupq_n_f32(x)), vcvt_bf16_f32(vdupq_n_f32(x)));
     const bfloat16x8_t yv = vcombine_bf16(vcvt_bf16_f32(vdupq_n_f32(y)), vcvt_bf16_f32(vdupq_n_f32(y)));
-    LOOP(vdupq_n_f32(0.0f), vbfdotq_f32(a[i], xv, yv))
+    LOOP(float32x4_t, vdupq_n_f32(0.0f), vbfdotq_f32(a[i], xv, yv), vaddvq_f32(a[i]))
 }
 
 /* 2 x 2 sums x 4 products x 2 flops */
@@ -87,7 +77,7 @@ __attribute__((target("arch=armv8.2-a+bf16"))) float mmla_neon_bf16(long iters, 
 {
     const bfloat16x8_t xv = vcombine_bf16(vcvt_bf16_f32(vdupq_n_f32(x)), vcvt_bf16_f32(vdupq_n_f32(x)));
     const bfloat16x8_t yv = vcombine_bf16(vcvt_bf16_f32(vdupq_n_f32(y)), vcvt_bf16_f32(vdupq_n_f32(y)));
-    LOOP(vdupq_n_f32(0.0f), vbfmmlaq_f32(a[i], xv, yv))
+    LOOP(float32x4_t, vdupq_n_f32(0.0f), vbfmmlaq_f32(a[i], xv, yv), vaddvq_f32(a[i]))
 }
 
 /* 4 lanes x 2 flops (BFMLALB: the even bf16 lanes) */
@@ -95,6 +85,6 @@ __attribute__((target("arch=armv8.2-a+bf16"))) float bfmlal_neon_bf16(long iters
 {
     const bfloat16x8_t xv = vcombine_bf16(vcvt_bf16_f32(vdupq_n_f32(x)), vcvt_bf16_f32(vdupq_n_f32(x)));
     const bfloat16x8_t yv = vcombine_bf16(vcvt_bf16_f32(vdupq_n_f32(y)), vcvt_bf16_f32(vdupq_n_f32(y)));
-    LOOP(vdupq_n_f32(0.0f), vbfmlalbq_f32(a[i], xv, yv))
+    LOOP(float32x4_t, vdupq_n_f32(0.0f), vbfmlalbq_f32(a[i], xv, yv), vaddvq_f32(a[i]))
 }
 #endif

@@ -8,13 +8,13 @@ Each is only offered where its package (or a C compiler) is installed.
 """
 import ctypes
 import os
-import shutil
-import subprocess
-import tempfile
+import sys
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import harness  # noqa: E402
 
 
 def torch_module():
@@ -69,18 +69,10 @@ def scalar_library():
     global _LIB
     if _LIB is not None:
         return _LIB or None
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
+    lib = harness.c_library("scalar_loops.c")
+    if lib is None:
         _LIB = False
         return None
-    folder = tempfile.mkdtemp(prefix="ltx2blas-scalar-")
-    out = os.path.join(folder, "scalar_loops.so")
-    try:
-        subprocess.run([cc, "-O2", "-shared", "-fPIC", os.path.join(HERE, "scalar_loops.c"), "-o",
-                        out], check=True)
-        lib = ctypes.CDLL(out)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)  # loaded: the file is no longer needed
     p = ctypes.c_void_p
     n = ctypes.c_ssize_t
     lib.lora_scalar.argtypes = [p, p, p, n, n, n]

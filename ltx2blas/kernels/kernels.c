@@ -1124,6 +1124,27 @@ static void dot_stream_wxt(ltx_idx mt, ltx_idx n, ltx_idx kt, const uint16_t *x,
                acc, lanes);
 }
 #undef DOT_CASE
+
+/* The pairs q0 .. kt / 2 - 1 of strip s (rows s LTX_DOT_PANEL_STRIP on, mt in all) laid out a
+ * row of the strip's pairs at a time (strip + q LTX_DOT_PANEL_STRIP + j), then an odd last
+ * element alone in its pair's low half; zero past row mt: pack_x_pairs' last pairs, which the
+ * vector loops leave. */
+static void pack_last_pairs(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kt,
+                            uint32_t *strip, ltx_idx s, ltx_idx q0)
+{
+    const ltx_idx S = LTX_DOT_PANEL_STRIP, kp = kt / 2;
+    for (ltx_idx j = 0; j < S; j++) {
+        const ltx_idx row = s * S + j;
+        for (ltx_idx q = q0; q < kp; q++) {
+            uint32_t v = 0;
+            if (row < mt)
+                memcpy(&v, x + row * ldx + 2 * q, 4);
+            strip[q * S + j] = v;
+        }
+        if (kt & 1)
+            strip[kp * S + j] = row < mt ? x[row * ldx + kt - 1] : 0;
+    }
+}
 #endif
 
 #if defined(LTX_BF16_CONVERT)
@@ -1188,17 +1209,7 @@ static void pack_x_pairs(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kt,
                 for (int j = 0; j < 16; j++)
                     _mm512_storeu_si512(strip + (q0 + j) * NR + h, r[j]);
             }
-        for (ltx_idx j = 0; j < NR; j++) {
-            const ltx_idx row = s * NR + j;
-            for (ltx_idx q = kv; q < kp; q++) {
-                uint32_t v = 0;
-                if (row < mt)
-                    memcpy(&v, x + row * ldx + 2 * q, 4);
-                strip[q * NR + j] = v;
-            }
-            if (kt & 1)
-                strip[kp * NR + j] = row < mt ? x[row * ldx + kt - 1] : 0;
-        }
+        pack_last_pairs(x, ldx, mt, kt, strip, s, kv);
     }
 }
 
@@ -1333,17 +1344,7 @@ static void pack_x_pairs(const uint16_t *x, ltx_idx ldx, ltx_idx mt, ltx_idx kt,
                 const uint16x4_t b = r1 < mt ? vld1_u16(x + r1 * ldx + 4 * g) : zero;
                 vst1q_u16((uint16_t *)(strip + 64 * g + 4 * h), vcombine_u16(a, b));
             }
-        for (ltx_idx j = 0; j < S; j++) {
-            const ltx_idx row = s * S + j;
-            for (ltx_idx q = 2 * groups; q < kp; q++) {
-                uint32_t v = 0;
-                if (row < mt)
-                    memcpy(&v, x + row * ldx + 2 * q, 4);
-                strip[q * S + j] = v;
-            }
-            if (kt & 1)
-                strip[kp * S + j] = row < mt ? x[row * ldx + kt - 1] : 0;
-        }
+        pack_last_pairs(x, ldx, mt, kt, strip, s, 2 * groups);
     }
 }
 
