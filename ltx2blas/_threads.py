@@ -10,6 +10,7 @@ import math
 import operator
 import os
 import threading
+import time
 from contextlib import contextmanager
 
 from . import _gemm
@@ -38,13 +39,31 @@ def _cgroup_cpus():
     return None
 
 
+#: Seconds a cgroup quota read is reused: reading it opens one or two files (tens of
+#: microseconds, a serial step of every call with threads=None), and a quota changes rarely.
+QUOTA_TTL = 1.0
+_quota_read = (None, -math.inf)
+
+
+def _cgroup_cpus_recent():
+    """_cgroup_cpus(), read again when the last read is more than QUOTA_TTL seconds old."""
+    global _quota_read
+    value, when = _quota_read
+    now = time.monotonic()
+    if now - when > QUOTA_TTL:
+        value = _cgroup_cpus()
+        _quota_read = (value, now)
+    return value
+
+
 def available_cpus():
-    """CPUs this process may run on: affinity mask, capped by a cgroup quota."""
+    """CPUs this process may run on: affinity mask, capped by a cgroup quota (re-read at most
+    once every QUOTA_TTL seconds)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
         cpus = os.cpu_count() or 1
-    quota = _cgroup_cpus()
+    quota = _cgroup_cpus_recent()
     return min(cpus, quota) if quota else cpus
 
 
