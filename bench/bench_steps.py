@@ -1,20 +1,22 @@
 """Where one fuse call spends its time, step by step, and what that makes of many threads.
 
-A fuse call (``ltx2blas.fuse_lora``, in place) runs, in order:
+A fuse call (``ltx2blas.fuse_lora`` into a given ``out``) runs, in order:
 
   * ``validate``  the weight, the adapter, ``out``, the thread count and the tile checked
                   (Python, one thread);
   * ``route``     the adapter's magnitudes scanned and the route chosen (one thread);
-  * ``pin``       the BLAS held to one thread for the call (threadpoolctl, one thread);
+  * ``pin``       the BLAS held to one thread for the call (threadpoolctl, one thread), only
+                  where a tile calls sgemm (timed everywhere, counted only there);
   * ``plan``      the sgemm depths looked up and the tile driver's buffers allocated (one
                   thread);
   * ``run``       the tiles, in parallel (with the dot-product route, A packed into pairs
                   first, in parallel too), and the per-tile results gathered.
 
-Each step is timed on its own, interleaved with the others and with the whole call, at every
-thread count asked; ``run`` at two thread counts or more gives its serial and parallel parts
-by a straight-line fit of time against 1 / threads (the run's own fork, join and gathering
-are in the serial part). Amdahl's model then gives the time at 16 and 20 threads:
+Each step before the run is timed on its own, interleaved with the others and with the whole
+call, at every thread count asked; the run is the call less those steps. The run at two
+thread counts or more gives its serial and parallel parts by a straight-line fit of time
+against 1 / threads (the run's own fork, join and gathering, and whatever does not scale with
+the cores -- memory bandwidth among it -- are in the serial part). Amdahl's model then gives the time at 16 and 20 threads:
 ``T(n) = S + P / n``, S the serial steps plus the run's serial part, P the run's parallel
 part, and the efficiency ``T(1) / (n T(n))``. Memory bandwidth is not in the model: where the
 weight's reading and writing outgrow the cores' share of it the real time is longer.
@@ -53,13 +55,16 @@ def step_calls(weight, lora_a, lora_b, fmt, threads):
 
     weight_format = "F8_E4M3" if fmt == "fp8" else None
     adapters = [(lora_a, lora_b, 0.8)]
+    # Into a buffer of its own, not in place: repeated in-place fuses would walk an fp8
+    # weight into saturation, whose overflow counting costs more than a plain store.
+    result = np.empty_like(weight)
 
     def validate():
         f, w = _validate.fuse_weight(weight, weight_format, "nearest", "saturate")
         prepared = _validate.adapters_for(adapters, *w.shape)
         resolve_threads(threads)
         fuse.default_tile(*w.shape)
-        _validate.fuse_output(weight, w, f, prepared)
+        _validate.fuse_output(result, w, f, prepared)
         return f, w, prepared
 
     f, w, prepared = validate()
@@ -76,20 +81,16 @@ def step_calls(weight, lora_a, lora_b, fmt, threads):
 
     def plan():
         with blas_single_threaded():
-            return fuse._plan(w, w, f, prepared, chosen, tile, threads)
-
-    made = plan()
-
-    def run():
-        with blas_single_threaded():
-            made.run()
+            return fuse._plan(w, result.view(w.dtype), f, prepared, chosen, tile, threads)
 
     def whole():
-        ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=threads, out=weight,
+        ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=threads, out=result,
                            weight_format=weight_format)
 
-    return {"validate": validate, "route": route, "pin": pin, "plan": plan, "run": run,
-            "call": whole}, made.routes()[0]
+    made = plan()
+    # the call pins the BLAS only where a tile calls sgemm (fuse._fuse_into)
+    return ({"validate": validate, "route": route, "pin": pin, "plan": plan, "call": whole},
+            made.routes()[0], bool(made.depths.any()))
 
 
 def run_bench(threads_list, cases, repeats=15, log=print):
@@ -103,18 +104,29 @@ def run_bench(threads_list, cases, repeats=15, log=print):
             weight = harness.random_bf16(rng, (rows, cols), 0.02)
         lora_a = harness.random_bf16(rng, (rank, cols), 0.05)
         lora_b = harness.random_bf16(rng, (rows, rank), 0.05)
-        per_threads = {}
+        per_threads, wholes = {}, {}
         for threads in threads_list:
-            calls, route = step_calls(weight, lora_a, lora_b, fmt, threads)
-            t = harness.interleaved(calls, repeats=repeats)
+            calls, route, pins = step_calls(weight, lora_a, lora_b, fmt, threads)
+            wholes[threads] = calls.pop("call")
+            t = harness.interleaved(calls, repeats=repeats, settle=0.0)
             per_threads[threads] = {name: t[name][harness.STAT] for name in calls}
+        # The whole calls at each thread count, interleaved with each other alone (the steps'
+        # thousands of small allocations beside them would slow them down), back to back: a
+        # fuse of many weights calls one after another, its OpenMP workers awake, where after
+        # a pause waking them costs a virtual machine milliseconds.
+        t = harness.interleaved({n: wholes[n] for n in threads_list}, repeats=repeats,
+                                settle=0.0)
+        for threads in threads_list:
             got = per_threads[threads]
+            got["call"] = t[threads][harness.STAT]
+            # the run: the call less the steps before it, each timed on its own
+            got["run"] = max(0.0, got["call"] - sum(got[s] for s in in_call(pins)))
             log(f"{text} {threads} thread(s) [{route}]: call {got['call'] * 1e3:.3f} ms; "
                 + ", ".join(f"{s} {got[s] * 1e6:.0f} us" for s in STEPS))
         row = {"case": text, "rows": rows, "cols": cols, "rank": rank, "format": fmt,
-               "route": route, "seconds": per_threads,
+               "route": route, "pins_blas": pins, "seconds": per_threads,
                "checked": checked(weight, lora_a, lora_b, fmt, max(threads_list))}
-        row.update(model(per_threads))
+        row.update(model(per_threads, pins))
         rows_out.append(row)
         if "model" in row:
             m = row["model"]
@@ -142,13 +154,18 @@ def checked(weight, lora_a, lora_b, fmt, threads, sample_rows=16):
                                np.asarray(want).view(np.uint8)))
 
 
-def model(per_threads):
+def in_call(pins):
+    """The steps before the run that the call takes: the pin only where it calls sgemm."""
+    return [s for s in STEPS if s != "run" and (s != "pin" or pins)]
+
+
+def model(per_threads, pins):
     """Amdahl's model from the step timings: the serial steps at one thread, the run's serial
     and parallel parts from the fit over the thread counts measured (at least two)."""
     counts = sorted(per_threads)
     if len(counts) < 2:
         return {}
-    steps = sum(per_threads[counts[0]][s] for s in STEPS if s != "run")
+    steps = sum(per_threads[counts[0]][s] for s in in_call(pins))
     inv = np.array([1.0 / n for n in counts])
     run = np.array([per_threads[n]["run"] for n in counts])
     parallel, serial = np.polyfit(inv, run, 1)
