@@ -50,11 +50,17 @@ def _pairs_tables():
 
 @pytest.fixture(params=_pairs_tables())
 def pairs_table(request):
-    """Every kernel table with the dot-product fuse that this CPU runs (one skip if none)."""
+    """Every kernel table with the dot-product fuse that this CPU runs (one skip if none), the
+    fuse held to that kernel wherever it may take it, whatever the rates measured here."""
+    from ltx2blas import fuse
+
     if request.param is None:
         pytest.skip("no kernel table with the dot-product fuse runs on this CPU")
+    forced = fuse.forced_fuse_kernel()
     _gemm.use_kernels(request.param)
+    fuse.use_fuse_kernel("dot")
     yield request.param
+    fuse.use_fuse_kernel(forced)
     _gemm.use_kernels(None)
 
 

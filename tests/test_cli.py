@@ -35,9 +35,9 @@ def test_info_shows_the_route_of_each_rank_and_row_count():
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     routes = info["fuse_routes"]
-    # the dot-product kernel takes every rank where the table has it; the other routes stand
-    # for adapters whose magnitudes rule it out, and on every other table
-    pairs = info["dot_product_fuse"]
+    # the dot-product kernel takes every rank where the table has it and it measured faster;
+    # the other routes stand for adapters whose magnitudes rule it out, and elsewhere
+    pairs = info["dot_product_fuse"] and info["fuse_kernel"] == "dot"
     assert routes["32"] == {"sgemm_exact": info["sgemm_exact_depth"]["by_rank"]["32"],
                             "sgemm_terms": 0, "otherwise": "one-pass",
                             "route": "dot-product" if pairs else "one-pass"}

@@ -6,6 +6,7 @@ import pytest
 import ltx2blas
 import _ltx2blas_hooks as hooks
 from ltx2blas import _gemm, _probe, reference
+from ltx2blas import fuse as fuse_module
 from ltx2blas._threads import blas_single_threaded
 
 from helpers import random_bf16
@@ -169,8 +170,8 @@ def test_pairs_route_is_taken_for_ordinary_adapters(rng, monkeypatch, rank):
     weight = random_bf16(rng, (70, 100), 0.02)
     lora_a, lora_b = adapter(rng, 70, 100, rank)
     got = ltx2blas.fuse_lora(weight, lora_a, lora_b, 0.8, threads=2, tile=(32, 64))
-    assert [plan.pairs for plan in seen] == [[_gemm.has_pairs_kernel()]]
-    if _gemm.has_pairs_kernel():
+    assert [plan.pairs for plan in seen] == [[fuse_module.dot_fuse_chosen()]]
+    if fuse_module.dot_fuse_chosen():
         assert not seen[0].depths.any()
     assert np.array_equal(got, reference.fuse_lora(weight, lora_a, lora_b, 0.8))
 
@@ -192,7 +193,7 @@ def test_pairs_serve_every_adapter_of_several(rng, monkeypatch, rule, ranks):
     items.insert(1, (*tiny, 1.0))
     got = ltx2blas.fuse_loras(weight, items, rule=rule, threads=2, tile=(32, 64))
     assert np.array_equal(got, reference.fuse_loras(weight, items, rule))
-    paired = _gemm.has_pairs_kernel()
+    paired = fuse_module.dot_fuse_chosen()
     assert seen[0].pairs == [paired, False] + [paired] * (len(ranks) - 1)
     if paired:
         assert not seen[0].depths[[i for i, p in enumerate(seen[0].pairs) if p]].any()
@@ -210,7 +211,7 @@ def test_pairs_serve_fp8_weights(rng, monkeypatch, fmt, rank):
     items = [(lora_a, lora_b, 0.8)]
     got = ltx2blas.fuse_loras(codes, items, weight_format=fmt, threads=2, tile=(32, 64))
     assert np.array_equal(got, reference.fuse_loras_fp8(codes, items, fmt))
-    assert seen[0].pairs == [_gemm.has_pairs_kernel()]
+    assert seen[0].pairs == [fuse_module.dot_fuse_chosen()]
 
 
 def test_pairs_serve_the_bare_delta(rng, monkeypatch):
@@ -223,7 +224,7 @@ def test_pairs_serve_the_bare_delta(rng, monkeypatch):
     for rule in ("addmm", "sum"):
         got = aggregate_delta(70, 100, items, rule=rule, threads=2, tile=(32, 64))
         assert np.array_equal(got, reference.aggregate_delta(items, rule))
-    assert [plan.pairs for plan in seen] == [[_gemm.has_pairs_kernel()] * 2] * 2
+    assert [plan.pairs for plan in seen] == [[fuse_module.dot_fuse_chosen()] * 2] * 2
 
 
 def test_pairs_guard():
@@ -407,7 +408,7 @@ def test_one_adapter_by_the_rule_takes_the_one_adapter_routes(rng, monkeypatch, 
     assert np.array_equal(got, reference.fuse_loras(weight, [(lora_a, lora_b, 0.8)], "sum"))
     rule, pairs, plus_zero = seen[0].rule, seen[0].pairs, seen[0].plus_zero
     assert (rule, plus_zero) == (_fuse.RULES["one"], True)
-    assert pairs == [_gemm.has_pairs_kernel()]
+    assert pairs == [fuse_module.dot_fuse_chosen()]
 
 
 def test_products_outside_the_normal_range_take_the_strict_path(rng):
@@ -479,19 +480,18 @@ def test_the_fuse_takes_the_faster_kernel_by_measured_rate(monkeypatch, dot, fma
     if not _gemm.has_pairs_kernel():
         pytest.skip(f"the {_gemm.kernel_name()} kernel table has no dot-product fuse")
     monkeypatch.setattr(_gemm, "fuse_rates", lambda: (dot, fma))
+    monkeypatch.setattr(fuse, "_forced_fuse_kernel", None)   # as without LTX2BLAS_FUSE_KERNEL
     assert fuse.dot_fuse_chosen() is chosen
     assert (fuse.route_of(384) == "dot-product") is chosen
     assert (fuse.route_of(32) == "dot-product") is chosen
     fuse.use_fuse_kernel("dot" if not chosen else "fma")   # forcing overrides the rates
-    try:
-        assert fuse.dot_fuse_chosen() is not chosen
-    finally:
-        fuse.use_fuse_kernel(None)
+    assert fuse.dot_fuse_chosen() is not chosen
 
 
-def test_fuse_rates_are_measured_once_and_forcing_is_checked():
+def test_fuse_rates_are_measured_once_and_forcing_is_checked(monkeypatch):
     from ltx2blas import fuse
     from ltx2blas.errors import ArgumentError
+    monkeypatch.setattr(fuse, "_forced_fuse_kernel", None)
     rates = _gemm.fuse_rates()
     assert rates is _gemm.fuse_rates()                      # cached for the process
     assert rates[1] > 0 and (rates[0] > 0) == _gemm.has_pairs_kernel()

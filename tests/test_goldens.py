@@ -85,9 +85,10 @@ def test_fuse_quantized_reproduces_golden(path, threads):
 def forced_fuse_kernel(request):
     """The fuse's kernel forced either way (the dot-product kernel where the table has one and
     the magnitudes allow it, or never), as LTX2BLAS_FUSE_KERNEL forces it."""
+    forced = ltx2blas.fuse.forced_fuse_kernel()
     ltx2blas.fuse.use_fuse_kernel(request.param)
     yield request.param
-    ltx2blas.fuse.use_fuse_kernel(None)
+    ltx2blas.fuse.use_fuse_kernel(forced)
 
 
 @pytest.mark.parametrize("path", FUSE_CASES + QUANT_CASES, ids=os.path.basename)
