@@ -368,15 +368,20 @@ def _handle_signals():
 
 
 def main(argv=None):
+    """Runs the command line; returns the exit code.  Where a signal stopped the command the
+    other signals stay ignored after the return: the process is on its way out, and a second
+    signal sent a moment after the first must not turn a clean stop into a death by signal."""
     previous = _handle_signals()
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt:
         _ignore_signals()   # where Ctrl-C came before the handlers were set
+        previous = {}
         print("ltx2blas: interrupted", file=sys.stderr)
         return 130
     except _Terminated as exc:
+        previous = {}
         print(f"ltx2blas: terminated by {signal.Signals(exc.signum).name}", file=sys.stderr)
         return 128 + exc.signum
     except (Exception, MemoryError) as exc:

@@ -307,3 +307,39 @@ def test_a_second_signal_does_not_interrupt_the_clean_up(tmp_path, rng, first, s
     assert proc.returncode in codes, stderr
     assert stderr.strip().splitlines() == [lines[proc.returncode]], stderr
     assert not out.exists() and not any(".ltx2blas-tmp-" in p.name for p in tmp_path.iterdir())
+
+
+# The command stopped by its first signal, the second one arrives after main() has returned,
+# sent to the main thread itself so that Python runs its handler at the next instruction.
+LATE = HELD.replace("sys.exit(cli.main(sys.argv[2:]))", """\
+import signal, threading
+code = cli.main(sys.argv[3:])
+signal.pthread_kill(threading.get_ident(), getattr(signal, sys.argv[2]))
+time.sleep(0)
+sys.exit(code)""")
+
+
+@pytest.mark.parametrize("first, second", [("SIGTERM", "SIGINT"), ("SIGINT", "SIGTERM")])
+def test_a_second_signal_after_the_stop_does_not_change_the_exit(tmp_path, rng, first, second):
+    """A second signal that reaches the process only after the command has cleaned up and
+    returned (a loaded machine delays it) is ignored too: the first's exit code and line,
+    not a death by the second signal."""
+    assert LATE != HELD
+    model = ck.write(tmp_path / "m.safetensors", ck.model(rng))
+    lora = ck.write(tmp_path / "a.safetensors",
+                    ck.adapter(rng, ["transformer_blocks.0.attn1.to_q"], rank=4))
+    out, ready = tmp_path / "out.safetensors", tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", LATE, str(ready), second, "fuse", str(model),
+                             "--lora", str(lora), "-o", str(out)], cwd="/", text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300  # a guard against a hang only: the wait ends on a file
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(getattr(signal, first))
+    stdout, stderr = proc.communicate(timeout=120)
+    code, line = {"SIGINT": (130, "ltx2blas: interrupted"),
+                  "SIGTERM": (143, "ltx2blas: terminated by SIGTERM")}[first]
+    assert proc.returncode == code, stderr
+    assert stderr.strip().splitlines() == [line], stderr
+    assert not out.exists()
