@@ -184,6 +184,26 @@ def segments(rows, feats, cols, route, blocks):
     return max(1, -(-cols // length)), length
 
 
+#: A call runs its segments in passes, in order, each pass's tasks sharing the pass's x packed
+#: and its segments' sums (linear() allocates them for one pass, not the call: at 2048 rows of
+#: the caption projection, every segment at once is 1 GiB, whose first touch cost a quarter of
+#: the call). A pass takes enough segments for MIN_TASKS tasks and this many a thread, so that
+#: the threads' wait at a pass's end, about one task each, stays near 1 % of the pass on many
+#: cores.
+PASS_TASKS_PER_THREAD = 64
+
+
+def segments_per_pass(count, blocks_out, route, threads):
+    """How many of a call's ``count`` segments each pass takes, with ``blocks_out`` tasks a
+    segment on ``threads`` threads: every one with the f64 accumulation (the segments' sums are
+    added in f64 before y is rounded once).  The passes never change the bytes of y: the
+    segments' sums are added in segment order either way."""
+    if route == "f64":
+        return count
+    wanted = max(MIN_TASKS, PASS_TASKS_PER_THREAD * threads)
+    return max(1, min(count, -(-wanted // max(1, blocks_out))))
+
+
 def task_count(rows, feats, cols, weight_dtype, accumulate="f32", blocks=None,
                x_dtype=np.float32):
     """How many independent tasks a call is cut into: output blocks times segments."""
@@ -202,8 +222,9 @@ def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32",
     strips and one block of widened weight rows for a chunk, on the dot-product panel route
     one block of sums [8 x rows]; on the streaming and panel routes a bf16 x is widened once,
     shared, and on the dot-product panel route it is packed once, shared (as many bytes as x,
-    its rows rounded up to 32).  With more than one segment (:func:`segments`), each segment's
-    sums [rows x feats] (f32, f64 on the f64 route) until they are added up."""
+    its rows rounded up to 32) -- a pass's in-features of it at a time.  With more than one
+    segment a pass (:func:`segments_per_pass`), each of the pass's segments' sums
+    [rows x feats] (f32, f64 on the f64 route) until they are added up."""
     route, blocks = plan(rows, weight_dtype, accumulate, blocks, x_dtype)
     mb, ob, kb = blocks
     bf16_w = np.dtype(weight_dtype).itemsize == 2
@@ -211,14 +232,15 @@ def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32",
     # On the streaming and panel routes a bf16 x is widened once, whole, and shared: the
     # kernels then take it as f32; the dot-product kernels read it as it is, or packed.
     count, length = segments(rows, feats, cols, route, blocks)
+    per_pass = segments_per_pass(count, _linear.block_count(rows, feats, mb, ob), route, threads)
     packed = _packs_x_once(route, blocks, length)
     per_thread = _linear.thread_buffer_bytes(mb, ob, kb, route == "f64", _gemm.PRODUCTS[route],
                                              bf16_w, bf16_x, packed)
     shared = 4 * rows * cols if (route in F32_X_ROUTES and bf16_x) else 0
     if packed:
-        shared += _linear.packed_x_bytes(rows, cols)
-    if count > 1:
-        shared += count * rows * feats * (8 if route == "f64" else 4)
+        shared += _linear.packed_x_bytes(rows, min(cols, per_pass * length))
+    if per_pass > 1:
+        shared += per_pass * rows * feats * (8 if route == "f64" else 4)
     return threads * per_thread + shared
 
 
@@ -397,14 +419,17 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
         x2 = bf16_to_f32(x2)
     bias64 = bias32.astype(np.float64) if (bias32 is not None and route == "f64") else None
     count, length = segments(rows, feats, cols, route, blocks)
+    per_pass = segments_per_pass(count, _linear.block_count(rows, feats, blocks[0], blocks[1]),
+                                 route, threads)
     partial = packed = None
-    if count > 1:  # each segment's sums, until they are added up in order
-        partial = np.empty((count, rows, feats), np.float64 if route == "f64" else np.float32)
+    if per_pass > 1:  # the pass's segments' sums, until they are added up in order
+        partial = np.empty((per_pass, rows, feats), np.float64 if route == "f64" else np.float32)
     if _packs_x_once(route, blocks, length):
-        packed = np.empty(_linear.packed_x_bytes(rows, cols) // 4, np.uint32)
+        packed = np.empty(_linear.packed_x_bytes(rows, min(cols, per_pass * length)) // 4,
+                          np.uint32)
     tasks = _linear.LinearPlan(x2, w_bits, bias32, bias64, y.reshape(rows, feats), *blocks,
-                               threads, route == "f64", _gemm.PRODUCTS[route], length, partial,
-                               packed)
+                               threads, route == "f64", _gemm.PRODUCTS[route], length, per_pass,
+                               partial, packed)
     _run_in_waves(tasks, threads, progress)
     return y
 
@@ -471,7 +496,5 @@ def _run_in_waves(tasks, threads, progress):
     with blas_single_threaded():
         for first, stop in waves(tasks.tasks, threads):
             tasks.run(first, stop)
-            if stop == tasks.tasks:
-                tasks.finish()
             if progress is not None:
                 progress(stop / tasks.tasks)

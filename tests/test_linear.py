@@ -578,3 +578,47 @@ def test_panel_route_agrees_with_the_streaming_route_within_both_bounds(rng, mon
     ref = exact(x[sample], w, b)
     for y, bound in routes.values():
         assert np.all(np.abs(y[sample] - ref) <= bound[sample] + f32_ulp(y[sample]) / 2)
+
+
+@pytest.mark.parametrize("route", ["stream", "dot_panel", "sgemm"])
+def test_passes_of_segments_keep_the_bytes(rng, monkeypatch, route):
+    """The segments run in passes (one segment a pass, two with a shorter last pass, three,
+    every one): the same bytes as every segment in one pass, on 1 and 2 threads and with
+    progress cutting the call into waves across the passes; each pass's buffers sized for the
+    pass alone."""
+    if route == "dot_panel" and not _gemm.has_dot_linear():
+        pytest.skip("the kernel table in use has no dot-product Linear")
+    rows = {"stream": 20, "dot_panel": 40, "sgemm": 80}[route]
+    cols = 4 * STREAM_SEGMENT + 300 if route != "sgemm" else 9000
+    x, w, b = case(rng, rows, cols, 45, route == "dot_panel", True, "f32")
+    got_route, blocks = plan(rows, w.dtype, x_dtype=x.dtype)
+    if got_route != route:
+        pytest.skip(f"{rows} rows take the {got_route} route on this kernel table and BLAS")
+    count, _ = segments(rows, 45, cols, route, blocks)
+    assert count >= 4
+    whole = ltx2blas.linear(x, w, b, threads=2)  # the default passes
+    sizes = {}
+    real_empty = np.empty
+
+    def empty(shape, *args, **kwargs):  # the partial sums' shape, as linear() allocates it
+        if isinstance(shape, tuple) and len(shape) == 3:
+            sizes.setdefault(per_pass[0], []).append(shape[0])
+        return real_empty(shape, *args, **kwargs)
+
+    per_pass = [count]
+    monkeypatch.setattr(linear_layer, "segments_per_pass", lambda *a: per_pass[0])
+    # waves of 3 tasks, which start and stop inside passes
+    monkeypatch.setattr(linear_layer, "waves",
+                        lambda tasks, threads: [(f, min(tasks, f + 3)) for f in range(0, tasks, 3)])
+    monkeypatch.setattr(linear_layer.np, "empty", empty)
+    every = ltx2blas.linear(x, w, b, threads=2)
+    assert every.tobytes() == whole.tobytes()
+    for n in (1, 2, 3):
+        per_pass[0] = n
+        for threads in (1, 2):
+            seen = []
+            y = ltx2blas.linear(x, w, b, threads=threads, progress=seen.append)
+            assert y.tobytes() == every.tobytes(), (n, threads)
+            assert len(seen) > 1
+    assert sizes == {count: [count], 2: [2, 2], 3: [3, 3]}  # none where a pass is one segment
+    assert np.all(np.abs(every - exact(x, w, b)) <= error_bound(x, w, b) + f32_ulp(every) / 2)
