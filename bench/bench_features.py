@@ -3,8 +3,12 @@
 Hidden states [1, T, 3840, 49] bf16 with a share of padded tokens, the video (4096) and audio
 (2048) projections with bias: time, GFLOP/s over the valid rows as a fraction of the rate of a
 square 2048^3 sgemm interleaved with the calls (each by its fastest sample, harness.STAT; the
-ratio against the best sgemm of the ceilings at the start of the run is recorded too), peak RSS, and the saving from skipping padded rows (the same call with every row
-marked valid, interleaved).  Checked: sampled tokens' features against
+ratio against the best sgemm of the ceilings at the start of the run is recorded too), peak RSS, the saving from skipping padded rows (the same call with every row
+marked valid, interleaved), and the call against its Linears alone: ``ltx2blas.linear`` of
+each projection on the valid tokens' features, materialised before (normalized_features),
+interleaved too -- what the features' normalisation and their passage through the panels
+cost on top of the products (``of_linear``: the Linears' time / the call's). The Linears'
+outputs must be the call's bytes.  Checked: sampled tokens' features against
 ltx2blas.reference.text_features_normalized (V2 statistics are per token, so a slice of tokens
 suffices), and sampled outputs against the exact sum of those features times the weights,
 within the derived bound.
@@ -66,19 +70,30 @@ def run(threads_list, tokens, padding, outs, ceilings, repeats=2, log=print):
     n = int(mask.sum())
     flops = 2.0 * n * D * L * sum(outs)
     route = linear_layer.plan(n, np.uint16, x_dtype=np.uint16)[0]
+    valid_rows = np.flatnonzero(mask[0])
+    alone = [np.empty((n, w.shape[0]), np.float32) for w, _ in projections]
     # VDPBF16PS does two products per instruction where an FMA does one
     ceiling = 2.0 if route in linear_layer.DOT_ROUTES else 1.0
     rows = []
     for threads in threads_list:
         state = {}
         square, square_flops = harness.square_sgemm(threads)
-        harness.reset_peak_rss()
+        harness.reset_peak_rss()  # the call's peak memory, before the features exist whole
+        for call in ({"h": h, "mask": mask}, {"h": h, "mask": full}):
+            ltx2blas.text_features(call["h"], call["mask"], projections, version="v2",
+                                   threads=threads)
+        peak_rss = harness.peak_rss_mib()
+        features = [ltx2blas.normalized_features(h, mask, version="v2", out_features=w.shape[0],
+                                                 threads=threads)[0, valid_rows]
+                    for w, _ in projections]
         t = harness.interleaved({
             "sgemm_square": square,
             "valid": lambda: state.__setitem__("y", ltx2blas.text_features(
                 h, mask, projections, version="v2", threads=threads)),
             "all_rows": lambda: ltx2blas.text_features(h, full, projections, version="v2",
                                                        threads=threads),
+            "linear_alone": lambda: [ltx2blas.linear(x, w, b, threads=threads, out=y)
+                                     for x, (w, b), y in zip(features, projections, alone)],
         }, repeats=repeats, warmup=0)
         seconds = t["valid"][harness.STAT]
         rate = flops / seconds / 1e9
@@ -92,14 +107,23 @@ def run(threads_list, tokens, padding, outs, ceilings, repeats=2, log=print):
                "seconds_median": t["valid"]["median"],
                "all_rows_seconds": t["all_rows"][harness.STAT],
                "saving": 1 - seconds / t["all_rows"][harness.STAT],
-               "peak_rss_mib": harness.peak_rss_mib(), "spread": t["valid"]["spread"],
+               "linear_alone_seconds": t["linear_alone"][harness.STAT],
+               "of_linear": t["linear_alone"][harness.STAT] / seconds,
+               "same_bytes_as_linear": all(
+                   np.array_equal(y[0, valid_rows].view(np.uint32), a.view(np.uint32))
+                   for y, a in zip(state["y"], alone)),
+               "peak_rss_mib": peak_rss, "spread": t["valid"]["spread"],
                "checked": check(h, mask, projections, state["y"], rng)}
         rows.append(row)
+        features = None  # freed before the next thread count measures its peak memory
         log(f"features v2 threads={threads} T={tokens} ({n} valid) outs {list(outs)}: "
             f"({route}) {seconds:.2f} s, {rate:.1f} GFLOP/s, {row['of_sgemm']:.2f} of sgemm "
             f"({peak:.0f}), {row['of_ceiling']:.2f} of the compute ceiling; "
             f"all {tokens} rows {row['all_rows_seconds']:.2f} s -> skipping padding saves "
-            f"{row['saving']:.0%}; peak RSS {row['peak_rss_mib']:.0f} MiB; checked={row['checked']}")
+            f"{row['saving']:.0%}; its Linears alone {row['linear_alone_seconds']:.2f} s "
+            f"({row['of_linear']:.3f} of the call's time, same bytes: "
+            f"{row['same_bytes_as_linear']}); peak RSS {row['peak_rss_mib']:.0f} MiB; "
+            f"checked={row['checked']}")
     return rows
 
 
@@ -118,7 +142,7 @@ def main(argv=None):
         rows = run(threads, 1024, 0.3, (4096, 2048), ceilings)
     if args.save:
         harness.write_json(args.save, {"machine": harness.machine(), "features": rows})
-    return 0 if all(r["checked"] for r in rows) else 1
+    return 0 if all(r["checked"] and r["same_bytes_as_linear"] for r in rows) else 1
 
 
 if __name__ == "__main__":

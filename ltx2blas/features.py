@@ -2,16 +2,16 @@
 to D * L features per token and project them -- without ever materialising the features.
 
 Only valid (unmasked) tokens are computed.  A padded row's features are zero, so its output is
-what upstream's Linear gives on zero features: the projection's bias (V2), zeros (V1).  The features
-are produced a step at a time straight into each projection's GEMM input panels, so a call reads
-the hidden states twice (statistics, then features) and holds one step's features per
-projection: about 4096 f32 features per valid token, or one 512-feature chunk of each segment of
-the in-dimension where it is cut into more than 8 (up to 34 at the real shapes; 70 KiB a token),
-and with 64 tokens or fewer (the streaming route) all of them; on CPUs with AVX512_BF16 (the
-dot-product routes) 2048 bf16 features of each of 16 segments (64 KiB a token), and with 31
-tokens or fewer all of them, as bf16 -- where the flattened f32 features of 1024 tokens would
-take 770 MB -- besides each segment's sums (segments x tokens x out f32, as the Linear holds
-them).  The arithmetic is :mod:`ltx2blas.reference`'s
+what upstream's Linear gives on zero features: the projection's bias (V2), zeros (V1).  The
+projections are computed one after another, and each one's features a step at a time straight
+into its GEMM input panels, its in-dimension's segments a pass at a time as the Linear takes
+them, so a call reads the hidden states once for the statistics and once per projection for
+the features, and holds one step's features: about 4096 f32 features per valid token, or one
+512-feature chunk of each segment of the pass, and with 64 tokens or fewer (the streaming
+route) all of them; on CPUs with AVX512_BF16 (the dot-product routes) 4096 bf16 features of
+the pass's segment (8 KiB a token), and with 31 tokens or fewer all of them, as bf16 -- where
+the flattened f32 features of 1024 tokens would take 770 MB -- besides one pass's segment
+sums (segments a pass x tokens x out f32, as the Linear holds them).  The arithmetic is :mod:`ltx2blas.reference`'s
 ``text_features``; each projection's result is byte-identical to :func:`ltx2blas.linear` on the
 materialised features (same blocks, same order of additions).
 """
@@ -19,12 +19,12 @@ import math
 
 import numpy as np
 
-from . import _features, _gemm
+from . import _features, _gemm, _linear
 from ._validate import (bf16_or_f32, choice, contiguous, f32_values, flag, integer, ndarray,
                         progress_arg)
 from ._threads import blas_single_threaded, resolve_threads, waves
 from .errors import ArgumentError, ArgumentTypeError, DTypeError, ShapeError
-from .linear_layer import plan, segments
+from .linear_layer import plan, segments, segments_per_pass
 
 __all__ = ["text_features", "normalized_features"]
 
@@ -169,34 +169,43 @@ def _project(flat, rows, tokens, batch, layers, version, weights, biases, output
     # The features are bf16: the route linear() takes for bf16 x, so that the bytes agree.
     route, blocks = plan(n, weights[0].dtype, "f32", x_dtype=np.uint16)
     task_rows, task_feats, chunk = blocks
-    # Each projection's in-dimension cut as linear() cuts it; a step takes, from every segment,
-    # a whole number of chunks: about 4096 features in all, at least one chunk a segment.
-    cuts, steps = [], 1
-    for w in weights:
-        count, length = segments(n, w.shape[0], width, route, blocks)
-        per_segment = -(-min(length, width) // chunk)  # chunks in a segment
-        step = max(1, min(per_segment, 4096 // chunk // count))
-        cuts.append((count, length, step))
-        steps = max(steps, -(-per_segment // step))
     product = _gemm.PRODUCTS[route]
-    panels = [np.empty(_features.panel_elements(product, task_rows, n, count, step, chunk,
-                                                length), np.float32)
-              for count, length, step in cuts]
-    accs = [np.empty(count * n * w.shape[0], np.float32)
-            for (count, _, _), w in zip(cuts, weights)]
-    scales = [float(np.float32(math.sqrt(w.shape[0] / depth))) for w in weights]
     with blas_single_threaded():
         mean, rng, inv = _statistics(flat, rows, sample, batch, layers, depth, version, threads)
-        job = _features.FeaturePlan(flat, rows, sample, version == "v2", mean, rng, inv,
-                                    weights, biases, accs, panels, scales, cuts, task_rows,
-                                    task_feats, chunk, product, threads, layers)
-        for step in range(steps):
-            job.normalize(step)
-            for first, stop in waves(job.tasks, threads):
-                job.run(step, first, stop)
-                if progress is not None:
-                    progress((step + stop / job.tasks) / steps)
-        job.finish(outputs)
+        # A projection at a time, its in-dimension cut into segments and passes as linear()
+        # cuts it; a step takes, from every segment of its pass, a whole number of chunks:
+        # about 4096 features in all, at least one chunk a segment.
+        jobs = []
+        for w, b in zip(weights, biases):
+            count, length = segments(n, w.shape[0], width, route, blocks)
+            per_pass = segments_per_pass(
+                count, _linear.block_count(n, w.shape[0], task_rows, task_feats), route,
+                threads)
+            per_segment = -(-min(length, width) // chunk)  # chunks in a segment
+            step = max(1, min(per_segment, 4096 // chunk // per_pass))
+            panels = np.empty(_features.panel_elements(product, task_rows, n, per_pass, step,
+                                                       chunk, length), np.float32)
+            acc = np.empty(per_pass * n * w.shape[0], np.float32)
+            scale = float(np.float32(math.sqrt(w.shape[0] / depth)))
+            jobs.append(_features.FeaturePlan(flat, rows, sample, version == "v2", mean, rng,
+                                              inv, w, b, acc, panels, scale,
+                                              (count, length, per_pass, step), task_rows,
+                                              task_feats, chunk, product, threads, layers))
+        total = sum(job.steps for job in jobs)
+        done = 0
+        for job, y in zip(jobs, outputs):
+            for step in range(job.steps):
+                job.normalize(step)
+                tasks = job.tasks(step)
+                for first, stop in waves(tasks, threads):
+                    job.run(step, first, stop)
+                    if progress is not None and (stop < tasks or job.ends_pass(step) < 0):
+                        progress((done + stop / tasks) / total)
+                if job.ends_pass(step) >= 0:
+                    job.end_pass(job.ends_pass(step), y)
+                    if progress is not None:
+                        progress((done + 1) / total)
+                done += 1
 
 
 def normalized_features(hidden_states, attention_mask, *, version="v1", out_features=None,
@@ -237,8 +246,8 @@ def normalized_features(hidden_states, attention_mask, *, version="v1", out_feat
     scale = float(np.float32(math.sqrt(out_features / depth))) if version == "v2" else 1.0
     # one 1 x 1 task per row: its accumulator is a single float each
     job = _features.FeaturePlan(flat, rows, sample, version == "v2", mean, rng, inv,
-                                [identity], [None], [np.empty(n, np.float32)], [x], [scale],
-                                [(1, width, 1)], 1, 1, width, _gemm.PRODUCTS["stream"],
+                                identity, None, np.empty(n, np.float32), x, scale,
+                                (1, width, 1, 1), 1, 1, width, _gemm.PRODUCTS["stream"],
                                 threads, layers)
     job.normalize(0)
     feats[rows] = (x.reshape(n, width).view(np.uint32) >> 16).astype(np.uint16)

@@ -135,22 +135,31 @@ def test_projections_cut_into_segments_are_the_linears_bytes(rng, monkeypatch, r
 
 def test_the_projections_run_the_linears_tasks_at_every_real_shape(rng, monkeypatch):
     """The feature extractor runs each projection's tasks as linear() cuts them (checked on a
-    small call), so at LTX-2's widths (V1: 3840 out; V2: 4096 + 2048) it runs 256 or more."""
-    from ltx2blas import _features, features
-    from ltx2blas.linear_layer import task_count
+    small call: every pass's tasks, and as many in each pass as linear() runs), so at LTX-2's
+    widths (V1: 3840 out; V2: 4096 + 2048) it runs 256 or more."""
+    from ltx2blas import _features, _linear, features
+    from ltx2blas.linear_layer import plan, segments, segments_per_pass, task_count
     ran = []
 
     class Recorded(_features.FeaturePlan):
         def __init__(self, *args):
             super().__init__(*args)
-            ran.append(self.tasks)
+            ran.append([self.tasks(s) for s in range(self.steps) if self.ends_pass(s) >= 0])
 
     monkeypatch.setattr(features._features, "FeaturePlan", Recorded)
     h = hidden(rng, (1, 90, 64, 200))
     projs = projections(rng, "v2", 12800, (300, 40))
-    ltx2blas.text_features(h, np.ones((1, 90), bool), projs, version="v2")
+    ltx2blas.text_features(h, np.ones((1, 90), bool), projs, version="v2", threads=2)
     bf16 = np.uint16  # the features are bf16
-    assert ran == [sum(task_count(90, o, 12800, np.uint16, x_dtype=bf16) for o in (300, 40))]
+    assert [sum(passes) for passes in ran] == [task_count(90, o, 12800, np.uint16, x_dtype=bf16)
+                                               for o in (300, 40)]
+    route, blocks = plan(90, np.uint16, x_dtype=bf16)
+    for passes, o in zip(ran, (300, 40)):
+        count, _ = segments(90, o, 12800, route, blocks)
+        per_segment = _linear.block_count(90, o, blocks[0], blocks[1])
+        per_pass = segments_per_pass(count, per_segment, route, 2)
+        assert passes == [per_segment * min(per_pass, count - i)
+                          for i in range(0, count, per_pass)]
     for tokens in (1, 3, 8, 64, 65, 200, 1024, 2048):
         assert task_count(tokens, 3840, 188160, np.uint16, x_dtype=bf16) >= 256
         assert sum(task_count(tokens, o, 188160, np.uint16, x_dtype=bf16)
@@ -338,3 +347,32 @@ def test_features_are_never_materialised():
     # 16 of the dot-product route's bf16), and less at LTX-2's.
     assert m["held"] < m["features_f32"] / 4, m
     assert m["growth"] <= m["held"] + 8 * 2**20, m
+
+
+@pytest.mark.parametrize("per_pass", [1, 2, 3])
+def test_passes_of_segments_keep_the_linears_bytes(rng, monkeypatch, per_pass):
+    """The segments a pass at a time (five segments: one a pass; two or three, the last pass
+    shorter): each
+    projection's bytes are still linear()'s on the materialised features, on 1 and 2 threads,
+    and progress still rises to 1.0."""
+    from ltx2blas import features
+    from ltx2blas.linear_layer import plan, segments
+
+    h = hidden(rng, (1, 40, 64, 800))
+    mask = np.ones((1, 40), bool)
+    mask[0, 37:] = False
+    projs = projections(rng, "v2", 51200, (130, 40))
+    route, blocks = plan(37, np.uint16, x_dtype=np.uint16)
+    assert [segments(37, o, 51200, route, blocks)[0] for o in (130, 40)] == [5, 5]
+    want = [ltx2blas.linear(ltx2blas.normalized_features(h, mask, version="v2",
+                                                         out_features=w.shape[0])[mask], w, b)
+            for w, b in projs]
+    monkeypatch.setattr(features, "segments_per_pass", lambda *a: per_pass)
+    for threads in (1, 2):
+        seen = []
+        got = ltx2blas.text_features(h, mask, projs, version="v2", threads=threads,
+                                     progress=seen.append)
+        for y, y_want, (_, b) in zip(got, want, projs):
+            assert y[mask].tobytes() == y_want.tobytes()
+            assert y[~mask].tobytes() == np.broadcast_to(b, y[~mask].shape).tobytes()
+        assert seen == sorted(seen) and seen[-1] == 1.0 and len(seen) >= 2 * -(-5 // per_pass)
