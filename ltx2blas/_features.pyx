@@ -12,7 +12,6 @@ output in the same order, so a projection's result is byte-identical to
 whole.
 """
 from cython.parallel cimport parallel, prange
-from libc.math cimport NAN, isnan
 from libc.stdint cimport int64_t, uint16_t, uint32_t
 from libc.stdlib cimport free, malloc
 
@@ -26,16 +25,6 @@ from ._parallel cimport (add_segments, block_bounds, block_offset, ltx_aligned_a
 import numpy as np
 
 
-cdef extern from "kernels.h" nogil:
-    float ltx_bf16_value(uint16_t h)
-
-
-cdef inline float load(const void *src, bint bf16, Py_ssize_t i) noexcept nogil:
-    if bf16:
-        return ltx_bf16_value((<const uint16_t *>src)[i])
-    return (<const float *>src)[i]
-
-
 def row_stats(hidden, const int64_t[::1] rows, int layers, double[:, ::1] sums,
               double[:, ::1] squares, float[:, ::1] lows, float[:, ::1] highs, int threads):
     """For each listed row of ``hidden`` ([rows, D * L], bf16 bits or f32): per layer, the sum
@@ -44,10 +33,8 @@ def row_stats(hidden, const int64_t[::1] rows, int layers, double[:, ::1] sums,
     cdef const uint16_t[:, ::1] h16
     cdef const float[:, ::1] h32
     cdef const void *base
-    cdef Py_ssize_t width = hidden.shape[1], n = rows.shape[0], r, d, l, depth = width // layers
-    cdef const void *row
-    cdef double v
-    cdef float f
+    cdef Py_ssize_t width = hidden.shape[1], n = rows.shape[0], r, depth = width // layers
+    cdef const ltx_kernels *kern = kernels(True)
     if bf16:
         h16 = hidden
         base = &h16[0, 0]
@@ -57,26 +44,9 @@ def row_stats(hidden, const int64_t[::1] rows, int layers, double[:, ::1] sums,
     with nogil:
         # a row at a time to whichever thread is free: cores of unequal speed share it evenly
         for r in prange(n, num_threads=threads, schedule="dynamic"):
-            row = <const char *>base + rows[r] * width * (2 if bf16 else 4)
-            for l in range(layers):
-                sums[r, l] = 0.0
-                squares[r, l] = 0.0
-                lows[r, l] = load(row, bf16, l)
-                highs[r, l] = lows[r, l]
-            for d in range(depth):
-                for l in range(layers):
-                    f = load(row, bf16, d * layers + l)
-                    v = f
-                    sums[r, l] = sums[r, l] + v
-                    squares[r, l] = squares[r, l] + v * v
-                    if isnan(f) or isnan(lows[r, l]):
-                        lows[r, l] = NAN
-                        highs[r, l] = NAN
-                    else:
-                        if f < lows[r, l]:
-                            lows[r, l] = f
-                        if f > highs[r, l]:
-                            highs[r, l] = f
+            kern.layer_stats(<const char *>base + rows[r] * width * (2 if bf16 else 4), bf16,
+                             depth, layers, &sums[r, 0], &squares[r, 0], &lows[r, 0],
+                             &highs[r, 0])
 
 
 cdef struct Projection:

@@ -118,6 +118,9 @@ cdef extern from "kernels.h" nogil:
         void (*normalize_features)(const void *src, int src_bf16, ltx_idx n, const float *a,
                                    const float *b, ltx_idx l0, ltx_idx layers, float scale,
                                    void *dst, int dst_bf16) noexcept nogil
+        void (*layer_stats)(const void *src, int src_bf16, ltx_idx depth, ltx_idx layers,
+                            double *sums, double *squares, float *lows,
+                            float *highs) noexcept nogil
         void (*accumulate_addmm)(const float *acc, float *agg, float s, ltx_idx n) noexcept nogil
         void (*store_rounded)(const float *acc, uint16_t *out, ltx_idx ldo, ltx_idx rows,
                               ltx_idx cols) noexcept nogil

@@ -170,30 +170,20 @@ def _project(flat, rows, tokens, batch, layers, version, weights, biases, output
     route, blocks = plan(n, weights[0].dtype, "f32", x_dtype=np.uint16)
     task_rows, task_feats, chunk = blocks
     product = _gemm.PRODUCTS[route]
+    cuts = [_cut(n, w.shape[0], width, route, blocks, threads) for w in weights]
+    total = sum(cut[-1] for cut in cuts)
+    done = 0
     with blas_single_threaded():
         mean, rng, inv = _statistics(flat, rows, sample, batch, layers, depth, version, threads)
-        # A projection at a time, its in-dimension cut into segments and passes as linear()
-        # cuts it; a step takes, from every segment of its pass, a whole number of chunks:
-        # about 4096 features in all, at least one chunk a segment.
-        jobs = []
-        for w, b in zip(weights, biases):
-            count, length = segments(n, w.shape[0], width, route, blocks)
-            per_pass = segments_per_pass(
-                count, _linear.block_count(n, w.shape[0], task_rows, task_feats), route,
-                threads)
-            per_segment = -(-min(length, width) // chunk)  # chunks in a segment
-            step = max(1, min(per_segment, 4096 // chunk // per_pass))
-            panels = np.empty(_features.panel_elements(product, task_rows, n, per_pass, step,
+        for w, b, y, (count, length, per_pass, chunks, _) in zip(weights, biases, outputs,
+                                                                 cuts):
+            panels = np.empty(_features.panel_elements(product, task_rows, n, per_pass, chunks,
                                                        chunk, length), np.float32)
             acc = np.empty(per_pass * n * w.shape[0], np.float32)
             scale = float(np.float32(math.sqrt(w.shape[0] / depth)))
-            jobs.append(_features.FeaturePlan(flat, rows, sample, version == "v2", mean, rng,
-                                              inv, w, b, acc, panels, scale,
-                                              (count, length, per_pass, step), task_rows,
-                                              task_feats, chunk, product, threads, layers))
-        total = sum(job.steps for job in jobs)
-        done = 0
-        for job, y in zip(jobs, outputs):
+            job = _features.FeaturePlan(flat, rows, sample, version == "v2", mean, rng, inv, w,
+                                        b, acc, panels, scale, (count, length, per_pass, chunks),
+                                        task_rows, task_feats, chunk, product, threads, layers)
             for step in range(job.steps):
                 job.normalize(step)
                 tasks = job.tasks(step)
@@ -206,6 +196,32 @@ def _project(flat, rows, tokens, batch, layers, version, weights, biases, output
                     if progress is not None:
                         progress((done + 1) / total)
                 done += 1
+            job = panels = acc = None  # one projection's panels and sums at a time
+
+
+#: Features a token a step holds, about: this many features (a whole number of chunks of every
+#: segment of its pass, at least one chunk each) on the routes that widen or stream x, and this
+#: many segments' worth on the dot-product panel route, where linear() packs its x a pass at a
+#: time -- so that at LTX-2's widths each task runs its whole segment in one step, as linear()'s
+#: do (steps of one 2048-feature chunk cost 5 % of the call), while a narrow projection, whose
+#: pass takes every segment, still never holds its features whole.
+STEP_FEATURES = 4096
+STEP_SEGMENTS = 4
+
+
+def _cut(n, out, width, route, blocks, threads):
+    """(segments, segment length, segments a pass, chunks a step, steps) of a projection with
+    ``out`` features, cut as linear() cuts it."""
+    task_rows, task_feats, chunk = blocks
+    count, length = segments(n, out, width, route, blocks)
+    per_pass = segments_per_pass(count, _linear.block_count(n, out, task_rows, task_feats), route,
+                                 threads)
+    per_segment = -(-min(length, width) // chunk)  # chunks in a segment
+    budget = (STEP_SEGMENTS * length
+              if _linear.takes_packed_x(_gemm.PRODUCTS[route], task_rows, chunk, length)
+              else STEP_FEATURES)
+    step = max(1, min(per_segment, budget // chunk // per_pass))
+    return count, length, per_pass, step, -(-count // per_pass) * -(-per_segment // step)
 
 
 def normalized_features(hidden_states, attention_mask, *, version="v1", out_features=None,

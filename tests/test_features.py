@@ -376,3 +376,42 @@ def test_passes_of_segments_keep_the_linears_bytes(rng, monkeypatch, per_pass):
             assert y[mask].tobytes() == y_want.tobytes()
             assert y[~mask].tobytes() == np.broadcast_to(b, y[~mask].shape).tobytes()
         assert seen == sorted(seen) and seen[-1] == 1.0 and len(seen) >= 2 * -(-5 // per_pass)
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_row_statistics_are_the_scalar_loop_on_every_table(rng, kernel_table, bf16):
+    """Each layer's sum and sum of squares (f64, over d in order from 0.0, each square rounded
+    before it is added) and its min and max (NaN wins; of equal values the first), written out
+    in plain Python: 13 layers (vectors of layers and the rest one at a time), a NaN in one
+    layer, signed zeros, infinities, and rows taken out of order."""
+    from ltx2blas import _features
+
+    depth, layers = 37, 13
+    h = hidden(rng, (1, 6, depth, layers), bf16)
+    flat = h.reshape(6, depth * layers)
+    flat[1, 5 * layers + 2] = reference.bf16_round(np.float32(np.nan)) if bf16 else np.nan
+    flat[2, layers + 3] = 0x8000 if bf16 else -0.0
+    flat[2, 3] = 0
+    flat[3, 7 * layers + 11] = reference.bf16_round(np.float32(np.inf)) if bf16 else np.inf
+    values = (reference.bf16_widen(flat) if bf16 else flat).astype(np.float32)
+    rows = np.array([4, 1, 2, 3, 0], np.int64)
+    n = rows.size
+    sums, squares = np.empty((n, layers)), np.empty((n, layers))
+    lows, highs = np.empty((n, layers), np.float32), np.empty((n, layers), np.float32)
+    _features.row_stats(flat, rows, layers, sums, squares, lows, highs, 2)
+    for i, r in enumerate(rows):
+        for l in range(layers):
+            s = q = 0.0
+            low = high = values[r, l]
+            for d in range(depth):
+                f = values[r, d * layers + l]
+                v = float(f)
+                s, q = s + v, q + v * v
+                if np.isnan(f) or np.isnan(low):
+                    low = high = np.float32(np.nan)
+                else:
+                    low, high = (f if f < low else low), (f if f > high else high)
+            assert (sums[i, l], squares[i, l]) == (s, q) or (np.isnan(s) and np.isnan(sums[i, l]))
+            assert np.float32(lows[i, l]).tobytes() == np.float32(low).tobytes()
+            assert np.float32(highs[i, l]).tobytes() == np.float32(high).tobytes()
+    assert np.isnan(lows[1, 2]) and np.isnan(highs[1, 2]) and not np.isnan(lows[1, 3])

@@ -4,6 +4,7 @@
  * text serves AVX-512, AVX2 and NEON; the compiler's -ffp-contract setting for the variant
  * decides whether `c + x*y` becomes an FMA (fast variants) or stays mul-then-add (base).
  */
+#include <math.h>
 #include <string.h>
 
 #include "variant.h"
@@ -60,7 +61,7 @@ typedef uint32_t u32a __attribute__((may_alias));
 #define NOT_CONTRACTED(v) __asm__("" : "+w"(v))
 #define NOT_CONTRACTED_SCALAR(v) __asm__("" : "+w"(v))
 #else
-#define NOT_CONTRACTED(v) do { volatile vf keep_ = (v); (v) = keep_; } while (0)
+#define NOT_CONTRACTED(v) do { volatile __typeof__(v) keep_ = (v); (v) = keep_; } while (0)
 #define NOT_CONTRACTED_SCALAR(v) do { volatile float keep_ = (v); (v) = keep_; } while (0)
 #endif
 
@@ -1851,6 +1852,84 @@ static void normalize_features(const void *src, int src_bf16, ltx_idx n, const f
     }
 }
 
+/* The feature extractor's statistics of one row of depth x layers features (element
+ * d * layers + l), bf16 (src_bf16) or f32: per layer, the sum and the sum of squares over d in
+ * order from 0.0, in f64 (each square rounded on its own, then added), and the min and max,
+ * NaN winning. The layers go across the lanes, VD doubles a vector, a block of layers at a
+ * time through the whole row (the row stays in L2), so that each layer's sums are those of
+ * the scalar loop, which takes the last layers (fewer than a vector). */
+typedef double vd __attribute__((vector_size(VW * 4)));
+typedef float vfh __attribute__((vector_size(VW * 2)));
+typedef int32_t vih __attribute__((vector_size(VW * 2)));
+typedef uint16_t vu16h __attribute__((vector_size(VW), aligned(2), may_alias));
+typedef uint32_t vu32h __attribute__((vector_size(VW * 2)));
+typedef float vfhu __attribute__((vector_size(VW * 2), aligned(4), may_alias));
+#define VD (VW / 2)
+
+static inline vfh features_at(const void *src, int src_bf16, ltx_idx i)
+{
+    if (src_bf16)
+        return (vfh)(__builtin_convertvector(*(const vu16h *)((const uint16_t *)src + i), vu32h)
+                     << 16);
+    return *(const vfhu *)((const float *)src + i);
+}
+
+static inline float feature_at(const void *src, int src_bf16, ltx_idx i)
+{
+    return src_bf16 ? ltx_bf16_value(((const uint16_t *)src)[i]) : ((const float *)src)[i];
+}
+
+static void layer_stats(const void *src, int src_bf16, ltx_idx depth, ltx_idx layers,
+                        double *sums, double *squares, float *lows, float *highs)
+{
+    const ltx_idx lv = depth > 0 ? layers - layers % VD : 0;
+    for (ltx_idx l = 0; l < lv; l += VD) {
+        vd sum = {0}, square = {0};
+        vfh low = features_at(src, src_bf16, l), high = low;
+        vih nan = low != low;
+        for (ltx_idx d = 0; d < depth; d++) {
+            const vfh f = features_at(src, src_bf16, d * layers + l);
+            const vd v = __builtin_convertvector(f, vd);
+            vd p = v * v;
+            NOT_CONTRACTED(p);
+            sum += v;
+            square += p;
+            const vih below = f < low, above = f > high;
+            low = (vfh)(((vih)f & below) | ((vih)low & ~below));
+            high = (vfh)(((vih)f & above) | ((vih)high & ~above));
+            nan |= f != f;
+        }
+        for (int j = 0; j < VD; j++) {
+            sums[l + j] = sum[j];
+            squares[l + j] = square[j];
+            lows[l + j] = nan[j] ? NAN : low[j];
+            highs[l + j] = nan[j] ? NAN : high[j];
+        }
+    }
+    for (ltx_idx l = lv; l < layers; l++) {
+        double sum = 0.0, square = 0.0;
+        float low = depth > 0 ? feature_at(src, src_bf16, l) : 0.0f, high = low;
+        for (ltx_idx d = 0; d < depth; d++) {
+            const float f = feature_at(src, src_bf16, d * layers + l);
+            const double v = f;
+            double p = v * v;
+            NOT_CONTRACTED_SCALAR(p);
+            sum = sum + v;
+            square = square + p;
+            if (isnan(f) || isnan(low)) {
+                low = high = NAN;
+            } else {
+                low = f < low ? f : low;
+                high = f > high ? f : high;
+            }
+        }
+        sums[l] = sum;
+        squares[l] = square;
+        lows[l] = low;
+        highs[l] = high;
+    }
+}
+
 static void round_bf16_f32(const float *restrict src, float *restrict dst, ltx_idx n)
 {
     u32a *d = (u32a *)dst;
@@ -1951,6 +2030,7 @@ const ltx_kernels LTX_KERNELS_TABLE = {
     .clear_negative_zero_bf16 = clear_negative_zero_bf16,
     .round_bf16_f32 = round_bf16_f32,
     .normalize_features = normalize_features,
+    .layer_stats = layer_stats,
     .accumulate_addmm = accumulate_addmm,
     .store_rounded = store_rounded,
 };

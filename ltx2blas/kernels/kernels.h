@@ -292,6 +292,12 @@ typedef struct {
     void (*normalize_features)(const void *src, int src_bf16, ltx_idx n, const float *a,
                                const float *b, ltx_idx l0, ltx_idx layers, float scale,
                                void *dst, int dst_bf16);
+    /* Per layer l of one row of depth x layers features (element d * layers + l), bf16
+     * (src_bf16) or f32: sums[l] and squares[l], the sum and the sum of squares over d in order
+     * from 0.0 in f64 (each square rounded, then added), lows[l] and highs[l], the min and max
+     * (NaN where any is NaN) */
+    void (*layer_stats)(const void *src, int src_bf16, ltx_idx depth, ltx_idx layers,
+                        double *sums, double *squares, float *lows, float *highs);
     /* agg[i] = f32(bf16(agg[i] + f32(s * acc[i]))): the product rounded to f32 before the add,
      * never contracted into an FMA (upstream's addmm_(B, A, alpha=s) into a bf16 aggregate) */
     void (*accumulate_addmm)(const float *acc, float *agg, float s, ltx_idx n);
