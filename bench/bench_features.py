@@ -139,7 +139,7 @@ def main(argv=None):
     if args.quick:
         rows = run(threads, 48, 0.3, (256, 128), ceilings, repeats=1)
     else:
-        rows = run(threads, 1024, 0.3, (4096, 2048), ceilings)
+        rows = run(threads, 1024, 0.3, (4096, 2048), ceilings, repeats=3)
     if args.save:
         harness.write_json(args.save, {"machine": harness.machine(), "features": rows})
     return 0 if all(r["checked"] and r["same_bytes_as_linear"] for r in rows) else 1

@@ -105,7 +105,7 @@ def parts(x, weight, threads, blocks, repeats):
             plan.run(0, 1)  # packs the pass
             t0 = time.perf_counter()
             plan.run(1, tasks)
-            first_pass.append((time.perf_counter() - t0) * tasks / (tasks - 1))
+            first_pass.append((time.perf_counter() - t0) * tasks / max(1, tasks - 1))
             plan.run(tasks, plan.tasks)
 
     cands = {"call": lambda: ltx2blas.linear(x, weight, threads=threads, blocks=blocks,
@@ -130,6 +130,7 @@ def main(argv=None):
     parser.add_argument("--threads", default=None, help="comma list, default 1..all CPUs")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--out-features", type=int, default=2048)
+    parser.add_argument("--width", type=int, default=IN_FEATURES, help="in features")
     parser.add_argument("--blocks", default=None,
                         help="comma list of RxFxC task blocks (default: the plan's)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -142,8 +143,8 @@ def main(argv=None):
     rows_list = [int(v) for v in args.rows.split(",")]
     peaks = {t: harness.instruction_peaks(t) for t in threads_list}
     rng = np.random.default_rng(0)
-    weight = harness.random_bf16(rng, (args.out_features, IN_FEATURES), 0.02)
-    x_all = reference.bf16_round(rng.standard_normal((max(rows_list), IN_FEATURES),
+    weight = harness.random_bf16(rng, (args.out_features, args.width), 0.02)
+    x_all = reference.bf16_round(rng.standard_normal((max(rows_list), args.width),
                                                      dtype=np.float32))
     results = []
     for threads in threads_list:
@@ -156,7 +157,7 @@ def main(argv=None):
                 continue
             block_list = ([tuple(int(v) for v in b.split("x")) for b in args.blocks.split(",")]
                           if args.blocks else [default])
-            flops = 2.0 * rows * weight.shape[0] * IN_FEATURES
+            flops = 2.0 * rows * weight.shape[0] * args.width
             for blocks in block_list:
                 got, same = parts(x, weight, threads, blocks, args.repeats)
                 ceiling = 2 * got["sgemm_gflops"]
@@ -164,7 +165,7 @@ def main(argv=None):
                                                           "one_pass_reused")}
                 rate["first_pass"] = flops * got["pass_fraction"] / got["first_pass"] / 1e9
                 row = {"threads": threads, "rows": rows, "out": weight.shape[0],
-                       "in": IN_FEATURES, "blocks": list(blocks), "same_bytes": same,
+                       "in": args.width, "blocks": list(blocks), "same_bytes": same,
                        "seconds": {k: got[k] for k in rate}, "gflops": rate,
                        "sgemm_gflops": got["sgemm_gflops"], "dot_peak_gflops": dot_peak,
                        "of_ceiling": {k: v / ceiling for k, v in rate.items()},

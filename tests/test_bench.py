@@ -47,6 +47,19 @@ def test_tile_route_and_segment_benchmarks_run_and_check_their_results(tmp_path)
     for row in rows:
         assert set(row["seconds"]["1"]) == {"validate", "route", "pin", "plan", "run", "call"}
         assert 0 < row["model"]["16"]["efficiency"] <= 1.0 + 1e-9
+    # the parts of a bf16-x Linear with many rows, five segments in passes (the dot-product
+    # panel route only: elsewhere the script says so and has no rows)
+    out = tmp_path / "linear_parts.json"
+    r = subprocess.run([sys.executable, os.path.join(folder, "bench_linear_parts.py"), "--threads",
+                        "1,2", "--rows", "40", "--out-features", "300", "--width",
+                        str(4 * 12288 + 300), "--repeats", "1", "--save", str(out)],
+                       capture_output=True, text=True, cwd="/", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["parts"]
+    from ltx2blas import _gemm
+    assert len(rows) == (2 if _gemm.has_dot_linear() else 0)
+    assert all(row["same_bytes"] and set(row["seconds"]) == {
+        "call", "reused", "one_pass", "one_pass_reused", "first_pass"} for row in rows)
     # its text_features part, on small hidden states
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_linear_routes as b; "
             "rows = b.run_features([1], 8, depth=64, layers=3, outs=(40, 24), repeats=1); "
