@@ -203,8 +203,8 @@ def _project(flat, rows, tokens, batch, layers, version, weights, biases, output
 #: segment of its pass, at least one chunk each) on the routes that widen or stream x, and this
 #: many segments' worth on the dot-product panel route, where linear() packs its x a pass at a
 #: time -- so that at LTX-2's widths each task runs its whole segment in one step, as linear()'s
-#: do (steps of one 2048-feature chunk cost 5 % of the call), while a narrow projection, whose
-#: pass takes every segment, still never holds its features whole.
+#: do (steps of one 2048-feature chunk restart every task six times a segment), while a narrow
+#: projection, whose pass takes every segment, still never holds its features whole.
 STEP_FEATURES = 4096
 STEP_SEGMENTS = 4
 
