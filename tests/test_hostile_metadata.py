@@ -281,23 +281,30 @@ def test_control_characters_in_names_never_reach_the_terminal(tmp_path, rng):
 
 # ---- a second signal during the clean-up ------------------------------------------------------
 
+def fuse_held_at_its_first_progress(tmp_path, rng, script, *script_args):
+    """A fuse started under ``script`` (HELD or LATE), once it holds at its first progress
+    report; returns (the process, the output path)."""
+    model = ck.write(tmp_path / "m.safetensors", ck.model(rng))
+    lora = ck.write(tmp_path / "a.safetensors",
+                    ck.adapter(rng, ["transformer_blocks.0.attn1.to_q"], rank=4))
+    out, ready = tmp_path / "out.safetensors", tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", script, str(ready), *script_args, "fuse",
+                             str(model), "--lora", str(lora), "-o", str(out)], cwd="/",
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300  # a guard against a hang only: the wait ends on a file
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    return proc, out
+
+
 @pytest.mark.parametrize("first, second", [("SIGINT", "SIGTERM"), ("SIGTERM", "SIGINT"),
                                            ("SIGHUP", "SIGTERM")])
 def test_a_second_signal_does_not_interrupt_the_clean_up(tmp_path, rng, first, second):
     """Two signals a moment apart: the one Python handles first stops the command (signals
     pending together are handled in number order), the other is ignored; one line, the
     first's exit code, the temporary output removed."""
-    model = ck.write(tmp_path / "m.safetensors", ck.model(rng))
-    lora = ck.write(tmp_path / "a.safetensors",
-                    ck.adapter(rng, ["transformer_blocks.0.attn1.to_q"], rank=4))
-    out, ready = tmp_path / "out.safetensors", tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-c", HELD, str(ready), "fuse", str(model), "--lora",
-                             str(lora), "-o", str(out)], cwd="/", text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300  # a guard against a hang only: the wait ends on a file
-    while not ready.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.01)
+    proc, out = fuse_held_at_its_first_progress(tmp_path, rng, HELD)
     proc.send_signal(getattr(signal, first))
     proc.send_signal(getattr(signal, second))
     stdout, stderr = proc.communicate(timeout=120)
@@ -325,17 +332,7 @@ def test_a_second_signal_after_the_stop_does_not_change_the_exit(tmp_path, rng, 
     returned (a loaded machine delays it) is ignored too: the first's exit code and line,
     not a death by the second signal."""
     assert LATE != HELD
-    model = ck.write(tmp_path / "m.safetensors", ck.model(rng))
-    lora = ck.write(tmp_path / "a.safetensors",
-                    ck.adapter(rng, ["transformer_blocks.0.attn1.to_q"], rank=4))
-    out, ready = tmp_path / "out.safetensors", tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-c", LATE, str(ready), second, "fuse", str(model),
-                             "--lora", str(lora), "-o", str(out)], cwd="/", text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300  # a guard against a hang only: the wait ends on a file
-    while not ready.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.01)
+    proc, out = fuse_held_at_its_first_progress(tmp_path, rng, LATE, second)
     proc.send_signal(getattr(signal, first))
     stdout, stderr = proc.communicate(timeout=120)
     code, line = {"SIGINT": (130, "ltx2blas: interrupted"),
