@@ -8,12 +8,13 @@ into its GEMM input panels, its in-dimension's segments a pass at a time as the 
 them, so a call reads the hidden states once for the statistics and once per projection for
 the features, and holds one step's features: about 4096 f32 features per valid token, or one
 512-feature chunk of each segment of the pass, and with 64 tokens or fewer (the streaming
-route) all of them; on CPUs with AVX512_BF16 (the dot-product routes) 4096 bf16 features of
-the pass's segment (8 KiB a token), and with 31 tokens or fewer all of them, as bf16 -- where
-the flattened f32 features of 1024 tokens would take 770 MB -- besides one pass's segment
-sums (segments a pass x tokens x out f32, as the Linear holds them).  The arithmetic is :mod:`ltx2blas.reference`'s
-``text_features``; each projection's result is byte-identical to :func:`ltx2blas.linear` on the
-materialised features (same blocks, same order of additions).
+route) all of them; on CPUs with AVX512_BF16 (the dot-product routes) the features of the
+pass's segments, at most four segments' worth (96 KiB a token), and with 31 tokens or fewer
+all of them, as bf16 -- where the flattened f32 features of 1024 tokens would take 770 MB --
+besides one pass's segment sums (segments a pass x tokens x out f32, as the Linear holds
+them).  The arithmetic is :mod:`ltx2blas.reference`'s ``text_features``; each projection's
+result is byte-identical to :func:`ltx2blas.linear` on the materialised features (same
+blocks, same order of additions).
 """
 import math
 
