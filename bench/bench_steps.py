@@ -21,6 +21,14 @@ the cores -- memory bandwidth among it -- are in the serial part). Amdahl's mode
 part, and the efficiency ``T(1) / (n T(n))``. Memory bandwidth is not in the model: where the
 weight's reading and writing outgrow the cores' share of it the real time is longer.
 
+So that the fit's serial part can be told apart from memory, the weight is also read alone
+(harness.reader: every byte once, a stripe a thread) at each thread count, interleaved with the
+calls: where the read's speed-up from 1 to 2 threads falls short of 2 as the run's does, the
+fit's serial part is the memory's, not the code's. Beside the fit, the steps' model takes the
+serial steps alone, ``T(n) = S_steps + R(1) / n`` with R(1) the run on one thread, and names
+the memory rate its time at n threads needs: the weight read and written, (bytes in + bytes
+out) / (R(1) / n).
+
     python bench/bench_steps.py [--threads 1,2] [--cases 4096x4096:32,...] [--out FILE.json]
 
 A case is RxC:rank, or RxC:rank:fp8 for an F8_E4M3 weight.
@@ -104,29 +112,31 @@ def run_bench(threads_list, cases, repeats=15, log=print):
             weight = harness.random_bf16(rng, (rows, cols), 0.02)
         lora_a = harness.random_bf16(rng, (rank, cols), 0.05)
         lora_b = harness.random_bf16(rng, (rows, rank), 0.05)
-        per_threads, wholes = {}, {}
+        per_threads, wholes, reads = {}, {}, {}
         for threads in threads_list:
             calls, route, pins = step_calls(weight, lora_a, lora_b, fmt, threads)
             wholes[threads] = calls.pop("call")
+            reads[f"read{threads}"] = harness.reader(weight.view(np.uint16), threads)
             t = harness.interleaved(calls, repeats=repeats, settle=0.0)
             per_threads[threads] = {name: t[name][harness.STAT] for name in calls}
         # The whole calls at each thread count, interleaved with each other alone (the steps'
         # thousands of small allocations beside them would slow them down), back to back: a
         # fuse of many weights calls one after another, its OpenMP workers awake, where after
         # a pause waking them costs a virtual machine milliseconds.
-        t = harness.interleaved({n: wholes[n] for n in threads_list}, repeats=repeats,
-                                settle=0.0)
+        t = harness.interleaved({**{n: wholes[n] for n in threads_list}, **reads},
+                                repeats=repeats, settle=0.0)
         for threads in threads_list:
             got = per_threads[threads]
             got["call"] = t[threads][harness.STAT]
             # the run: the call less the steps before it, each timed on its own
             got["run"] = max(0.0, got["call"] - sum(got[s] for s in in_call(pins)))
+            got["read_weight"] = t[f"read{threads}"][harness.STAT]
             log(f"{text} {threads} thread(s) [{route}]: call {got['call'] * 1e3:.3f} ms; "
                 + ", ".join(f"{s} {got[s] * 1e6:.0f} us" for s in STEPS))
         row = {"case": text, "rows": rows, "cols": cols, "rank": rank, "format": fmt,
                "route": route, "pins_blas": pins, "seconds": per_threads,
                "checked": checked(weight, lora_a, lora_b, fmt, max(threads_list))}
-        row.update(model(per_threads, pins))
+        row.update(model(per_threads, pins, 2 * weight.nbytes))
         rows_out.append(row)
         if "model" in row:
             m = row["model"]
@@ -134,6 +144,12 @@ def run_bench(threads_list, cases, repeats=15, log=print):
                 f"run {m['run_serial_s'] * 1e6:.0f}), parallel {m['parallel_s'] * 1e3:.2f} ms; "
                 + ", ".join(f"{n} threads: {m[str(n)]['ms']:.3f} ms, efficiency "
                             f"{m[str(n)]['efficiency']:.2f}" for n in MODEL_THREADS))
+            steps_model = row["steps_model"]
+            log(f"  speed-up from 1 to 2 threads: the run {row['speedup']['run']:.2f}, reading "
+                f"the weight alone {row['speedup']['read_weight']:.2f}; the serial steps alone: "
+                + ", ".join(f"{n} threads: efficiency {steps_model[str(n)]['efficiency']:.2f}"
+                            f" if memory moves {steps_model[str(n)]['needs_gbs']:.0f} GB/s"
+                            for n in MODEL_THREADS))
     return rows_out
 
 
@@ -159,13 +175,26 @@ def in_call(pins):
     return [s for s in STEPS if s != "run" and (s != "pin" or pins)]
 
 
-def model(per_threads, pins):
+def model(per_threads, pins, moved_bytes):
     """Amdahl's model from the step timings: the serial steps at one thread, the run's serial
-    and parallel parts from the fit over the thread counts measured (at least two)."""
+    and parallel parts from the fit over the thread counts measured (at least two); the steps'
+    model (the serial steps alone, the one-thread run parallel) with the memory rate it needs
+    to move ``moved_bytes`` in its time; the speed-ups of the run and of reading the weight
+    from the fewest to the most threads measured."""
     counts = sorted(per_threads)
     if len(counts) < 2:
         return {}
     steps = sum(per_threads[counts[0]][s] for s in in_call(pins))
+    lo, hi = per_threads[counts[0]], per_threads[counts[-1]]
+    run_one = lo["run"] * counts[0]
+    steps_model = {}
+    for n in MODEL_THREADS:
+        t = steps + run_one / n
+        steps_model[str(n)] = {"ms": t * 1e3, "efficiency": (steps + run_one) / (n * t),
+                               "needs_gbs": moved_bytes / (run_one / n) / 1e9}
+    speedup = {"threads": [counts[0], counts[-1]],
+               "run": lo["run"] / hi["run"] if hi["run"] else 0.0,
+               "read_weight": lo["read_weight"] / hi["read_weight"]}
     inv = np.array([1.0 / n for n in counts])
     run = np.array([per_threads[n]["run"] for n in counts])
     parallel, serial = np.polyfit(inv, run, 1)
@@ -176,7 +205,7 @@ def model(per_threads, pins):
     for n in MODEL_THREADS:
         t = steps + serial + parallel / n
         out[str(n)] = {"ms": t * 1e3, "efficiency": one / (n * t)}
-    return {"model": out}
+    return {"model": out, "steps_model": steps_model, "speedup": speedup}
 
 
 def main(argv=None):

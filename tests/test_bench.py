@@ -45,8 +45,11 @@ def test_tile_route_and_segment_benchmarks_run_and_check_their_results(tmp_path)
     rows = json.loads(out.read_text())["rows"]
     assert [row["format"] for row in rows] == ["bf16", "fp8"] and all(r["checked"] for r in rows)
     for row in rows:
-        assert set(row["seconds"]["1"]) == {"validate", "route", "pin", "plan", "run", "call"}
+        assert set(row["seconds"]["1"]) == {"validate", "route", "pin", "plan", "run", "call",
+                                            "read_weight"}
         assert 0 < row["model"]["16"]["efficiency"] <= 1.0 + 1e-9
+        assert 0 < row["steps_model"]["16"]["efficiency"] <= 1.0 + 1e-9
+        assert row["steps_model"]["16"]["needs_gbs"] > 0 and row["speedup"]["read_weight"] > 0
     # the parts of a bf16-x Linear with many rows, five segments in passes (the dot-product
     # panel route only: elsewhere the script says so and has no rows)
     out = tmp_path / "linear_parts.json"
