@@ -25,7 +25,7 @@ from ._validate import (bf16_or_f32, choice, contiguous, f32_values, flag, integ
                         progress_arg)
 from ._threads import blas_single_threaded, resolve_threads, waves
 from .errors import ArgumentError, ArgumentTypeError, DTypeError, ShapeError
-from .linear_layer import plan, segments, segments_per_pass
+from .linear_layer import plan, segment_passes
 
 __all__ = ["text_features", "normalized_features"]
 
@@ -213,10 +213,8 @@ STEP_SEGMENTS = 4
 def _cut(n, out, width, route, blocks, threads):
     """(segments, segment length, segments a pass, chunks a step, steps) of a projection with
     ``out`` features, cut as linear() cuts it."""
-    task_rows, task_feats, chunk = blocks
-    count, length = segments(n, out, width, route, blocks)
-    per_pass = segments_per_pass(count, _linear.block_count(n, out, task_rows, task_feats), route,
-                                 threads)
+    task_rows, _, chunk = blocks
+    count, length, per_pass = segment_passes(n, out, width, route, blocks, threads)
     per_segment = -(-min(length, width) // chunk)  # chunks in a segment
     budget = (STEP_SEGMENTS * length
               if _linear.takes_packed_x(_gemm.PRODUCTS[route], task_rows, chunk, length)

@@ -204,6 +204,14 @@ def segments_per_pass(count, blocks_out, route, threads):
     return max(1, min(count, -(-wanted // max(1, blocks_out))))
 
 
+def segment_passes(rows, feats, cols, route, blocks, threads):
+    """(count, length, per pass): the call's segments (:func:`segments`) and how many of them
+    each pass takes (:func:`segments_per_pass`)."""
+    count, length = segments(rows, feats, cols, route, blocks)
+    per_segment = _linear.block_count(rows, feats, blocks[0], blocks[1])
+    return count, length, segments_per_pass(count, per_segment, route, threads)
+
+
 def task_count(rows, feats, cols, weight_dtype, accumulate="f32", blocks=None,
                x_dtype=np.float32):
     """How many independent tasks a call is cut into: output blocks times segments."""
@@ -231,8 +239,7 @@ def buffer_bytes(rows, cols, weight_dtype, x_dtype=np.float32, accumulate="f32",
     bf16_x = np.dtype(x_dtype).itemsize == 2
     # On the streaming and panel routes a bf16 x is widened once, whole, and shared: the
     # kernels then take it as f32; the dot-product kernels read it as it is, or packed.
-    count, length = segments(rows, feats, cols, route, blocks)
-    per_pass = segments_per_pass(count, _linear.block_count(rows, feats, mb, ob), route, threads)
+    _, length, per_pass = segment_passes(rows, feats, cols, route, blocks, threads)
     packed = _packs_x_once(route, blocks, length)
     per_thread = _linear.thread_buffer_bytes(mb, ob, kb, route == "f64", _gemm.PRODUCTS[route],
                                              bf16_w, bf16_x, packed)
@@ -418,9 +425,7 @@ def linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, pr
         # Few rows: widen them once here rather than per thread and chunk.
         x2 = bf16_to_f32(x2)
     bias64 = bias32.astype(np.float64) if (bias32 is not None and route == "f64") else None
-    count, length = segments(rows, feats, cols, route, blocks)
-    per_pass = segments_per_pass(count, _linear.block_count(rows, feats, blocks[0], blocks[1]),
-                                 route, threads)
+    _, length, per_pass = segment_passes(rows, feats, cols, route, blocks, threads)
     partial = packed = None
     if per_pass > 1:  # the pass's segments' sums, until they are added up in order
         partial = np.empty((per_pass, rows, feats), np.float64 if route == "f64" else np.float32)

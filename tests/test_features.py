@@ -355,7 +355,7 @@ def test_passes_of_segments_keep_the_linears_bytes(rng, monkeypatch, per_pass):
     shorter): each
     projection's bytes are still linear()'s on the materialised features, on 1 and 2 threads,
     and progress still rises to 1.0."""
-    from ltx2blas import features
+    from ltx2blas import linear_layer
     from ltx2blas.linear_layer import plan, segments
 
     h = hidden(rng, (1, 40, 64, 800))
@@ -367,7 +367,7 @@ def test_passes_of_segments_keep_the_linears_bytes(rng, monkeypatch, per_pass):
     want = [ltx2blas.linear(ltx2blas.normalized_features(h, mask, version="v2",
                                                          out_features=w.shape[0])[mask], w, b)
             for w, b in projs]
-    monkeypatch.setattr(features, "segments_per_pass", lambda *a: per_pass)
+    monkeypatch.setattr(linear_layer, "segments_per_pass", lambda *a: per_pass)
     for threads in (1, 2):
         seen = []
         got = ltx2blas.text_features(h, mask, projs, version="v2", threads=threads,
