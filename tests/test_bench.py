@@ -245,3 +245,17 @@ def test_short_calls_are_repeated_within_a_sample():
     assert t["short"]["n"] == t["long"]["n"] == rounds
     assert t["short"]["median"] == 2.0 ** -8 and t["long"]["spread"] == 0.0
     assert harness.best_time(clock.call("best", 2.0 ** -4), repeats=3, clock=clock) == 2.0 ** -4
+
+
+def test_the_steps_model_survives_a_run_timed_as_nothing():
+    """On a loaded machine the call can take no longer than its steps timed alone, so the run
+    (their difference) is 0: the model says so instead of dividing by it."""
+    harness_module()
+    import bench_steps
+    steps = {s: 1e-5 for s in bench_steps.STEPS}
+    timed = {1: {**steps, "run": 0.0, "read_weight": 2e-4},
+             2: {**steps, "run": 0.0, "read_weight": 1e-4}}
+    out = bench_steps.model(timed, True, 1 << 20)
+    assert all(out["steps_model"][str(n)]["needs_gbs"] is None for n in bench_steps.MODEL_THREADS)
+    assert out["speedup"]["run"] == 0.0 and out["speedup"]["read_weight"] == 2.0
+    assert bench_steps.needs_text(None) == " (the run timed as nothing)"
