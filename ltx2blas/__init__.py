@@ -63,6 +63,7 @@ _LAZY = {
     "normalized_features": ".features", "text_features": ".features",
     "FuseReport": ".files.checkpoint", "fuse_checkpoint": ".files.checkpoint",
     "fuse_state_dict": ".files.checkpoint",
+    "verify_checkpoint": ".files.verify", "VerifyReport": ".files.verify",
     "linear": ".linear_layer",
 }
 
@@ -93,6 +94,8 @@ __all__ = [
     "fuse_checkpoint",
     "fuse_state_dict",
     "FuseReport",
+    "verify_checkpoint",
+    "VerifyReport",
     "reference",
     "errors",
     "Ltx2BlasError",

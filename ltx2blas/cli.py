@@ -1,10 +1,10 @@
-"""The ltx2blas command: fuse adapter files into a checkpoint, show what this machine runs,
-and time a demonstration.
+"""The ltx2blas command: fuse adapter files into a checkpoint, verify a fused one, show what
+this machine runs, and time a demonstration.
 
-Exit codes: 0 success; 1 a check failed (demo); 2 bad arguments or inputs that do not fit
-(shapes, dtypes, keys, an already fused checkpoint); 3 a malformed file; 4 an I/O failure or
-memory exhausted; 5 non-finite values; 130 interrupted (Ctrl-C); 143 and 129 terminated by
-SIGTERM and SIGHUP.
+Exit codes: 0 success; 1 a check failed (demo, verify); 2 bad arguments or inputs that do not
+fit (shapes, dtypes, keys, an already fused checkpoint); 3 a malformed file; 4 an I/O failure
+or memory exhausted; 5 non-finite values; 6 nothing to verify by (verify); 130 interrupted
+(Ctrl-C); 143 and 129 terminated by SIGTERM and SIGHUP.
 """
 import argparse
 import json
@@ -37,12 +37,12 @@ def _cmd_demo(args):
                     checkpoint=not args.no_files)
 
 
-def _lora_arg(text):
+def _lora_arg(text, default=1.0):
     """PATH or PATH:STRENGTH: the strength after the colon that ends an existing file's name
-    (or after the last colon, when no prefix names a file).  Raises ArgumentError for a
-    strength that is not a finite number, and for PATH=STRENGTH."""
+    (or after the last colon, when no prefix names a file), ``default`` without one.  Raises
+    ArgumentError for a strength that is not a finite number, and for PATH=STRENGTH."""
     if os.path.isfile(text):
-        return text, 1.0
+        return text, default
     colon = text.find(":")
     while colon >= 0:
         head, tail = text[:colon], text[colon + 1:]
@@ -58,9 +58,9 @@ def _lora_arg(text):
         try:
             float(tail)
         except ValueError:
-            return text, 1.0  # a missing file whose name has a colon: reported as missing
+            return text, default  # a missing file whose name has a colon: reported as missing
         return head, _strength(tail, text)
-    return text, 1.0
+    return text, default
 
 
 def _argument_error(message):
@@ -155,6 +155,21 @@ def _cmd_fuse(args):
         lines += [f"  {printable(name)}  <- adapters {adapters}" for name, adapters in report.fused]
     _print("\n".join(lines))
     return 0
+
+
+def _cmd_verify(args):
+    from .files.verify import verify_checkpoint
+
+    if args.lora and args.model is None or args.model is not None and not args.lora:
+        what = "--model" if args.model is None else "--lora"
+        raise _argument_error(f"a rebuild needs the base and the adapters: give {what} too "
+                              "(or neither, to check the file against its record alone)")
+    loras = [_lora_arg(item, default=None) for item in args.lora or ()]
+    report = verify_checkpoint(
+        args.fused, args.model, loras, rule=args.rule, alpha=args.alpha, threads=args.threads,
+        progress=None if (args.quiet or args.json) else _ProgressPrinter())
+    _print(json.dumps(report.as_dict(), indent=2) if args.json else _cli_words(report.summary()))
+    return report.exit_code
 
 
 def _is_stdout(path):
@@ -280,6 +295,29 @@ def build_parser():
                    help="list every weight fused (or, with --dry-run, to be fused) and its "
                         "adapters")
     p.set_defaults(func=_cmd_fuse)
+
+    p = sub.add_parser("verify", help="check a fused checkpoint against its record and inputs",
+                       description="Check a fused checkpoint: every tensor against the SHA-256 "
+                                   "its fuse recorded; with --model and --lora, the inputs "
+                                   "against the record and every fused tensor rebuilt from them "
+                                   "and compared byte for byte. Exit 0 when everything matches, "
+                                   "1 when something differs, 6 when the file holds no record "
+                                   "this ltx2blas can check (another tool's file, an older "
+                                   "contract) and no inputs settle it.")
+    p.add_argument("fused", help="the fused .safetensors file")
+    p.add_argument("--model", help="the base checkpoint it was fused from")
+    p.add_argument("--lora", action="append", metavar="PATH[:STRENGTH]",
+                   help="an adapter, in the order fused; without a strength, the recorded one")
+    p.add_argument("--rule", choices=("addmm", "sum"), default=None,
+                   help="the rule it is claimed to be fused by (default: the recorded one)")
+    p.add_argument("--alpha", choices=("scale", "ignore"), default=None,
+                   help="the alpha mode it is claimed to be fused with (default: the recorded "
+                        "one)")
+    p.add_argument("--threads", type=_thread_count, default=None,
+                   help="threads (default: every CPU this process may use)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("demo", help="fuse an LTX-2-shaped adapter in memory, check it, time it",
                        description="Fuse an LTX-2-shaped adapter into a weight in memory, check "

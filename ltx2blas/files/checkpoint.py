@@ -7,7 +7,6 @@ tensor with its adapter factors (the reader's two buffers), whatever the checkpo
 """
 import collections.abc
 import functools
-import hashlib
 import json
 import os
 import resource
@@ -35,6 +34,7 @@ from ..fuse import fuse_bias, fuse_dora, fuse_loras
 from ..quantized import check_weight, fuse_quantized
 from . import adapters as plans
 from . import layouts as layoutmod
+from . import provenance
 from .adapters import FP8View, Source, as_numpy, dtype_name
 from .safetensors import (SafetensorsFile, SafetensorsWriter, open_regular, page_aligned,
                           parse_json, pread_exact)
@@ -282,9 +282,10 @@ class Checkpoint:
 
 
 def _hash_all(sources, out):
+    """Each adapter file's (SHA-256, {tensor: SHA-256}), or the exception that stopped it."""
     for i, source in enumerate(sources):
         try:
-            out[i] = _sha256(source.file.fileno())
+            out[i] = provenance.file_digests(source.file)
         except BaseException as exc:  # reported by the caller
             out[i] = exc
 
@@ -342,8 +343,12 @@ class _Prefetcher:
     Each weight is placed ``shift(name)`` bytes past a page boundary (its offset within a page
     of the output file), so that the writer can write it to the output without copying it."""
 
-    def __init__(self, ckpt, names, load, factor_bytes, shift=lambda name: 0, page=4096):
+    def __init__(self, ckpt, names, load, factor_bytes, shift=lambda name: 0, page=4096,
+                 digests=None):
         self.ckpt, self.names, self.load = ckpt, names, load
+        # {name: SHA-256 of the weight as read}, filled here when a dict is given: hashed by
+        # this thread right after the read, before the fuse changes the bytes
+        self.digests = digests
         self.layouts = [self._layout(n, factor_bytes, shift, page) for n in names]
         self.size = max((span for _, _, _, span in self.layouts), default=0)
         self.bins = [page_aligned(self.size, page), page_aligned(self.size, page)]
@@ -392,6 +397,8 @@ class _Prefetcher:
                 {"BF16": np.uint16, "I8": np.int8}.get(info.dtype, np.uint8)).reshape(info.shape)
             try:
                 f.read(name, array)
+                if self.digests is not None:
+                    self.digests[name] = provenance.sha256_of(array)
                 space = at + weight_bytes
                 factors = self.load(name, self.bins[b][space:space + factor_bytes])
             except BaseException as exc:
@@ -425,21 +432,6 @@ class _Prefetcher:
             self.stop = True
             self.cv.notify_all()
         self.thread.join()
-
-
-def _sha256(fd, chunk=1 << 20):
-    # One reused buffer that stays in cache: a fresh bytes object per read costs page faults
-    # and zeroing on the scale of the hashing itself. Not mmap: a file truncated under a
-    # mapping kills the process with SIGBUS.
-    h = hashlib.sha256()
-    view = memoryview(bytearray(chunk))
-    offset = 0
-    while True:
-        n = os.preadv(fd, [view], offset)
-        if not n:
-            return h.hexdigest()
-        h.update(view[:n])
-        offset += n
 
 
 def _path_arg(value, what):
@@ -554,6 +546,9 @@ class _Options:
     fp8_rounding: str
     seed: int
     fp8_overflow: str
+    alpha: str = "scale"
+    allow_unmatched: bool = False
+    digests: bool = True
 
 
 def _check_fp8_rounding(fp8_rounding, layouts):
@@ -640,7 +635,7 @@ def _report(output, dry_run, plan, layouts, total, options, order, sources):
 def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progress=None,
                     check_finite=False, force=False, fp8_rounding="nearest", seed=0,
                     dry_run=False, alpha="scale", allow_unmatched=False,
-                    fp8_overflow="saturate"):
+                    fp8_overflow="saturate", digests=True):
     """Fuse adapter files into a safetensors checkpoint, writing a new one.
 
     Parameters
@@ -675,6 +670,10 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
     allow_unmatched : bool
         Fuse what matches when some adapter modules match no weight (or some keys have no known
         role), and list them in the report; by default that is an error and nothing is written.
+    digests : bool
+        Record in the output's metadata, beside the options, the SHA-256 of every base and
+        adapter tensor read and of every tensor written (``ltx2blas.provenance``), so that
+        :func:`ltx2blas.verify_checkpoint` can check the file and rebuild it (default True).
 
     Weights stored in a scaled or quantised layout (:mod:`ltx2blas.files.layouts`) are fused
     by their layout's rule, their rewritten scales written right after them; bias terms of an
@@ -716,7 +715,8 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
             _dry_run_checks(lambda n: _read_tensor(ckpt, n), plan, layouts, sources,
                             check_finite, ckpt.path)
         else:
-            options = _Options(rule, threads, check_finite, fp8_rounding, seed, fp8_overflow)
+            options = _Options(rule, threads, check_finite, fp8_rounding, seed, fp8_overflow,
+                               alpha, allow_unmatched, bool(digests))
             report.metadata = _FusedWriter(ckpt, sources, plan, layouts, options).write(
                 output, order, report, progress, t0)
             report.peak_rss_mib = _peak_rss_mib()
@@ -739,30 +739,57 @@ class _FusedWriter:
         self.delta = _delta_buffer(layouts)
         self.pending = {}  # rewritten scales, written right after their weight
         self.dtypes = {n: info.dtype for n, (_, info) in ckpt.entries.items()}
+        self.read_digests = {}  # base tensors the fuse computes from: name -> SHA-256
 
-    def metadata(self):
-        return _fused_metadata(self.ckpt.metadata, self.plan.reports, self.dtypes,
-                               self.plan.weights, self.options, _layout_counts(self.layouts))
+    def metadata(self, hashes, output_digests):
+        """The output's metadata: ``hashes`` holds each adapter's (file digest, {tensor:
+        digest}) once known (None before), ``output_digests`` each written tensor's."""
+        for r, h in zip(self.plan.reports, hashes):
+            r.sha256 = h[0] if h else provenance.PLACEHOLDER
+        metadata = _fused_metadata(self.ckpt.metadata, self.plan.reports, self.dtypes,
+                                   self.plan.weights, self.options, _layout_counts(self.layouts))
+        if self.options.digests:
+            metadata[provenance.RECORD_KEY] = json.dumps(self._record(hashes, output_digests),
+                                                         separators=(",", ":"))
+        return metadata
+
+    def _record(self, hashes, output_digests):
+        options = self.options
+        blank = provenance.PLACEHOLDER
+        adapters = []
+        for source, r, h in zip(self.sources, self.plan.reports, hashes):
+            tensors = h[1] if h else dict.fromkeys(source.keys, blank)
+            adapters.append((os.path.basename(r.path), r.sha256, r.strength, tensors))
+        changed = [n for name in self.plan.weights for n in [name, *self.layouts[name].rewritten]]
+        changed += list(self.plan.biases)
+        return provenance.make_record(
+            _version(), {"rule": options.rule, "alpha": options.alpha,
+                         "allow_unmatched": options.allow_unmatched,
+                         "fp8_rounding": options.fp8_rounding, "seed": options.seed,
+                         "fp8_overflow": options.fp8_overflow},
+            os.path.basename(self.ckpt.path),
+            {n: self.read_digests.get(n, blank) for n in changed},
+            adapters, {n: output_digests.get(n, blank) for n in self.ckpt.entries})
 
     def write(self, output, order, report, progress, t0):
         """Write and commit the output; returns its metadata."""
         ckpt, plan, sources = self.ckpt, self.plan, self.sources
-        # The adapters' sha256 go into the header, which is written first: hash in the
-        # background, write a same-length placeholder, patch it in before commit.
+        # The adapters' digests and the output's go into the header, which is written first:
+        # hash in the background, write same-length placeholders, patch them in before commit.
         hashes = [None] * len(sources)
         hasher = threading.Thread(target=_hash_all, args=(sources, hashes), daemon=True)
         hasher.start()
-        for r in plan.reports:
-            r.sha256 = "0" * 64
         entries = [(n, ckpt.entries[n][1].dtype, ckpt.entries[n][1].shape,
                     ckpt.entries[n][1].nbytes) for n in order]
         done_gflop = 0.0
-        with SafetensorsWriter(output, entries, self.metadata()) as writer:
+        with SafetensorsWriter(output, entries, self.metadata([None] * len(sources), {}),
+                               digests=self.options.digests) as writer:
             reader = _Prefetcher(
                 ckpt, [n for n in order if n in plan.weights],
                 lambda name, space: plans.factors(plan.weights[name], sources, plan.reports, space),
                 lambda name: plans.factor_space(plan.weights[name], sources),
-                lambda name: writer.file_offset(name) % writer.ALIGN, writer.ALIGN)
+                lambda name: writer.file_offset(name) % writer.ALIGN, writer.ALIGN,
+                digests=self.read_digests if self.options.digests else None)
             try:
                 for count, name in enumerate(order, 1):
                     done_gflop += self._write_one(name, writer, reader, report)
@@ -773,13 +800,16 @@ class _FusedWriter:
                 for r, h in zip(plan.reports, hashes):
                     if isinstance(h, BaseException):
                         raise Ltx2IOError(5, f"hashing {r.path} failed: {h}") from h
-                    r.sha256 = h
-                metadata = self.metadata()
+                metadata = self.metadata(hashes, writer.digests() if self.options.digests
+                                         else {})
                 writer.set_metadata(metadata)
                 writer.commit()
             finally:
                 reader.close()
         return metadata
+
+    def _digests(self):
+        return self.read_digests if self.options.digests else None
 
     def _write_one(self, name, writer, reader, report):
         """Write tensor ``name``; returns the GFLOP its fuse took (0 for the rest)."""
@@ -787,7 +817,7 @@ class _FusedWriter:
         if name in plan.weights:
             layout = self.layouts[name]
             weight, loaded = reader.take(name)
-            scales = [_read_tensor(ckpt, c) for c in layout.rewritten]
+            scales = [_read_tensor(ckpt, c, self._digests()) for c in layout.rewritten]
             overflows = _fuse_one(weight, loaded, layout, name, self.options, scales,
                                   _delta_view(self.delta, layout), ckpt.path, self.sources)
             if overflows:
@@ -799,7 +829,7 @@ class _FusedWriter:
         if name in self.pending:
             writer.write(name, self.pending.pop(name))
         elif name in plan.biases:
-            writer.write(name, fuse_bias(_read_tensor(ckpt, name),
+            writer.write(name, fuse_bias(_read_tensor(ckpt, name, self._digests()),
                                          plans.bias_terms(plan.biases[name], self.sources)))
         else:
             f, info = ckpt.entries[name]
@@ -807,9 +837,13 @@ class _FusedWriter:
         return 0.0
 
 
-def _read_tensor(ckpt, name):
+def _read_tensor(ckpt, name, digests=None):
+    """The tensor as read; its SHA-256 put in ``digests`` when a dict is given."""
     f, _ = ckpt.entries[name]
-    return f.read(name)
+    array = f.read(name)
+    if digests is not None:
+        digests[name] = provenance.sha256_of(array)
+    return array
 
 
 def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=None,

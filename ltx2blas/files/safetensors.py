@@ -574,13 +574,31 @@ class _DirectSink:
         self.thread.join()
 
 
+def _after_both(release):
+    """``release``, called on the second of two calls: a buffer both hashed and written is
+    released once neither is reading it."""
+    lock, calls = threading.Lock(), [0]
+
+    def call():
+        with lock:
+            calls[0] += 1
+            last = calls[0] == 2
+        if last:
+            release()
+    return call
+
+
 class SafetensorsWriter:
     """Writes a safetensors file: header first, then each tensor's bytes in the declared order,
     to a temporary file that ``commit()`` makes the destination atomically.  Used as a context
     manager, an exception (KeyboardInterrupt included) removes the temporary file."""
 
-    def __init__(self, path, entries, metadata=None, check_space=True, direct=True):
+    def __init__(self, path, entries, metadata=None, check_space=True, direct=True,
+                 digests=False):
+        """``digests``: hash every tensor's bytes as they are written (SHA-256, by a background
+        thread); ``digests()`` gives them."""
         self.path = output_path(path)
+        self._hasher = None
         folder = os.path.dirname(self.path)
         self.entries = list(entries)
         check_entries(self.entries, metadata)
@@ -613,6 +631,10 @@ class SafetensorsWriter:
         # descriptor with it, as __exit__ would.
         try:
             self._sink = self._open_sink(direct)
+            if digests:
+                from .provenance import Hasher
+
+                self._hasher = Hasher()
             self._index = 0
             self._sink.append(self._header)
         except BaseException:
@@ -660,6 +682,14 @@ class SafetensorsWriter:
         array = np.ascontiguousarray(array)
         self._next(name, array.nbytes)
         data = array.reshape(-1).view(np.uint8)
+        if self._hasher is not None:
+            if release is None:  # the caller may change the array once this returns
+                from .provenance import sha256_of
+
+                self._hasher.digests[name] = sha256_of(data)
+            else:  # released once both the hash and the write are done with it
+                release = _after_both(release)
+                self._hasher.add(name, data, on_done=release)
         if release is not None:
             self._sink.append_owned(data, release)
         elif array.nbytes:
@@ -669,12 +699,20 @@ class SafetensorsWriter:
         """The next tensor's data copied byte for byte from another file."""
         self._next(name, nbytes)
         done = 0
+        if self._hasher is not None and not nbytes:
+            self._hasher.add(name, b"")
         while done < nbytes:
             chunk = os.pread(source_fd, min(nbytes - done, 1 << 26), offset + done)
             if not chunk:
                 raise Ltx2IOError(errno.EIO, f"{source_path} ended early; it was truncated")
             self._sink.append(chunk)
             done += len(chunk)
+            if self._hasher is not None:  # bytes do not change: hashed in the background
+                self._hasher.add(name, chunk, last=done == nbytes)
+
+    def digests(self):
+        """{tensor: SHA-256 of its bytes} of every tensor written so far (``digests=True``)."""
+        return dict(self._hasher.wait())
 
     def set_metadata(self, metadata):
         """Replace the header's metadata before commit(); the new header must serialize to the
@@ -688,6 +726,7 @@ class SafetensorsWriter:
     def commit(self):
         if self._index != len(self.entries):
             raise ArgumentError(f"{len(self.entries) - self._index} declared tensors not written")
+        self._close_hasher()
         self._sink.finish(self.size)
         try:
             patch = getattr(self, "_header_patch", None)
@@ -726,7 +765,13 @@ class SafetensorsWriter:
         finally:
             os.close(dir_fd)
 
+    def _close_hasher(self):
+        if getattr(self, "_hasher", None) is not None:
+            self._hasher.close()
+            self._hasher = None
+
     def abort(self):
+        self._close_hasher()
         if getattr(self, "_sink", None) is not None:
             self._sink.close()
         if getattr(self, "_fd", -1) >= 0:

@@ -1,0 +1,181 @@
+"""A fused checkpoint's provenance: what rebuilding it takes, and the SHA-256 digests that name
+its inputs and its tensors (docs/verify.md).
+
+A fuse's bytes depend only on its inputs, its options and the arithmetic contract, never on the
+machine, the thread count or the tile; so the record below suffices for anyone holding the same
+base and adapter files to rebuild the output byte for byte, and to check a file against it.
+"""
+import collections
+import hashlib
+import json
+import os
+import threading
+
+from ..errors import Ltx2IOError
+
+#: The version of the arithmetic contract (docs/arithmetic.md).  It changes whenever a rule
+#: there changes the bytes of some fuse; files fused under another version are not compared.
+CONTRACT = 1
+#: The version of the record's own layout.
+RECORD_FORMAT = 1
+RECORD_KEY = "ltx2blas.provenance"
+#: The placeholder of a digest not yet known when the header is written first: the same
+#: length, so the finished header replaces it in place.
+PLACEHOLDER = "0" * 64
+#: The options that decide a fuse's bytes, as the record names them.
+OPTIONS = ("rule", "alpha", "allow_unmatched", "fp8_rounding", "seed", "fp8_overflow")
+
+
+def sha256_of(data):
+    """The hex SHA-256 of a bytes-like object or a C-contiguous array (hashlib releases the GIL
+    on large buffers, so this runs beside other threads)."""
+    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
+
+
+class Hasher:
+    """SHA-256 of named byte streams, by a background thread, in the order their chunks are
+    added: a writer hands it each tensor's bytes as it writes them, and goes on.  Copied bytes
+    arrive faster than SHA-256 goes (about 2 GB/s a core): past ``backlog`` bytes waiting,
+    add() waits, so that the chunks held stay bounded."""
+
+    def __init__(self, backlog=256 << 20):
+        self._backlog, self._queued = backlog, 0
+        self._jobs = collections.deque()
+        self._open = {}
+        self.digests = {}
+        self._error = None
+        self._closing = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="ltx2blas-digests", daemon=True)
+        self._thread.start()
+
+    def add(self, name, data, last=True, on_done=None):
+        """Append ``data`` (not to change until ``on_done()`` is called, from this object's
+        thread) to the stream ``name``; ``last`` ends the stream."""
+        size = memoryview(data).nbytes
+        with self._cv:
+            while self._jobs and self._queued + size > self._backlog and self._error is None:
+                self._cv.wait()
+            self._jobs.append((name, data, last, on_done))
+            self._queued += size
+            self._cv.notify_all()
+
+    def _run(self):
+        while True:
+            with self._cv:
+                while not self._jobs and not self._closing:
+                    self._cv.wait()
+                if not self._jobs:
+                    return
+                name, data, last, on_done = self._jobs[0]
+            try:
+                h = self._open.setdefault(name, hashlib.sha256())
+                h.update(memoryview(data).cast("B"))
+                if last:
+                    self.digests[name] = self._open.pop(name).hexdigest()
+            except BaseException as exc:  # reported by wait()
+                self._error = exc
+            finally:
+                if on_done is not None:
+                    on_done()
+                with self._cv:
+                    self._jobs.popleft()
+                    self._queued -= memoryview(data).nbytes
+                    self._cv.notify_all()
+
+    def wait(self):
+        """Every digest of the streams ended so far, once each of their chunks is hashed."""
+        with self._cv:
+            while self._jobs:
+                self._cv.wait()
+        if self._error is not None:
+            raise self._error
+        return self.digests
+
+    def close(self):
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join()
+
+
+def file_digests(f, chunk=1 << 20):
+    """(SHA-256 of the whole file, {tensor: SHA-256 of its bytes}) of a SafetensorsFile, in one
+    pass: its tensors tile the data after the header, so the file is the header followed by
+    each tensor in the order of its offset.  One reused buffer; not a memory map (a file cut
+    short under a mapping kills the process)."""
+    whole = hashlib.sha256()
+    view = memoryview(bytearray(chunk))
+    fd = f.fileno()
+
+    def feed(start, end, part=None):
+        offset = start
+        while offset < end:
+            n = os.preadv(fd, [view[:min(chunk, end - offset)]], offset)
+            if not n:
+                raise Ltx2IOError(5, f"{f.path} ended early; it was truncated")
+            whole.update(view[:n])
+            if part is not None:
+                part.update(view[:n])
+            offset += n
+
+    feed(0, f.data_start)
+    tensors = {}
+    for name, info in sorted(f.tensors.items(), key=lambda item: item[1].begin):
+        h = hashlib.sha256()
+        feed(info.begin, info.begin + info.nbytes, h)
+        tensors[name] = h.hexdigest()
+    feed(f.data_start + sum(info.nbytes for info in f.tensors.values()), f.size)
+    return whole.hexdigest(), tensors
+
+
+def tensor_digest(f, info, view):
+    """The SHA-256 of one tensor's bytes in file ``f``, read through the buffer ``view``."""
+    h = hashlib.sha256()
+    offset, end = info.begin, info.begin + info.nbytes
+    while offset < end:
+        n = os.preadv(f.fileno(), [view[:min(len(view), end - offset)]], offset)
+        if not n:
+            raise Ltx2IOError(5, f"{f.path} ended early; it was truncated")
+        h.update(view[:n])
+        offset += n
+    return h.hexdigest()
+
+
+def make_record(version, options, base_name, base_read, adapters, output):
+    """The record a fuse writes (every digest may still be PLACEHOLDER):
+
+    ``options``: the OPTIONS as the fuse ran; ``base_read``: {tensor: digest} of the base's
+    tensors the fuse computed from (its fused weights, their scales, its biases), each changed
+    in the output; every other tensor is copied, so its base digest is its output digest;
+    ``adapters``: [(file name, file digest, strength, {tensor: digest})] in the order they were
+    applied; ``output``: {tensor: digest} of every tensor written."""
+    return {
+        "format": RECORD_FORMAT, "contract": CONTRACT, "ltx2blas": version,
+        "options": {k: options[k] for k in OPTIONS},
+        "base": {"file": base_name, "read": base_read},
+        "adapters": [{"file": name, "sha256": digest, "strength": strength, "tensors": tensors}
+                     for name, digest, strength, tensors in adapters],
+        "output": output,
+    }
+
+
+def read_record(metadata):
+    """(record or None, why there is none): the record of a fused file's metadata, checked for
+    the fields a verification reads."""
+    text = metadata.get(RECORD_KEY)
+    if text is None:
+        return None, "missing"
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None, "unreadable"
+    try:
+        ok = (isinstance(record["format"], int) and isinstance(record["contract"], int)
+              and isinstance(record["options"], dict) and isinstance(record["output"], dict)
+              and isinstance(record["base"]["read"], dict)
+              and all(isinstance(a["tensors"], dict) and isinstance(a["sha256"], str)
+                      for a in record["adapters"]))
+    except (KeyError, TypeError):
+        ok = False
+    return (record, "") if ok else (None, "unreadable")
