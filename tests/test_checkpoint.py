@@ -81,16 +81,20 @@ def test_fused_tensors_equal_the_tensor_level_fuse(files):
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096 + 17])
 def test_adapter_hash_reads_the_whole_file_in_chunks(tmp_path, size):
+    """One pass gives the file's SHA-256 and each tensor's, whatever the chunk cuts."""
     import hashlib
 
-    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
-    path = tmp_path / "blob"
-    path.write_bytes(data)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        assert checkpoint._sha256(fd, chunk=4096) == hashlib.sha256(data).hexdigest()
-    finally:
-        os.close(fd)
+    from ltx2blas.files import provenance
+
+    rng = np.random.default_rng(size)
+    tensors = {"a": ("U8", rng.integers(0, 256, size, dtype=np.uint8)),
+               "b": ("U8", rng.integers(0, 256, 4096 - size % 4096, dtype=np.uint8)),
+               "c": ("U8", np.zeros(0, np.uint8))}
+    path = ck.write(tmp_path / "blob.safetensors", tensors)
+    with SafetensorsFile(path) as f:
+        whole, parts = provenance.file_digests(f, chunk=4096)
+    assert whole == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert parts == {n: hashlib.sha256(v.tobytes()).hexdigest() for n, (_, v) in tensors.items()}
 
 
 def test_thread_count_does_not_change_the_file(files, tmp_path):

@@ -281,11 +281,12 @@ class Checkpoint:
         self.close()
 
 
-def _hash_all(sources, out):
-    """Each adapter file's (SHA-256, {tensor: SHA-256}), or the exception that stopped it."""
+def _hash_all(sources, out, tensors=True):
+    """Each adapter file's (SHA-256, {tensor: SHA-256}; with ``tensors`` False, {}), or the
+    exception that stopped it."""
     for i, source in enumerate(sources):
         try:
-            out[i] = provenance.file_digests(source.file)
+            out[i] = provenance.file_digests(source.file, tensors=tensors)
         except BaseException as exc:  # reported by the caller
             out[i] = exc
 
@@ -344,11 +345,10 @@ class _Prefetcher:
     of the output file), so that the writer can write it to the output without copying it."""
 
     def __init__(self, ckpt, names, load, factor_bytes, shift=lambda name: 0, page=4096,
-                 digests=None):
+                 hasher=None):
         self.ckpt, self.names, self.load = ckpt, names, load
-        # {name: SHA-256 of the weight as read}, filled here when a dict is given: hashed by
-        # this thread right after the read, before the fuse changes the bytes
-        self.digests = digests
+        # each weight read is hashed as ("read", name) by ``hasher``'s threads, from the file
+        self.hasher = hasher
         self.layouts = [self._layout(n, factor_bytes, shift, page) for n in names]
         self.size = max((span for _, _, _, span in self.layouts), default=0)
         self.bins = [page_aligned(self.size, page), page_aligned(self.size, page)]
@@ -397,8 +397,8 @@ class _Prefetcher:
                 {"BF16": np.uint16, "I8": np.int8}.get(info.dtype, np.uint8)).reshape(info.shape)
             try:
                 f.read(name, array)
-                if self.digests is not None:
-                    self.digests[name] = provenance.sha256_of(array)
+                if self.hasher is not None:
+                    self.hasher.add_file(("read", name), f, info)
                 space = at + weight_bytes
                 factors = self.load(name, self.bins[b][space:space + factor_bytes])
             except BaseException as exc:
@@ -773,34 +773,51 @@ class _FusedWriter:
 
     def write(self, output, order, report, progress, t0):
         """Write and commit the output; returns its metadata."""
-        ckpt, plan, sources = self.ckpt, self.plan, self.sources
+        ckpt = self.ckpt
         # The adapters' digests and the output's go into the header, which is written first:
         # hash in the background, write same-length placeholders, patch them in before commit.
-        hashes = [None] * len(sources)
-        hasher = threading.Thread(target=_hash_all, args=(sources, hashes), daemon=True)
-        hasher.start()
+        hashes = [None] * len(self.sources)
+        adapter_hashing = threading.Thread(target=_hash_all, daemon=True,
+                                           args=(self.sources, hashes, self.options.digests))
+        adapter_hashing.start()
         entries = [(n, ckpt.entries[n][1].dtype, ckpt.entries[n][1].shape,
                     ckpt.entries[n][1].nbytes) for n in order]
+        # hashing threads as many as the fuse's: on many cores the digests keep up
+        digests = (provenance.Hasher(resolve_threads(self.options.threads))
+                   if self.options.digests else None)
+        try:
+            return self._write(output, order, report, progress, t0, entries, hashes,
+                               adapter_hashing, digests)
+        finally:
+            if digests is not None:
+                digests.close()
+
+    def _write(self, output, order, report, progress, t0, entries, hashes, adapter_hashing,
+               digests):
+        ckpt, plan, sources = self.ckpt, self.plan, self.sources
         done_gflop = 0.0
         with SafetensorsWriter(output, entries, self.metadata([None] * len(sources), {}),
-                               digests=self.options.digests) as writer:
+                               hasher=digests) as writer:
             reader = _Prefetcher(
                 ckpt, [n for n in order if n in plan.weights],
                 lambda name, space: plans.factors(plan.weights[name], sources, plan.reports, space),
                 lambda name: plans.factor_space(plan.weights[name], sources),
                 lambda name: writer.file_offset(name) % writer.ALIGN, writer.ALIGN,
-                digests=self.read_digests if self.options.digests else None)
+                hasher=digests)
             try:
                 for count, name in enumerate(order, 1):
                     done_gflop += self._write_one(name, writer, reader, report)
                     if progress is not None:
                         progress(Progress(count, len(order), done_gflop, report.gflop,
                                           time.perf_counter() - t0, name))
-                hasher.join()
+                adapter_hashing.join()
                 for r, h in zip(plan.reports, hashes):
                     if isinstance(h, BaseException):
                         raise Ltx2IOError(5, f"hashing {r.path} failed: {h}") from h
-                metadata = self.metadata(hashes, writer.digests() if self.options.digests
+                if digests is not None:
+                    self.read_digests.update((key[1], d) for key, d in digests.wait().items()
+                                             if isinstance(key, tuple))
+                metadata = self.metadata(hashes, writer.digests() if digests is not None
                                          else {})
                 writer.set_metadata(metadata)
                 writer.commit()

@@ -33,42 +33,75 @@ def sha256_of(data):
 
 
 class Hasher:
-    """SHA-256 of named byte streams, by a background thread, in the order their chunks are
-    added: a writer hands it each tensor's bytes as it writes them, and goes on.  Copied bytes
-    arrive faster than SHA-256 goes (about 2 GB/s a core): past ``backlog`` bytes waiting,
-    add() waits, so that the chunks held stay bounded."""
+    """SHA-256 of named byte streams, by ``workers`` background threads: a reader or writer hands
+    it each tensor's bytes and goes on.  A stream's chunks are hashed in the order added, by one
+    thread; different streams go to the threads in turn, so that on many cores the hashing keeps
+    up with the fuse (one SHA-256 runs at about 2 GB/s).  Copied bytes can arrive faster than
+    that: past ``backlog`` bytes waiting, add() waits, so the chunks held stay bounded."""
 
-    def __init__(self, backlog=256 << 20):
+    def __init__(self, workers=1, backlog=256 << 20):
         self._backlog, self._queued = backlog, 0
-        self._jobs = collections.deque()
+        self._queues = [collections.deque() for _ in range(max(1, workers))]
+        self._files = collections.deque()  # add_file's streams, taken by any thread
+        self._taken_files = 0
+        self._assigned = {}   # an open stream -> its thread
+        self._turn = 0
         self._open = {}
         self.digests = {}
         self._error = None
         self._closing = False
         self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="ltx2blas-digests", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, args=(q,), daemon=True,
+                                          name="ltx2blas-digests") for q in self._queues]
+        for t in self._threads:
+            t.start()
+
+    def add_file(self, name, f, info):
+        """The stream ``name``: tensor ``info``'s bytes in SafetensorsFile ``f``, read by a
+        hashing thread (from the page cache, where the caller has just read them): the caller
+        need not hold them until they are hashed.  Hashed when no thread has bytes waiting
+        that a caller holds (a writer's buffers come back sooner)."""
+        with self._cv:
+            self._files.append((name, _FileRange(f, info), True, None))
+            self._cv.notify_all()
 
     def add(self, name, data, last=True, on_done=None):
-        """Append ``data`` (not to change until ``on_done()`` is called, from this object's
-        thread) to the stream ``name``; ``last`` ends the stream."""
-        size = memoryview(data).nbytes
+        """Append ``data`` (not to change until ``on_done()`` is called, from a hashing thread)
+        to the stream ``name``; ``last`` ends the stream."""
+        size = _size(data)
         with self._cv:
-            while self._jobs and self._queued + size > self._backlog and self._error is None:
+            while (self._queued and self._queued + size > self._backlog
+                   and self._error is None):
                 self._cv.wait()
-            self._jobs.append((name, data, last, on_done))
+            queue = self._assigned.pop(name, None)
+            if queue is None:
+                queue = self._queues[self._turn]
+                self._turn = (self._turn + 1) % len(self._queues)
+            if not last:
+                self._assigned[name] = queue
+            queue.append((name, data, last, on_done))
             self._queued += size
             self._cv.notify_all()
 
-    def _run(self):
+    def _run(self, queue):
+        buffer = None
         while True:
             with self._cv:
-                while not self._jobs and not self._closing:
+                while not queue and not self._files and not self._closing:
                     self._cv.wait()
-                if not self._jobs:
+                if not queue and not self._files:
                     return
-                name, data, last, on_done = self._jobs[0]
+                source = queue if queue else self._files
+                if source is queue:
+                    name, data, last, on_done = queue[0]
+                else:  # taken off the shared list now; counted until hashed
+                    name, data, last, on_done = source.popleft()
+                    self._taken_files += 1
             try:
+                if isinstance(data, _FileRange):
+                    buffer = buffer or memoryview(bytearray(1 << 20))
+                    self.digests[name] = tensor_digest(data.f, data.info, buffer)
+                    continue
                 h = self._open.setdefault(name, hashlib.sha256())
                 h.update(memoryview(data).cast("B"))
                 if last:
@@ -79,14 +112,16 @@ class Hasher:
                 if on_done is not None:
                     on_done()
                 with self._cv:
-                    self._jobs.popleft()
-                    self._queued -= memoryview(data).nbytes
+                    if source is queue:
+                        queue.popleft()
+                    self._queued -= _size(data)
+                    self._taken_files -= source is self._files
                     self._cv.notify_all()
 
     def wait(self):
         """Every digest of the streams ended so far, once each of their chunks is hashed."""
         with self._cv:
-            while self._jobs:
+            while any(self._queues) or self._files or self._taken_files:
                 self._cv.wait()
         if self._error is not None:
             raise self._error
@@ -96,12 +131,22 @@ class Hasher:
         with self._cv:
             self._closing = True
             self._cv.notify_all()
-        self._thread.join()
+        for t in self._threads:
+            t.join()
 
 
-def file_digests(f, chunk=1 << 20):
-    """(SHA-256 of the whole file, {tensor: SHA-256 of its bytes}) of a SafetensorsFile, in one
-    pass: its tensors tile the data after the header, so the file is the header followed by
+class _FileRange:
+    def __init__(self, f, info):
+        self.f, self.info = f, info
+
+
+def _size(data):
+    return 0 if isinstance(data, _FileRange) else memoryview(data).nbytes
+
+
+def file_digests(f, chunk=1 << 20, tensors=True):
+    """(SHA-256 of the whole file, {tensor: SHA-256 of its bytes}; {} with ``tensors`` False)
+    of a SafetensorsFile, in one pass: its tensors tile the data after the header, so the file is the header followed by
     each tensor in the order of its offset.  One reused buffer; not a memory map (a file cut
     short under a mapping kills the process)."""
     whole = hashlib.sha256()
@@ -120,13 +165,14 @@ def file_digests(f, chunk=1 << 20):
             offset += n
 
     feed(0, f.data_start)
-    tensors = {}
+    parts = {}
     for name, info in sorted(f.tensors.items(), key=lambda item: item[1].begin):
-        h = hashlib.sha256()
+        h = hashlib.sha256() if tensors else None
         feed(info.begin, info.begin + info.nbytes, h)
-        tensors[name] = h.hexdigest()
+        if tensors:
+            parts[name] = h.hexdigest()
     feed(f.data_start + sum(info.nbytes for info in f.tensors.values()), f.size)
-    return whole.hexdigest(), tensors
+    return whole.hexdigest(), parts
 
 
 def tensor_digest(f, info, view):

@@ -594,11 +594,11 @@ class SafetensorsWriter:
     manager, an exception (KeyboardInterrupt included) removes the temporary file."""
 
     def __init__(self, path, entries, metadata=None, check_space=True, direct=True,
-                 digests=False):
-        """``digests``: hash every tensor's bytes as they are written (SHA-256, by a background
-        thread); ``digests()`` gives them."""
+                 hasher=None):
+        """``hasher``: a provenance.Hasher that every tensor's bytes go to as they are written
+        (SHA-256, in the background, under the tensor's name); its owner closes it."""
         self.path = output_path(path)
-        self._hasher = None
+        self._hasher = hasher
         folder = os.path.dirname(self.path)
         self.entries = list(entries)
         check_entries(self.entries, metadata)
@@ -631,10 +631,6 @@ class SafetensorsWriter:
         # descriptor with it, as __exit__ would.
         try:
             self._sink = self._open_sink(direct)
-            if digests:
-                from .provenance import Hasher
-
-                self._hasher = Hasher()
             self._index = 0
             self._sink.append(self._header)
         except BaseException:
@@ -711,8 +707,9 @@ class SafetensorsWriter:
                 self._hasher.add(name, chunk, last=done == nbytes)
 
     def digests(self):
-        """{tensor: SHA-256 of its bytes} of every tensor written so far (``digests=True``)."""
-        return dict(self._hasher.wait())
+        """{tensor: SHA-256 of its bytes} of every tensor written so far (with a hasher)."""
+        digests = self._hasher.wait()
+        return {entry[0]: digests[entry[0]] for entry in self.entries[:self._index]}
 
     def set_metadata(self, metadata):
         """Replace the header's metadata before commit(); the new header must serialize to the
@@ -726,7 +723,6 @@ class SafetensorsWriter:
     def commit(self):
         if self._index != len(self.entries):
             raise ArgumentError(f"{len(self.entries) - self._index} declared tensors not written")
-        self._close_hasher()
         self._sink.finish(self.size)
         try:
             patch = getattr(self, "_header_patch", None)
@@ -765,13 +761,7 @@ class SafetensorsWriter:
         finally:
             os.close(dir_fd)
 
-    def _close_hasher(self):
-        if getattr(self, "_hasher", None) is not None:
-            self._hasher.close()
-            self._hasher = None
-
     def abort(self):
-        self._close_hasher()
         if getattr(self, "_sink", None) is not None:
             self._sink.close()
         if getattr(self, "_fd", -1) >= 0:
