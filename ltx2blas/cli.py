@@ -147,7 +147,8 @@ def _cmd_fuse(args):
         allow_unmatched=args.allow_unmatched, threads=args.threads,
         progress=None if (args.dry_run or args.quiet) else _ProgressPrinter(),
         check_finite=args.check_finite, force=args.force, fp8_rounding=args.fp8_rounding,
-        seed=args.seed or 0, dry_run=args.dry_run, fp8_overflow=args.fp8_overflow)
+        seed=args.seed or 0, dry_run=args.dry_run, fp8_overflow=args.fp8_overflow,
+        digests=not args.no_digests)
     # The output is in place: a signal now would only call a finished fuse a failure.
     _ignore_signals()
     lines = [_cli_words(report.summary())]
@@ -160,10 +161,6 @@ def _cmd_fuse(args):
 def _cmd_verify(args):
     from .files.verify import verify_checkpoint
 
-    if args.lora and args.model is None or args.model is not None and not args.lora:
-        what = "--model" if args.model is None else "--lora"
-        raise _argument_error(f"a rebuild needs the base and the adapters: give {what} too "
-                              "(or neither, to check the file against its record alone)")
     loras = [_lora_arg(item, default=None) for item in args.lora or ()]
     report = verify_checkpoint(
         args.fused, args.model, loras, rule=args.rule, alpha=args.alpha, threads=args.threads,
@@ -290,6 +287,9 @@ def build_parser():
     p.add_argument("--seed", type=int, default=None,
                    help="seed of --fp8-rounding stochastic (default 0; bits differ per tensor "
                         "name)")
+    p.add_argument("--no-digests", action="store_true",
+                   help="record no SHA-256 of the inputs and outputs in the metadata (faster on "
+                        "few cores; ltx2blas verify then needs the inputs)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="list every weight fused (or, with --dry-run, to be fused) and its "

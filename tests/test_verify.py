@@ -384,3 +384,39 @@ def test_the_command_exits_by_what_it_found(files):
     found = json.loads(bad.stdout)
     assert found["status"] == "differs"
     assert [(f["what"], f["tensor"]) for f in found["findings"]] == [("digest", M + Q + ".weight")]
+
+
+def test_an_fp8_checkpoint_verifies_and_a_changed_code_is_counted_in_steps(tmp_path, rng):
+    model = ck.model(rng, fp8="F8_E4M3")
+    a1 = ck.adapter(rng, [Q], rank=4)
+    paths = {"model": ck.write(tmp_path / "model.safetensors", model),
+             "a1": ck.write(tmp_path / "a1.safetensors", a1)}
+    out = tmp_path / "out.safetensors"
+    ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 1.0)], out)
+    assert verify_checkpoint(out, paths["model"], [paths["a1"]]).status == "verified"
+    # the base's copy as another tool's "fused" file: Q's codes moved by the adapter are counted
+    report = verify_checkpoint(paths["model"], paths["model"], [paths["a1"]])
+    assert report.equal_base == 1 and report.status == "differs"
+
+
+def test_the_base_alone_or_the_adapters_alone_are_checked_against_the_record(files):
+    paths = files[0]
+    assert verify_checkpoint(paths["out"], model=paths["model"]).status == "verified"
+    assert verify_checkpoint(paths["out"], loras=[paths["a1"], paths["a2"]]).status == "verified"
+    flip_byte(paths["a2"], "transformer_blocks.1.attn1.to_q.lora_up.weight")
+    report = verify_checkpoint(paths["out"], loras=[paths["a1"], paths["a2"]])
+    assert whats(report) == {("adapter 1", "transformer_blocks.1.attn1.to_q.lora_up.weight")}
+    assert report.tensors_rebuilt == 0
+
+
+def test_the_fuse_command_can_leave_the_digests_out(files, tmp_path):
+    paths = files[0]
+    out = tmp_path / "plain.safetensors"
+    r = run_cli("fuse", str(paths["model"]), "--lora", f"{paths['a1']}:0.8", "--lora",
+                f"{paths['a2']}:-1.5", "-o", str(out), "--no-digests", "-q")
+    assert r.returncode == 0, r.stderr
+    with SafetensorsFile(out) as f:
+        assert provenance.RECORD_KEY not in f.metadata
+    assert run_cli("verify", str(out)).returncode == 6
+    assert run_cli("verify", str(out), "--model", str(paths["model"]), "--lora",
+                   f"{paths['a1']}:0.8", "--lora", f"{paths['a2']}:-1.5").returncode == 0
