@@ -177,36 +177,41 @@ def verify_checkpoint(fused, model=None, loras=None, *, rule=None, alpha=None, t
         history = _history(ckpt.metadata)
         report.origin = _origin(ckpt.metadata, record, history)
         usable = record is not None and record["format"] <= provenance.RECORD_FORMAT
+        current = usable and record["contract"] == provenance.CONTRACT
         if record is not None and not usable:
             report.reasons.append(f"its record has format {record['format']}, newer than this "
                                   "ltx2blas reads; verify it with a newer ltx2blas")
+        elif record is None and why == "unreadable":
+            report.reasons.append(f"its {provenance.RECORD_KEY} entry is not a record this "
+                                  "ltx2blas reads")
+        # The rebuild first: each tensor it compares byte for byte needs no digest of its own,
+        # and the base's tensors it reads are hashed from the page cache as it goes.
+        rebuilt = {}
+        if model is not None and given and (record is None or current):
+            options = _options(record, given, rule, alpha)
+            rebuilt = _rebuild(ckpt, model, options, record, report, threads, workers,
+                               progress, t0)
         if usable:
-            _check_own_digests(ckpt, record, report, workers, progress, t0)
-            if record["contract"] != provenance.CONTRACT:
+            _check_own_digests(ckpt, record, report, workers, progress, t0, skip=rebuilt)
+            if not current:
                 report.reasons.append(
                     f"fused under arithmetic contract {record['contract']} (this ltx2blas "
                     f"follows {provenance.CONTRACT}): its bytes match its record as above, but "
                     f"only ltx2blas {record.get('ltx2blas', '?')} rebuilds them")
-                usable = False
-        elif record is None and why == "unreadable":
-            report.reasons.append(f"its {provenance.RECORD_KEY} entry is not a record this "
-                                  "ltx2blas reads")
-        if usable and (model is not None or given):
-            _check_inputs(ckpt, record, model, given, rule, alpha, report, workers)
-        if model is not None and given and (usable or record is None):
-            options = _options(record, given, rule, alpha)
-            _rebuild(ckpt, model, options, record is not None, report, threads, progress, t0)
-        elif record is None and not report.reasons:
+        if current and (model is not None or given):
+            _check_inputs(ckpt, record, model, given, rule, alpha, report, workers,
+                          {n: d for n, d in rebuilt.items() if d is not None})
+        if record is None and not report.reasons and not rebuilt:
             report.reasons.append(
                 "no provenance record to check it by" + (
                     "; give --model and --lora to compare it with a rebuild"
                     if not (model is not None and given) else ""))
     report.seconds = time.perf_counter() - t0
-    report.status = _status(report, record, usable, history, model is not None and bool(given))
+    report.status = _status(report, record, current, history, bool(rebuilt))
     return report
 
 
-def _status(report, record, usable, history, rebuilt):
+def _status(report, record, current, history, rebuilt):
     if record is None:
         if not rebuilt:
             return "unverifiable"
@@ -218,9 +223,9 @@ def _status(report, record, usable, history, rebuilt):
             return "unverifiable"
         return "differs" if report.findings else "verified"
     if any(f.what in ("digest", "missing", "extra") for f in report.findings) or (
-            usable and report.findings):
+            current and report.findings):
         return "differs"
-    return "verified" if usable else "unverifiable"
+    return "verified" if current else "unverifiable"
 
 
 def _history(metadata):
@@ -256,9 +261,11 @@ def _digest_all(f_entries, workers, on_done=None):
     return out
 
 
-def _check_own_digests(ckpt, record, report, workers, progress, t0):
+def _check_own_digests(ckpt, record, report, workers, progress, t0, skip=()):
+    """The file's tensors against the record's output digests, but those in ``skip`` (compared
+    with a rebuild instead)."""
     recorded = record["output"]
-    total = len(ckpt.entries)
+    total = len(ckpt.entries) - len(skip)
 
     def tick(name):
         report.tensors_hashed += 1
@@ -266,8 +273,11 @@ def _check_own_digests(ckpt, record, report, workers, progress, t0):
             progress(Progress(report.tensors_hashed, total, 0.0, 0.0,
                               time.perf_counter() - t0, name))
 
-    got = _digest_all({n: e for n, e in ckpt.entries.items() if n in recorded}, workers, tick)
+    got = _digest_all({n: e for n, e in ckpt.entries.items() if n in recorded and n not in skip},
+                      workers, tick)
     for name in ckpt.entries:
+        if name in skip and name in recorded:
+            continue
         if name not in recorded:
             report.findings.append(Finding("extra", name, "in the file but not in its record"))
         elif got[name] != recorded[name]:
@@ -278,8 +288,10 @@ def _check_own_digests(ckpt, record, report, workers, progress, t0):
             report.findings.append(Finding("missing", name, "recorded but not in the file"))
 
 
-def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers):
-    """The inputs against the record: adapters (order, bytes, strengths), options, the base."""
+def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read=None):
+    """The inputs against the record: adapters (order, bytes, strengths), options, the base
+    (``read``: the digests of base tensors a rebuild has hashed already)."""
+    read = read or {}
     for key, value in (("rule", rule), ("alpha", alpha)):
         if value is not None and value != record["options"].get(key):
             report.findings.append(Finding("option", "", f"{key} {value!r} given, the file was "
@@ -319,8 +331,10 @@ def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers):
         with Checkpoint(model) as base:
             # a copied tensor's base digest is its output digest
             want = {n: record["base"]["read"].get(n, d) for n, d in record["output"].items()}
-            got = _digest_all({n: e for n, e in base.entries.items() if n in want}, workers)
+            got = _digest_all({n: e for n, e in base.entries.items()
+                               if n in want and n not in read}, workers)
             report.inputs_hashed += len(got)
+            got.update(read)
             _compare_digests(got, want, "base", report, os.path.basename(model))
 
 
@@ -353,10 +367,15 @@ def _options(record, given, rule, alpha):
     return options
 
 
-def _rebuild(ckpt, model, options, has_record, report, threads, progress, t0):
+def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t0):
     """Every fused tensor fused again from the base and adapters by ``options``, one weight at a
-    time, compared with the file.  Without a record, each is also compared with the base."""
+    time, compared with the file.  Without a record, each is also compared with the base, and
+    every other tensor must be the base's.  Returns {tensor compared: its base digest}, the
+    base's tensors hashed (with a record) by background threads from the page cache."""
+    has_record = record is not None
     loras = list(zip(options["paths"], options["strengths"]))
+    hasher = provenance.Hasher(workers) if has_record else None
+    read = []
     with Checkpoint(model) as base:
         sources = []
         try:
@@ -369,6 +388,13 @@ def _rebuild(ckpt, model, options, has_record, report, threads, progress, t0):
                            options["seed"], options["fp8_overflow"], options["alpha"],
                            options["allow_unmatched"], False)
             delta = _delta_buffer(layouts)
+
+            def read_base(name):
+                read.append(name)
+                if hasher is not None:
+                    hasher.add_file(name, *base.entries[name])
+                return _read_tensor(base, name)
+
             names = [n for n in base.entries if n in plan.weights or n in plan.biases]
             total_gflop = sum(plans.gflop(layouts[n].shape, plan.weights[n], sources)
                               for n in plan.weights)
@@ -376,9 +402,9 @@ def _rebuild(ckpt, model, options, has_record, report, threads, progress, t0):
             for count, name in enumerate(names, 1):
                 if name in plan.weights:
                     layout = layouts[name]
-                    weight = _read_tensor(base, name)
+                    weight = read_base(name)
                     original = None if has_record else weight.copy()
-                    scales = [_read_tensor(base, c) for c in layout.rewritten]
+                    scales = [read_base(c) for c in layout.rewritten]
                     loaded = plans.factors(plan.weights[name], sources, plan.reports)
                     _fuse_one(weight, loaded, layout, name, run, scales,
                               _delta_view(delta, layout), base.path, sources)
@@ -387,7 +413,7 @@ def _rebuild(ckpt, model, options, has_record, report, threads, progress, t0):
                         _compare(ckpt, c, s, None, report, None, None)
                     done_gflop += plans.gflop(layout.shape, plan.weights[name], sources)
                 else:
-                    bias = _read_tensor(base, name)
+                    bias = read_base(name)
                     _compare(ckpt, name, fuse_bias(bias, plans.bias_terms(plan.biases[name],
                                                                           sources)),
                              None if has_record else bias, report, None, None)
@@ -395,11 +421,14 @@ def _rebuild(ckpt, model, options, has_record, report, threads, progress, t0):
                     progress(Progress(count, len(names), done_gflop, total_gflop,
                                       time.perf_counter() - t0, name))
             if not has_record:
-                _compare_copied(ckpt, base, set(names) | {c for n in plan.weights
-                                                          for c in layouts[n].rewritten}, report)
+                _compare_copied(ckpt, base, set(read), report)
+            digests = hasher.wait() if hasher is not None else {}
         finally:
+            if hasher is not None:
+                hasher.close()
             for s in sources:
                 s.close()
+    return {name: digests.get(name) for name in read}
 
 
 def _compare(ckpt, name, rebuilt, original, report, fmt, loaded):
