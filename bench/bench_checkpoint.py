@@ -52,14 +52,17 @@ def fill(rng, shape, lo=0x3800, hi=0x3C00):
     return np.resize(block, shape)
 
 
-def build(folder, blocks, rank, rng, log=print):
+def build(folder, blocks, rank, rng, log=print, block=None):
+    """The checkpoint and adapter files: ``block`` (module -> (out, in)) per block, BLOCK's
+    shapes by default."""
+    block = block or BLOCK
     from ltx2blas.files.safetensors import SafetensorsWriter
 
     model = os.path.join(folder, "model.safetensors")
     lora = os.path.join(folder, "lora.safetensors")
     entries = []
     for b in range(blocks):
-        for m, (o, i) in BLOCK.items():
+        for m, (o, i) in block.items():
             entries.append((f"{PREFIX}{b}.{m}.weight", "BF16", (o, i), 2 * o * i))
             entries.append((f"{PREFIX}{b}.{m}.bias", "BF16", (o,), 2 * o))
     t0 = time.perf_counter()
@@ -69,7 +72,7 @@ def build(folder, blocks, rank, rng, log=print):
         w.commit()
     lentries = []
     for b in range(blocks):
-        for m, (o, i) in BLOCK.items():
+        for m, (o, i) in block.items():
             base = f"diffusion_model.transformer_blocks.{b}.{m}"
             lentries.append((base + ".lora_A.weight", "BF16", (rank, i), 2 * rank * i))
             lentries.append((base + ".lora_B.weight", "BF16", (o, rank), 2 * o * rank))

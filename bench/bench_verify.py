@@ -41,7 +41,8 @@ def same_tensors(a, b):
                    for n in fa.tensors)
 
 
-def run(blocks, ranks, threads_list, repeats=3, folder=None, log=print):
+def run(blocks, ranks, threads_list, repeats=3, folder=None, log=print, scale=1):
+    """Rows per rank and thread count; ``scale`` divides every shape (a quick check)."""
     import ltx2blas
 
     own = folder is None
@@ -49,8 +50,9 @@ def run(blocks, ranks, threads_list, repeats=3, folder=None, log=print):
     rows = []
     try:
         for rank in ranks:
+            block = {m: (o // scale, i // scale) for m, (o, i) in bench_checkpoint.BLOCK.items()}
             model, lora = bench_checkpoint.build(folder, blocks, rank, np.random.default_rng(0),
-                                                 log=log)
+                                                 log=log, block=block)
             fused = os.path.join(folder, "fused.safetensors")
             plain = os.path.join(folder, "plain.safetensors")
             for threads in threads_list:
@@ -74,7 +76,7 @@ def run(blocks, ranks, threads_list, repeats=3, folder=None, log=print):
                 verify(model, [lora])()
                 peak = harness.peak_rss_mib()
                 best = {name: t[name][harness.STAT] for name in t}
-                row = {"blocks": blocks, "rank": rank, "threads": threads,
+                row = {"blocks": blocks, "rank": rank, "threads": threads, "scale": scale,
                        "checkpoint_gib": os.path.getsize(model) / 2**30,
                        "adapter_gib": os.path.getsize(lora) / 2**30,
                        "seconds": best, "spread": {name: t[name]["spread"] for name in t},
@@ -103,12 +105,15 @@ def main(argv=None):
     parser.add_argument("--ranks", default="32,384", help="comma list (default %(default)s)")
     parser.add_argument("--threads", default=None, help="comma list, default 1..all CPUs")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scale", type=int, default=1,
+                        help="divide every shape by this (a quick check; default 1, LTX-2's)")
     parser.add_argument("--dir", default=None, help="where to build the files (default: a temp dir)")
     parser.add_argument("--out", default=None, help="write the rows and the machine as JSON")
     args = parser.parse_args(argv)
     harness.check_installed_not_checkout()
     rows = run(args.blocks, [int(r) for r in args.ranks.split(",")],
-               harness.thread_counts(args.threads), args.repeats, folder=args.dir)
+               harness.thread_counts(args.threads), args.repeats, folder=args.dir,
+               scale=args.scale)
     if args.out:
         harness.write_json(args.out, {"machine": harness.machine(), "rows": rows})
     return 0 if all(r["checked"] for r in rows) else 1

@@ -259,3 +259,15 @@ def test_the_steps_model_survives_a_run_timed_as_nothing():
     assert all(out["steps_model"][str(n)]["needs_gbs"] is None for n in bench_steps.MODEL_THREADS)
     assert out["speedup"]["run"] == 0.0 and out["speedup"]["read_weight"] == 2.0
     assert bench_steps.needs_text(None) == " (the run timed as nothing)"
+
+
+def test_the_verify_benchmark_runs_and_checks_its_files(tmp_path):
+    out = tmp_path / "verify.json"
+    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(BENCH), "bench_verify.py"),
+                        "--blocks", "1", "--scale", "16", "--ranks", "8", "--threads", "1",
+                        "--repeats", "1", "--dir", str(tmp_path), "--out", str(out)],
+                       capture_output=True, text=True, cwd="/", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["checked"] and rows[0]["scale"] == 16
+    assert set(rows[0]["seconds"]) == {"fuse", "fuse_plain", "verify_file", "verify_rebuild"}

@@ -376,7 +376,8 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
     loras = list(zip(options["paths"], options["strengths"]))
     hasher = provenance.Hasher(workers) if has_record else None
     read = []
-    with Checkpoint(model) as base:
+    ahead = concurrent.futures.ThreadPoolExecutor(1)
+    with Checkpoint(model) as base, ahead:
         sources = []
         try:
             for path, _ in loras:
@@ -401,6 +402,8 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
             done_gflop = 0.0
             for count, name in enumerate(names, 1):
                 if name in plan.weights:
+                    # the file's tensor read (from disk, most often) while this one is fused
+                    stored = ahead.submit(_stored, ckpt, name)
                     layout = layouts[name]
                     weight = read_base(name)
                     original = None if has_record else weight.copy()
@@ -408,7 +411,8 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
                     loaded = plans.factors(plan.weights[name], sources, plan.reports)
                     _fuse_one(weight, loaded, layout, name, run, scales,
                               _delta_view(delta, layout), base.path, sources)
-                    _compare(ckpt, name, weight, original, report, layout.fmt, loaded)
+                    _compare(ckpt, name, weight, original, report, layout.fmt, loaded,
+                             stored.result())
                     for c, s in zip(layout.rewritten, scales):
                         _compare(ckpt, c, s, None, report, None, None)
                     done_gflop += plans.gflop(layout.shape, plan.weights[name], sources)
@@ -431,9 +435,18 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
     return {name: digests.get(name) for name in read}
 
 
-def _compare(ckpt, name, rebuilt, original, report, fmt, loaded):
-    """The file's tensor ``name`` against the ``rebuilt`` one; without a record (``original``,
-    the base's tensor, given) also against the base."""
+def _stored(ckpt, name):
+    """The file's tensor ``name`` as raw bytes (None where the file has no such tensor)."""
+    if name not in ckpt.entries:
+        return None
+    f, info = ckpt.entries[name]
+    return f.read(name, np.empty(info.nbytes, np.uint8))
+
+
+def _compare(ckpt, name, rebuilt, original, report, fmt, loaded, stored=None):
+    """The file's tensor ``name`` (``stored``, its bytes, when read already) against the
+    ``rebuilt`` one; without a record (``original``, the base's tensor, given) also against
+    the base."""
     report.tensors_rebuilt += 1
     if name not in ckpt.entries:
         report.findings.append(Finding("missing", name, "fused from the inputs but not in the "
@@ -446,8 +459,8 @@ def _compare(ckpt, name, rebuilt, original, report, fmt, loaded):
                                                         f"{list(info.shape)} is not the rebuilt "
                                                         f"{list(rebuilt.shape)}"))
         return
-    stored = np.empty_like(rebuilt)
-    f.read(name, stored)
+    stored = (_stored(ckpt, name) if stored is None else stored).view(rebuilt.dtype).reshape(
+        rebuilt.shape)
     if np.array_equal(stored.view(np.uint8), rebuilt.view(np.uint8)):
         if original is not None:
             report.equal_ltx2blas += 1
