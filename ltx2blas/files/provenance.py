@@ -39,7 +39,7 @@ class Hasher:
     up with the fuse (one SHA-256 runs at about 2 GB/s).  Copied bytes can arrive faster than
     that: past ``backlog`` bytes waiting, add() waits, so the chunks held stay bounded."""
 
-    def __init__(self, workers=1, backlog=256 << 20):
+    def __init__(self, workers=1, backlog=32 << 20):
         self._backlog, self._queued = backlog, 0
         self._queues = [collections.deque() for _ in range(max(1, workers))]
         self._files = collections.deque()  # add_file's streams, taken by any thread

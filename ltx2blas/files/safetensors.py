@@ -698,7 +698,7 @@ class SafetensorsWriter:
         if self._hasher is not None and not nbytes:
             self._hasher.add(name, b"")
         while done < nbytes:
-            chunk = os.pread(source_fd, min(nbytes - done, 1 << 26), offset + done)
+            chunk = os.pread(source_fd, min(nbytes - done, 1 << 24), offset + done)
             if not chunk:
                 raise Ltx2IOError(errno.EIO, f"{source_path} ended early; it was truncated")
             self._sink.append(chunk)
