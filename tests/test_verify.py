@@ -422,3 +422,29 @@ def test_the_fuse_command_can_leave_the_digests_out(files, tmp_path):
     assert run_cli("verify", str(out)).returncode == 6
     assert run_cli("verify", str(out), "--model", str(paths["model"]), "--lora",
                    f"{paths['a1']}:0.8", "--lora", f"{paths['a2']}:-1.5").returncode == 0
+
+
+@pytest.mark.parametrize("change", [
+    lambda rec: rec.update(options={**rec["options"], "rule": "max"}),
+    lambda rec: rec["adapters"][0].update(strength="0.8"),
+    lambda rec: rec["adapters"][0].update(tensors=[]),
+    lambda rec: rec["output"].update({"x": 7}),
+    lambda rec: rec.pop("base"),
+    lambda rec: rec.update(options={**rec["options"], "seed": True}),
+])
+def test_a_malformed_record_is_named_not_trusted(files, tmp_path, change):
+    """The record is the file's to write: a field of the wrong type or an unknown option makes
+    it a record this ltx2blas cannot read (exit 6), never a crash or a rebuild by its values."""
+    paths = files[0]
+    bad = tmp_path / "bad.safetensors"
+
+    def edit(metadata):
+        rec = json.loads(metadata[provenance.RECORD_KEY])
+        change(rec)
+        metadata[provenance.RECORD_KEY] = json.dumps(rec)
+
+    rewrite_metadata(paths["out"], bad, edit)
+    report = verify_checkpoint(bad)
+    assert report.status == "unverifiable" and "not a record this ltx2blas reads" in report.summary()
+    r = run_cli("verify", str(bad))
+    assert r.returncode == 6 and "not a record" in r.stdout

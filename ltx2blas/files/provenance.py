@@ -207,8 +207,9 @@ def make_record(version, options, base_name, base_read, adapters, output):
 
 
 def read_record(metadata):
-    """(record or None, why there is none): the record of a fused file's metadata, checked for
-    the fields a verification reads."""
+    """(record or None, why there is none: "missing" or "unreadable"): the record of a fused
+    file's metadata, every field a verification reads checked for its type and, for the
+    options, its values (the metadata is the file's to choose)."""
     text = metadata.get(RECORD_KEY)
     if text is None:
         return None, "missing"
@@ -216,12 +217,34 @@ def read_record(metadata):
         record = json.loads(text)
     except ValueError:
         return None, "unreadable"
+    return (record, "") if _well_formed(record) else (None, "unreadable")
+
+
+def _digests(value):
+    return isinstance(value, dict) and all(isinstance(d, str) for d in value.values())
+
+
+def _well_formed(record):
+    from .._validate import FP8_OVERFLOWS, RULES
+    from .adapters import ALPHA_MODES
+
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
     try:
-        ok = (isinstance(record["format"], int) and isinstance(record["contract"], int)
-              and isinstance(record["options"], dict) and isinstance(record["output"], dict)
-              and isinstance(record["base"]["read"], dict)
-              and all(isinstance(a["tensors"], dict) and isinstance(a["sha256"], str)
-                      for a in record["adapters"]))
-    except (KeyError, TypeError):
-        ok = False
-    return (record, "") if ok else (None, "unreadable")
+        options = record["options"]
+        return (isinstance(record["format"], int) and isinstance(record["contract"], int)
+                and isinstance(record.get("ltx2blas", ""), str)
+                and options.get("rule") in RULES and options.get("alpha") in ALPHA_MODES
+                and isinstance(options.get("allow_unmatched"), bool)
+                and options.get("fp8_rounding") in ("nearest", "stochastic")
+                and isinstance(options.get("seed"), int)
+                and not isinstance(options.get("seed"), bool)
+                and options.get("fp8_overflow") in FP8_OVERFLOWS
+                and _digests(record["output"]) and _digests(record["base"]["read"])
+                and isinstance(record["adapters"], list)
+                and all(_digests(a["tensors"]) and isinstance(a["sha256"], str)
+                        and number(a["strength"]) and isinstance(a.get("file", ""), str)
+                        for a in record["adapters"]))
+    except (KeyError, TypeError, AttributeError):
+        return False

@@ -14,7 +14,6 @@ A file without a record (another tool's, or an older ltx2blas's) is compared ten
 with the base and with what ltx2blas makes of the inputs.
 """
 import concurrent.futures
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,8 +28,8 @@ from . import adapters as plans
 from . import layouts as layoutmod
 from . import provenance
 from .adapters import Source
-from .checkpoint import (FUSED_KEY, Checkpoint, Progress, _count, _delta_buffer, _delta_view,
-                         _fuse_one, _Options, _path_arg, _prepare, _read_tensor)
+from .checkpoint import (Checkpoint, Progress, _count, _delta_buffer, _delta_view, _fuse_one,
+                         _fused_history, _Options, _path_arg, _prepare, _read_tensor)
 
 #: verify's exit codes beside the command's own (2 arguments, 3 a malformed file, 4 I/O)
 EXIT = {"verified": 0, "differs": 1, "unverifiable": 6}
@@ -174,7 +173,7 @@ def verify_checkpoint(fused, model=None, loras=None, *, rule=None, alpha=None, t
     report = VerifyReport(fused)
     with Checkpoint(fused) as ckpt:
         record, why = provenance.read_record(ckpt.metadata)
-        history = _history(ckpt.metadata)
+        history = _fused_history(ckpt.metadata)
         report.origin = _origin(ckpt.metadata, record, history)
         usable = record is not None and record["format"] <= provenance.RECORD_FORMAT
         current = usable and record["contract"] == provenance.CONTRACT
@@ -226,14 +225,6 @@ def _status(report, record, current, history, rebuilt):
             current and report.findings):
         return "differs"
     return "verified" if current else "unverifiable"
-
-
-def _history(metadata):
-    try:
-        history = json.loads(metadata.get(FUSED_KEY, "[]"))
-    except ValueError:
-        return []
-    return history if isinstance(history, list) else []
 
 
 def _origin(metadata, record, history):
