@@ -49,7 +49,11 @@ def test_tile_route_and_segment_benchmarks_run_and_check_their_results(tmp_path)
                                             "read_weight"}
         assert 0 < row["model"]["16"]["efficiency"] <= 1.0 + 1e-9
         assert 0 < row["steps_model"]["16"]["efficiency"] <= 1.0 + 1e-9
-        assert row["steps_model"]["16"]["needs_gbs"] > 0 and row["speedup"]["read_weight"] > 0
+        # a loaded machine can time the run (the call less its steps) as nothing: then the
+        # memory rate is not given
+        needs = row["steps_model"]["16"]["needs_gbs"]
+        assert (needs is None) == (row["seconds"]["1"]["run"] == 0) and (needs is None or needs > 0)
+        assert row["speedup"]["read_weight"] > 0
     # the parts of a bf16-x Linear with many rows, five segments in passes (the dot-product
     # panel route only: elsewhere the script says so and has no rows)
     out = tmp_path / "linear_parts.json"
