@@ -104,9 +104,11 @@ class _ProgressPrinter:
         rate = p.gflop_done / p.elapsed if p.elapsed > 0 else 0.0
         fraction = p.fraction
         eta = (p.elapsed / fraction - p.elapsed) if fraction > 0 else float("nan")
-        text = (f"{p.tensors_done}/{p.tensors_total} tensors  {format_gflop(p.gflop_done)}/"
-                f"{format_gflop(p.gflop_total)} GFLOP  {rate:,.1f} GFLOP/s  "
-                f"ETA {_duration(eta)}")
+        text = f"{p.tensors_done}/{p.tensors_total} tensors  "
+        if p.gflop_total > 0:  # a step without arithmetic (verify's hashing) counts tensors
+            text += (f"{format_gflop(p.gflop_done)}/{format_gflop(p.gflop_total)} GFLOP  "
+                     f"{rate:,.1f} GFLOP/s  ")
+        text += f"ETA {_duration(eta)}"
         if self.tty:
             width = 28
             done = int(width * fraction)
@@ -114,7 +116,10 @@ class _ProgressPrinter:
                   file=self.stream, flush=True)
             if p.tensors_done == p.tensors_total:
                 print(file=self.stream)
-        elif (fraction - self.last_fraction >= 0.1 or p.elapsed - self.last_time >= 30
+            return
+        if fraction < self.last_fraction:  # a new step began (verify: rebuild, then hash)
+            self.last_fraction = -1.0
+        if (fraction - self.last_fraction >= 0.1 or p.elapsed - self.last_time >= 30
               or p.tensors_done == p.tensors_total):
             print(f"ltx2blas: {fraction:.0%} {text}", file=self.stream, flush=True)
             self.last_fraction, self.last_time = fraction, p.elapsed

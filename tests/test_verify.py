@@ -448,3 +448,19 @@ def test_a_malformed_record_is_named_not_trusted(files, tmp_path, change):
     assert report.status == "unverifiable" and "not a record this ltx2blas reads" in report.summary()
     r = run_cli("verify", str(bad))
     assert r.returncode == 6 and "not a record" in r.stdout
+
+
+def test_the_command_reports_progress_of_each_step(files):
+    """On a pipe: the rebuild's lines in GFLOP, then the hashing's in tensors, each step
+    logged from its start to 100 %."""
+    paths = files[0]
+    r = run_cli("verify", str(paths["out"]), "--model", str(paths["model"]), "--lora",
+                str(paths["a1"]), "--lora", str(paths["a2"]))
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("ltx2blas: ")]
+    rebuild = [line for line in lines if "GFLOP" in line]
+    hashing = [line for line in lines if "GFLOP" not in line]
+    assert rebuild and hashing and lines == rebuild + hashing
+    assert rebuild[-1].startswith("ltx2blas: 100% 3/3 tensors")
+    assert hashing[0].startswith("ltx2blas: 14% 1/7 tensors")
+    assert hashing[-1].startswith("ltx2blas: 100% 7/7 tensors")

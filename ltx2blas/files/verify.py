@@ -88,12 +88,14 @@ class VerifyReport:
         head = {"verified": "verified", "differs": "DIFFERS", "unverifiable": "cannot verify"}
         lines = [f"{head[self.status]}: {printable(self.path)} ({self.origin})"]
         lines += [f"  {printable(r)}" for r in self.reasons]
-        done = [f"{_count(self.tensors_hashed, 'tensor')} against the record"]
+        done = []
+        if self.tensors_hashed:
+            done.append(f"{_count(self.tensors_hashed, 'tensor')} against the record")
         if self.inputs_hashed:
             done.append(f"{_count(self.inputs_hashed, 'input tensor')} against the record")
         if self.tensors_rebuilt:
             done.append(f"{_count(self.tensors_rebuilt, 'tensor')} rebuilt from the inputs")
-        lines.append("  checked " + ", ".join(done))
+        lines.append("  checked " + (", ".join(done) or "nothing"))
         if self.equal_base or self.equal_ltx2blas or self.unlike_both:
             lines.append(f"  of the fused tensors: {self.equal_ltx2blas} equal ltx2blas's result, "
                          f"{self.equal_base} equal the base (no adapter in them), "
@@ -191,7 +193,9 @@ def verify_checkpoint(fused, model=None, loras=None, *, rule=None, alpha=None, t
             rebuilt = _rebuild(ckpt, model, options, record, report, threads, workers,
                                progress, t0)
         if usable:
-            _check_own_digests(ckpt, record, report, workers, progress, t0, skip=rebuilt)
+            # progress from the step's own start: its ETA is the step's
+            _check_own_digests(ckpt, record, report, workers, progress, time.perf_counter(),
+                               skip=rebuilt)
             if not current:
                 report.reasons.append(
                     f"fused under arithmetic contract {record['contract']} (this ltx2blas "
