@@ -464,3 +464,19 @@ def test_the_command_reports_progress_of_each_step(files):
     assert rebuild[-1].startswith("ltx2blas: 100% 3/3 tensors")
     assert hashing[0].startswith("ltx2blas: 14% 1/7 tensors")
     assert hashing[-1].startswith("ltx2blas: 100% 7/7 tensors")
+
+
+def test_a_sharded_base_verifies_what_its_single_file_made(files, tmp_path):
+    """Digests are per tensor: the same tensors split into shards are the same base."""
+    paths, model = files[0], files[1]
+    names = list(model)
+    shard1 = ck.write(tmp_path / "m-00001.safetensors", {n: model[n] for n in names[:5]})
+    shard2 = ck.write(tmp_path / "m-00002.safetensors", {n: model[n] for n in names[5:]})
+    index = tmp_path / "m.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {**{n: shard1.name for n in names[:5]},
+                                                **{n: shard2.name for n in names[5:]}}}))
+    report = verify_checkpoint(paths["out"], index, [(paths["a1"], 0.8), (paths["a2"], -1.5)])
+    assert report.status == "verified", report.summary()
+    flip_byte(shard2, names[7])
+    report = verify_checkpoint(paths["out"], index, [(paths["a1"], 0.8), (paths["a2"], -1.5)])
+    assert ("base", names[7]) in whats(report)
