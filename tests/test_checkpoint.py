@@ -452,6 +452,32 @@ def test_tensors_of_a_module_the_model_lacks_are_reported_and_left_out(files, tm
     assert len(record["not_fused"]) == 5
 
 
+def test_an_ic_loras_run_time_settings_are_kept_and_named(files, tmp_path):
+    """Upstream's IC-LoRA files say in their metadata how the reference video is prepared
+    (reference_downscale_factor, reference_temporal_scale_factor), which its loader reads at run
+    time: no weight holds them, so the fused file's record keeps them under the adapter (as
+    stored, strings), and the summary says so; a state dict's fuse says the loader must apply
+    them itself. An adapter without them records none."""
+    paths, model, a1, a2 = files
+    settings = {"reference_downscale_factor": "2", "reference_temporal_scale_factor": "1"}
+    ic = ck.write(tmp_path / "ic.safetensors", a1, {**settings, "format": "pt"})
+    report = ltx2blas.fuse_checkpoint(paths["model"], [(ic, 1.0), (paths["a2"], 0.5)],
+                                      paths["out"])
+    assert report.adapters[0].settings == settings and report.adapters[1].settings == {}
+    _, meta, _ = read_all(paths["out"])
+    first, second = json.loads(meta["ltx2blas.fused"])
+    assert first["settings"] == settings and "settings" not in second
+    line = report.summary().splitlines()[-2]
+    assert line.startswith("adapter 0: ") and line.endswith(
+        "its run-time settings (reference_downscale_factor=2, reference_temporal_scale_factor=1) "
+        "are not in the weights: the output's metadata keeps them under this adapter in "
+        "ltx2blas.fused, for the loader to read there")
+    state = {n: v.copy() for n, (_, v) in model.items() if n.endswith(".weight")}
+    report = ltx2blas.fuse_state_dict(state, [(ic, 1.0)])
+    assert report.summary().endswith("the loader must apply them itself "
+                                     "(report.adapters[0].settings)")
+
+
 def test_keys_that_are_no_adapter_tensor_say_so(files, tmp_path):
     """A key of no adapter role that names one of the model's own modules (a full weight, an
     unknown role) is not skipped: it is refused, the message naming the keys plainly."""

@@ -42,6 +42,7 @@ class AdapterReport:
     metadata_ignored: list = field(default_factory=list)   # PEFT metadata components not read
     rounded_to_bf16: list = field(default_factory=list)    # factors stored as F32/F16
     kinds: dict = field(default_factory=dict)              # kind -> count
+    settings: dict = field(default_factory=dict)           # an IC-LoRA's reference_* metadata
 
 
 @dataclass
@@ -204,6 +205,18 @@ def module_of_tensor(key):
     return name.rpartition(".")[0] or name
 
 
+#: The prefix of the metadata an IC-LoRA's loader reads at run time (reference_downscale_factor,
+#: reference_temporal_scale_factor, ...): how the reference video is prepared, which a fuse
+#: cannot put into the weights.
+SETTINGS_PREFIX = "reference_"
+
+
+def run_time_settings(metadata):
+    """The adapter metadata a loader reads at run time rather than from the weights, as stored,
+    by name (writers store metadata in no fixed order)."""
+    return {k: metadata[k] for k in sorted(metadata) if k.startswith(SETTINGS_PREFIX)}
+
+
 def make_plan(model_entries, layout_of, sources, strengths, alpha="scale",
               allow_unmatched=False):
     """The Plan of fusing ``sources`` at ``strengths`` into a model of ``model_entries``
@@ -211,7 +224,8 @@ def make_plan(model_entries, layout_of, sources, strengths, alpha="scale",
     choice(alpha, ALPHA_MODES, "alpha")
     plan = Plan({}, {}, [])
     for index, (source, strength) in enumerate(zip(sources, strengths)):
-        report = AdapterReport(path=source.name, strength=strength, alpha_mode=alpha)
+        report = AdapterReport(path=source.name, strength=strength, alpha_mode=alpha,
+                               settings=run_time_settings(source.metadata))
         # upstream LTX-2 (alpha="ignore") reads no alpha, from tensors or from PEFT's metadata
         configs, report.metadata_ignored = (peft.read_configs(source.metadata, source.name)
                                             if alpha == "scale" else ({}, []))

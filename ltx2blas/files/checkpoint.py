@@ -41,6 +41,7 @@ from .safetensors import (SafetensorsFile, SafetensorsWriter, open_regular, page
 
 _package = "ltx2blas"
 FUSED_KEY = "ltx2blas.fused"
+IN_PLACE = "<in place>"  # a state dict's fuse: the report's output
 RULE_TEXT = {
     "addmm": "W' = layout(W + agg); agg = delta_1, then agg = bf16(agg + f32(s_i * (B_i @ A_i))) "
              "for each later adapter; delta = bf16(bf16(B*s) @ A), f32 textbook order",
@@ -101,12 +102,13 @@ class FuseReport:
                          f"format's largest finite value (e.g. {count} in {printable(first)}): "
                          f"F8_E4M3 stores them as {made} (fp8_overflow={self.fp8_overflow!r}), "
                          "F8_E5M2 as +-inf")
+        in_file = self.output != IN_PLACE
         for i, a in enumerate(self.adapters):
-            lines.append(_adapter_line(i, a))
+            lines.append(_adapter_line(i, a, in_file))
         return "\n".join(lines)
 
 
-def _adapter_line(i, a):
+def _adapter_line(i, a, in_file=True):
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(a.kinds.items()))
     text = (f"adapter {i}: {printable(a.path)} x {a.strength:g}: "
             f"{_count(a.pairs_used, 'module')} ({kinds or 'none'}; "
@@ -140,6 +142,12 @@ def _adapter_line(i, a):
                  f"{printable(a.unused_keys[0])})")
     if a.rounded_to_bf16:
         text += f"; {_count(len(a.rounded_to_bf16), 'tensor')} rounded from F32/F16 to bf16"
+    if a.settings:
+        settings = ", ".join(f"{printable(k)}={printable(v)}" for k, v in a.settings.items())
+        text += f"; its run-time settings ({settings}) are not in the weights: " + (
+            "the output's metadata keeps them under this adapter in ltx2blas.fused, for the "
+            "loader to read there" if in_file else
+            f"the loader must apply them itself (report.adapters[{i}].settings)")
     return text
 
 
@@ -318,6 +326,7 @@ def _fused_metadata(base, reports, dtypes, plan, options, layout_counts):
          **({"alpha_source": r.alpha_source} if r.alpha_source else {}),
          **({"not_fused": r.extra_tensors[:NOT_FUSED_NAMED],
              "not_fused_count": len(r.extra_tensors)} if r.extra_tensors else {}),
+         **({"settings": r.settings} if r.settings else {}),
          "rule": options.rule} for r in reports])
     metadata["ltx2blas.version"] = _version()
     metadata["ltx2blas.rule"] = f"{options.rule}: {RULE_TEXT[options.rule]}"
@@ -907,7 +916,7 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
                     fp8_rounding=fp8_rounding, fp8_overflow=fp8_overflow)
         plan, layouts = _prepare(entries_of, {}, lambda n: views[n].tobytes(), sources, loras,
                                  opts, retry_dtype=weight_format)
-        report = _report("<in place>", False, plan, layouts, len(views), opts, list(views),
+        report = _report(IN_PLACE, False, plan, layouts, len(views), opts, list(views),
                          sources)
         report.tensors_copied = 0
         written = [what for name in list(plan.weights) + list(plan.biases)
