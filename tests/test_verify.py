@@ -224,13 +224,18 @@ def test_a_file_without_digests_is_not_called_a_mismatch(files, tmp_path):
 
 
 def rewrite_metadata(src, dst, change):
-    """Copy a safetensors file with its metadata changed by ``change(dict)``."""
-    from safetensors.numpy import load_file, save_file
-
-    with SafetensorsFile(src) as f:
-        metadata = dict(f.metadata)
+    """Copy a safetensors file with its metadata changed by ``change(dict)``, byte by byte: the
+    header's JSON rewritten (padded with spaces to 8 bytes, as writers do), the data as it
+    was."""
+    data = open(src, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    metadata = header.pop("__metadata__", {})
     change(metadata)
-    save_file(load_file(str(src)), str(dst), metadata=metadata)
+    text = json.dumps({"__metadata__": metadata, **header}).encode()
+    text += b" " * (-len(text) % 8)
+    with open(dst, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data[8 + n:])
 
 
 def test_a_record_of_another_contract_is_reported_as_such(files, tmp_path):
@@ -480,3 +485,25 @@ def test_a_sharded_base_verifies_what_its_single_file_made(files, tmp_path):
     flip_byte(shard2, names[7])
     report = verify_checkpoint(paths["out"], index, [(paths["a1"], 0.8), (paths["a2"], -1.5)])
     assert ("base", names[7]) in whats(report)
+
+
+def test_stochastic_fp8_rounding_is_rebuilt_from_its_recorded_seed(tmp_path, rng):
+    model = ck.model(rng, fp8="F8_E4M3")
+    paths = {"model": ck.write(tmp_path / "model.safetensors", model),
+             "a1": ck.write(tmp_path / "a1.safetensors", ck.adapter(rng, [Q], rank=4))}
+    out = tmp_path / "out.safetensors"
+    ltx2blas.fuse_checkpoint(paths["model"], [(paths["a1"], 1.0)], out,
+                             fp8_rounding="stochastic", seed=7)
+    assert record_of(out)["options"]["seed"] == 7
+    assert verify_checkpoint(out, paths["model"], [paths["a1"]]).status == "verified"
+    # the same file claimed to be rounded to nearest: the rebuild differs
+    other = tmp_path / "nearest.safetensors"
+
+    def nearest(metadata):
+        rec = json.loads(metadata[provenance.RECORD_KEY])
+        rec["options"]["fp8_rounding"] = "nearest"
+        metadata[provenance.RECORD_KEY] = json.dumps(rec)
+
+    rewrite_metadata(out, other, nearest)
+    report = verify_checkpoint(other, paths["model"], [paths["a1"]])
+    assert report.status == "differs" and ("rebuilt", M + Q + ".weight") in whats(report)
