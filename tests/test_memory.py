@@ -168,13 +168,13 @@ print(json.dumps(''')
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_verify_with_a_rebuild_streams(tmp_path):
     """Verifying a 384 MiB checkpoint against its inputs, every fused tensor rebuilt, holds
-    about one tensor at a time: growth below 3 x the largest tensor (the base's, rebuilt in
-    place; the file's; the base's kept for a file without a record) + 128 MiB (factors, the
-    hashing threads' 1 MiB buffers, Python)."""
+    about one tensor at a time: growth below 4 x the largest tensor (the base's, rebuilt in
+    place; the file's; the next one of the base, read ahead; the base's kept for a file without
+    a record) + 128 MiB (factors, the hashing threads' 1 MiB buffers, Python)."""
     code = VERIFY_SCRIPT.format(folder=str(tmp_path))
     assert "verify_checkpoint" in code and code.count("clear_refs") == 1
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     m = json.loads(out.stdout)
-    assert m["growth"] <= 3 * m["largest"] + 128 * 2**20, m
+    assert m["growth"] <= 4 * m["largest"] + 128 * 2**20, m
