@@ -507,3 +507,11 @@ def test_stochastic_fp8_rounding_is_rebuilt_from_its_recorded_seed(tmp_path, rng
     rewrite_metadata(out, other, nearest)
     report = verify_checkpoint(other, paths["model"], [paths["a1"]])
     assert report.status == "differs" and ("rebuilt", M + Q + ".weight") in whats(report)
+
+
+def test_a_base_with_a_tensor_more_is_not_the_base_recorded(files, tmp_path):
+    paths, model = files[0], files[1]
+    more = ck.write(tmp_path / "more.safetensors",
+                    {**model, "extra.weight": ("F32", np.zeros(4, np.float32))})
+    report = verify_checkpoint(paths["out"], model=more)
+    assert report.status == "differs" and whats(report) == {("base", "extra.weight")}

@@ -25,7 +25,6 @@ from .._validate import progress_arg, strength_f32
 from ..errors import ArgumentTypeError, printable
 from ..fuse import fuse_bias
 from . import adapters as plans
-from . import layouts as layoutmod
 from . import provenance
 from .adapters import Source
 from .checkpoint import (Checkpoint, Progress, _count, _delta_buffer, _delta_view, _fuse_one,
@@ -330,6 +329,8 @@ def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read
                                if n in want and n not in read}, workers)
             report.inputs_hashed += len(got)
             got.update(read)
+            # a base tensor the record lacks needs no digest to be named
+            got.update((n, None) for n in base.entries if n not in want)
             _compare_digests(got, want, "base", report, os.path.basename(model))
 
 
