@@ -515,3 +515,22 @@ def test_a_base_with_a_tensor_more_is_not_the_base_recorded(files, tmp_path):
                     {**model, "extra.weight": ("F32", np.zeros(4, np.float32))})
     report = verify_checkpoint(paths["out"], model=more)
     assert report.status == "differs" and whats(report) == {("base", "extra.weight")}
+
+
+def test_a_digest_that_went_missing_fails_the_fuse_and_writes_nothing(files, tmp_path,
+                                                                       monkeypatch):
+    """Were a digest lost (a hashing thread's fault), the record would name a placeholder as
+    the tensor's SHA-256; the fuse fails instead, and leaves no file."""
+    from ltx2blas.files import checkpoint
+
+    paths = files[0]
+    monkeypatch.setattr(checkpoint, "_read_tensor", lambda ckpt, name, digests=None:
+                        ckpt.entries[name][0].read(name))  # reads, but records no digest
+    out = tmp_path / "lost.safetensors"
+    model = ck.write(tmp_path / "biased.safetensors", {
+        **files[1], M + Q + ".bias": files[1][M + Q + ".bias"]})
+    bias_adapter = ck.write(tmp_path / "b.safetensors", {
+        **files[2], "diffusion_model." + Q + ".lora_B.bias": ("BF16", np.zeros(64, np.uint16))})
+    with pytest.raises(RuntimeError, match="no SHA-256 for tensor"):
+        ltx2blas.fuse_checkpoint(model, [(bias_adapter, 1.0)], out)
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if "lost" in p]

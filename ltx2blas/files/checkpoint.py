@@ -771,6 +771,12 @@ class _FusedWriter:
             adapters.append((os.path.basename(r.path), r.sha256, r.strength, tensors))
         changed = [n for name in self.plan.weights for n in [name, *self.layouts[name].rewritten]]
         changed += list(self.plan.biases)
+        if output_digests:  # the final record: every digest known, or the fuse fails
+            missing = [n for n in changed if n not in self.read_digests] + [
+                n for n in self.ckpt.entries if n not in output_digests]
+            if missing:
+                raise RuntimeError(f"no SHA-256 for tensor {missing[0]!r}: the record would "
+                                   "be wrong, so nothing is written")
         return provenance.make_record(
             _version(), {"rule": options.rule, "alpha": options.alpha,
                          "allow_unmatched": options.allow_unmatched,
