@@ -84,6 +84,43 @@ def diff_delta(diff, strength):
     return bf16_round(np.float32(strength) * bf16_widen(diff))
 
 
+def lycoris_scale(strength, alpha=None, dim=None):
+    """A LoKr's or LoHa's scale as ComfyUI computes it: s * (alpha / dim) in f64 (Python
+    floats), rounded once to f32; f32(s) where the file has no alpha or the adapter no
+    low-rank factor (docs/arithmetic.md §1, LoKr and LoHa)."""
+    if alpha is None or dim is None:
+        return np.float32(strength)
+    return np.float32(float(strength) * (float(alpha) / float(dim)))
+
+
+def lokr_factor(whole=None, a=None, b=None):
+    """One Kronecker factor of a LoKr as f32: stored whole (values, taken as f32), or the
+    product a @ b of its low-rank halves (bf16 bits: a [m, r], b [r, n]), f32 from 0.0 in k
+    order (lora_product's order)."""
+    if whole is not None:
+        return np.asarray(whole, dtype=np.float32)
+    return lora_product(b, a)
+
+
+def lokr_delta(w1, w2, scale):
+    """A LoKr's delta: delta[p, q] = bf16(f32(c) * f32(w1[p // m2, q // n2] * w2[p % m2,
+    q % n2])) for f32 factors w1 [m1, n1] and w2 [m2, n2]: each element of the Kronecker
+    product one f32 product, then the scale, then one rounding."""
+    w1 = np.asarray(w1, dtype=np.float32)
+    w2 = np.asarray(w2, dtype=np.float32)
+    (m1, n1), (m2, n2) = w1.shape, w2.shape
+    kron = (w1[:, None, :, None] * w2[None, :, None, :]).reshape(m1 * m2, n1 * n2)
+    return bf16_round(np.float32(scale) * kron)
+
+
+def loha_delta(w1_a, w1_b, w2_a, w2_b, scale):
+    """A LoHa's delta: bf16(f32(c) * f32(m1 * m2)), m1 = w1_a @ w1_b and m2 = w2_a @ w2_b
+    (bf16 bits: *_a [out, r], *_b [r, in]) each f32 from 0.0 in k order."""
+    m1 = lora_product(w1_b, w1_a)
+    m2 = lora_product(w2_b, w2_a)
+    return bf16_round(np.float32(scale) * (m1 * m2))
+
+
 def adapter_delta(item):
     """The bf16 delta of one adapter: (A, B, s), a LoRA (lora_delta), or (diff, s), a
     full-weight difference (diff_delta)."""
