@@ -6,6 +6,7 @@ tensor is copied byte for byte, file to file.  Peak memory is about twice the la
 tensor with its adapter factors (the reader's two buffers), whatever the checkpoint's size.
 """
 import collections.abc
+import contextlib
 import functools
 import json
 import os
@@ -778,41 +779,28 @@ class _FusedWriter:
                 raise RuntimeError(f"no SHA-256 for tensor {missing[0]!r}: the record would "
                                    "be wrong, so nothing is written")
         return provenance.make_record(
-            _version(), {"rule": options.rule, "alpha": options.alpha,
-                         "allow_unmatched": options.allow_unmatched,
-                         "fp8_rounding": options.fp8_rounding, "seed": options.seed,
-                         "fp8_overflow": options.fp8_overflow},
+            _version(), {k: getattr(options, k) for k in provenance.OPTIONS},
             os.path.basename(self.ckpt.path),
             {n: self.read_digests.get(n, blank) for n in changed},
             adapters, {n: output_digests.get(n, blank) for n in self.ckpt.entries})
 
     def write(self, output, order, report, progress, t0):
         """Write and commit the output; returns its metadata."""
-        ckpt = self.ckpt
+        ckpt, plan, sources = self.ckpt, self.plan, self.sources
         # The adapters' digests and the output's go into the header, which is written first:
         # hash in the background, write same-length placeholders, patch them in before commit.
-        hashes = [None] * len(self.sources)
+        hashes = [None] * len(sources)
         adapter_hashing = threading.Thread(target=_hash_all, daemon=True,
-                                           args=(self.sources, hashes, self.options.digests))
+                                           args=(sources, hashes, self.options.digests))
         adapter_hashing.start()
         entries = [(n, ckpt.entries[n][1].dtype, ckpt.entries[n][1].shape,
                     ckpt.entries[n][1].nbytes) for n in order]
-        # hashing threads as many as the fuse's: on many cores the digests keep up
-        digests = (provenance.Hasher(resolve_threads(self.options.threads))
-                   if self.options.digests else None)
-        try:
-            return self._write(output, order, report, progress, t0, entries, hashes,
-                               adapter_hashing, digests)
-        finally:
-            if digests is not None:
-                digests.close()
-
-    def _write(self, output, order, report, progress, t0, entries, hashes, adapter_hashing,
-               digests):
-        ckpt, plan, sources = self.ckpt, self.plan, self.sources
         done_gflop = 0.0
-        with SafetensorsWriter(output, entries, self.metadata([None] * len(sources), {}),
-                               hasher=digests) as writer:
+        # hashing threads as many as the fuse's: on many cores the digests keep up
+        with (provenance.Hasher(resolve_threads(self.options.threads)) if self.options.digests
+              else contextlib.nullcontext()) as digests, \
+                SafetensorsWriter(output, entries, self.metadata([None] * len(sources), {}),
+                                  hasher=digests) as writer:
             reader = _Prefetcher(
                 ckpt, [n for n in order if n in plan.weights],
                 lambda name, space: plans.factors(plan.weights[name], sources, plan.reports, space),

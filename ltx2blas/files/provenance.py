@@ -8,10 +8,13 @@ base and adapter files to rebuild the output byte for byte, and to check a file 
 import collections
 import hashlib
 import json
-import os
 import threading
 
-from ..errors import Ltx2IOError
+import numpy as np
+
+from .._validate import FP8_OVERFLOWS, FP8_ROUNDINGS, RULES
+from .adapters import ALPHA_MODES
+from .safetensors import read_into
 
 #: The version of the arithmetic contract (docs/arithmetic.md).  It changes whenever a rule
 #: there changes the bytes of some fuse; files fused under another version are not compared.
@@ -65,6 +68,11 @@ class Hasher:
             self._files.append((name, _FileRange(f, info), True, None))
             self._cv.notify_all()
 
+    def hash_now(self, name, data):
+        """The stream ``name`` whole, hashed on the caller's thread: for bytes the caller may
+        change once this returns."""
+        self.digests[name] = sha256_of(data)
+
     def add(self, name, data, last=True, on_done=None):
         """Append ``data`` (not to change until ``on_done()`` is called, from a hashing thread)
         to the stream ``name``; ``last`` ends the stream."""
@@ -99,7 +107,7 @@ class Hasher:
                     self._taken_files += 1
             try:
                 if isinstance(data, _FileRange):
-                    buffer = buffer or memoryview(bytearray(1 << 20))
+                    buffer = np.empty(1 << 20, np.uint8) if buffer is None else buffer
                     self.digests[name] = tensor_digest(data.f, data.info, buffer)
                     continue
                 h = self._open.setdefault(name, hashlib.sha256())
@@ -128,11 +136,18 @@ class Hasher:
         return self.digests
 
     def close(self):
+        """Hash what is queued, then end the threads."""
         with self._cv:
             self._closing = True
             self._cv.notify_all()
         for t in self._threads:
             t.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 class _FileRange:
@@ -144,47 +159,40 @@ def _size(data):
     return 0 if isinstance(data, _FileRange) else memoryview(data).nbytes
 
 
+def _hash_range(f, start, end, buffer, *hashes):
+    """Feed bytes [start, end) of SafetensorsFile ``f`` to each of ``hashes``, read through
+    ``buffer`` (a uint8 array, reused): pread, not a memory map (a file cut short under a
+    mapping kills the process)."""
+    offset = start
+    while offset < end:
+        part = buffer[:min(buffer.size, end - offset)]
+        read_into(f.fileno(), part, offset, f.path)
+        for h in hashes:
+            h.update(part)
+        offset += part.size
+
+
 def file_digests(f, chunk=1 << 20, tensors=True):
     """(SHA-256 of the whole file, {tensor: SHA-256 of its bytes}; {} with ``tensors`` False)
-    of a SafetensorsFile, in one pass: its tensors tile the data after the header, so the file is the header followed by
-    each tensor in the order of its offset.  One reused buffer; not a memory map (a file cut
-    short under a mapping kills the process)."""
+    of a SafetensorsFile, in one pass: its tensors tile the data after the header with no gap
+    or trailing byte (the reader refuses any), so the file is the header followed by each
+    tensor in the order of its offset."""
     whole = hashlib.sha256()
-    view = memoryview(bytearray(chunk))
-    fd = f.fileno()
-
-    def feed(start, end, part=None):
-        offset = start
-        while offset < end:
-            n = os.preadv(fd, [view[:min(chunk, end - offset)]], offset)
-            if not n:
-                raise Ltx2IOError(5, f"{f.path} ended early; it was truncated")
-            whole.update(view[:n])
-            if part is not None:
-                part.update(view[:n])
-            offset += n
-
-    feed(0, f.data_start)
+    buffer = np.empty(chunk, np.uint8)
+    _hash_range(f, 0, f.data_start, buffer, whole)
     parts = {}
     for name, info in sorted(f.tensors.items(), key=lambda item: item[1].begin):
-        h = hashlib.sha256() if tensors else None
-        feed(info.begin, info.begin + info.nbytes, h)
         if tensors:
-            parts[name] = h.hexdigest()
-    feed(f.data_start + sum(info.nbytes for info in f.tensors.values()), f.size)
-    return whole.hexdigest(), parts
+            parts[name] = hashlib.sha256()
+        _hash_range(f, info.begin, info.begin + info.nbytes, buffer, whole, *(
+            [parts[name]] if tensors else []))
+    return whole.hexdigest(), {name: h.hexdigest() for name, h in parts.items()}
 
 
-def tensor_digest(f, info, view):
-    """The SHA-256 of one tensor's bytes in file ``f``, read through the buffer ``view``."""
+def tensor_digest(f, info, buffer):
+    """The SHA-256 of one tensor's bytes in file ``f``, read through ``buffer`` (uint8)."""
     h = hashlib.sha256()
-    offset, end = info.begin, info.begin + info.nbytes
-    while offset < end:
-        n = os.preadv(f.fileno(), [view[:min(len(view), end - offset)]], offset)
-        if not n:
-            raise Ltx2IOError(5, f"{f.path} ended early; it was truncated")
-        h.update(view[:n])
-        offset += n
+    _hash_range(f, info.begin, info.begin + info.nbytes, buffer, h)
     return h.hexdigest()
 
 
@@ -198,7 +206,7 @@ def make_record(version, options, base_name, base_read, adapters, output):
     applied; ``output``: {tensor: digest} of every tensor written."""
     return {
         "format": RECORD_FORMAT, "contract": CONTRACT, "ltx2blas": version,
-        "options": {k: options[k] for k in OPTIONS},
+        "options": dict(options),
         "base": {"file": base_name, "read": base_read},
         "adapters": [{"file": name, "sha256": digest, "strength": strength, "tensors": tensors}
                      for name, digest, strength, tensors in adapters],
@@ -225,9 +233,6 @@ def _digests(value):
 
 
 def _well_formed(record):
-    from .._validate import FP8_OVERFLOWS, RULES
-    from .adapters import ALPHA_MODES
-
     def number(v):
         return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -237,7 +242,7 @@ def _well_formed(record):
                 and isinstance(record.get("ltx2blas", ""), str)
                 and options.get("rule") in RULES and options.get("alpha") in ALPHA_MODES
                 and isinstance(options.get("allow_unmatched"), bool)
-                and options.get("fp8_rounding") in ("nearest", "stochastic")
+                and options.get("fp8_rounding") in FP8_ROUNDINGS
                 and isinstance(options.get("seed"), int)
                 and not isinstance(options.get("seed"), bool)
                 and options.get("fp8_overflow") in FP8_OVERFLOWS

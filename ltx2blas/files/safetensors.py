@@ -680,9 +680,7 @@ class SafetensorsWriter:
         data = array.reshape(-1).view(np.uint8)
         if self._hasher is not None:
             if release is None:  # the caller may change the array once this returns
-                from .provenance import sha256_of
-
-                self._hasher.digests[name] = sha256_of(data)
+                self._hasher.hash_now(name, data)
             else:  # released once both the hash and the write are done with it
                 release = _after_both(release)
                 self._hasher.add(name, data, on_done=release)

@@ -14,7 +14,9 @@ A file without a record (another tool's, or an older ltx2blas's) is compared ten
 with the base and with what ltx2blas makes of the inputs.
 """
 import concurrent.futures
+import inspect
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -28,15 +30,16 @@ from . import adapters as plans
 from . import provenance
 from .adapters import Source
 from .checkpoint import (Checkpoint, Progress, _count, _delta_buffer, _delta_view, _fuse_one,
-                         _fused_history, _Options, _path_arg, _prepare, _read_tensor)
+                         _fused_history, _Options, _path_arg, _prepare, _read_tensor,
+                         fuse_checkpoint)
 
 #: verify's exit codes beside the command's own (2 arguments, 3 a malformed file, 4 I/O)
 EXIT = {"verified": 0, "differs": 1, "unverifiable": 6}
 #: how many tensors that differ a summary names
 NAMED = 10
 #: the defaults a fuse takes, for a file without a record
-DEFAULT_OPTIONS = {"rule": "addmm", "alpha": "scale", "allow_unmatched": False,
-                   "fp8_rounding": "nearest", "seed": 0, "fp8_overflow": "saturate"}
+DEFAULT_OPTIONS = {k: inspect.signature(fuse_checkpoint).parameters[k].default
+                   for k in provenance.OPTIONS}
 
 
 @dataclass
@@ -241,10 +244,14 @@ def _origin(metadata, record, history):
 
 def _digest_all(f_entries, workers, on_done=None):
     """{name: SHA-256} of tensors ``f_entries`` ({name: (SafetensorsFile, TensorInfo)}), on
-    ``workers`` threads, each with its own buffer (hashlib runs without the GIL)."""
+    ``workers`` threads, each reading through one buffer of its own (hashlib runs without the
+    GIL)."""
+    local = threading.local()
+
     def one(name):
-        f, info = f_entries[name]
-        return name, provenance.tensor_digest(f, info, memoryview(bytearray(1 << 20)))
+        if not hasattr(local, "buffer"):
+            local.buffer = np.empty(1 << 20, np.uint8)
+        return name, provenance.tensor_digest(*f_entries[name], local.buffer)
 
     out = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
@@ -428,7 +435,7 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
                     progress(Progress(count, len(names), done_gflop, total_gflop,
                                       time.perf_counter() - t0, name))
             if not has_record:
-                _compare_copied(ckpt, base, set(read), report)
+                _compare_copied(ckpt, base, set(read), report, workers)
             digests = hasher.wait() if hasher is not None else {}
         finally:
             if hasher is not None:
@@ -548,21 +555,21 @@ def _fitted_strength(stored, original, loaded):
     return text
 
 
-def _compare_copied(ckpt, base, changed, report):
-    """Without a record: every tensor the fuse copies must be the base's, byte for byte."""
-    for name, (f, info) in base.entries.items():
+def _compare_copied(ckpt, base, changed, report, workers):
+    """Without a record: every tensor the fuse copies must be the base's, byte for byte (both
+    sides hashed on ``workers`` threads)."""
+    copied = [n for n in base.entries if n not in changed and n in ckpt.entries]
+    same_size = [n for n in copied if base.entries[n][1].nbytes == ckpt.entries[n][1].nbytes]
+    mine = _digest_all({n: base.entries[n] for n in same_size}, workers)
+    theirs = _digest_all({n: ckpt.entries[n] for n in same_size}, workers)
+    for name in base.entries:
         if name in changed:
             continue
         if name not in ckpt.entries:
             report.findings.append(Finding("missing", name, "in the base but not in the file"))
-            continue
-        g, ginfo = ckpt.entries[name]
-        view_a, view_b = memoryview(bytearray(1 << 20)), memoryview(bytearray(1 << 20))
-        if ginfo.nbytes != info.nbytes or (provenance.tensor_digest(f, info, view_a)
-                                           != provenance.tensor_digest(g, ginfo, view_b)):
+        elif name not in mine or mine[name] != theirs[name]:
             report.findings.append(Finding("copied", name, "differs from the base's, which a "
                                                            "fuse copies unchanged"))
     for name in ckpt.entries:
         if name not in base.entries:
             report.findings.append(Finding("extra", name, "in the file but not in the base"))
-
