@@ -4,6 +4,8 @@ Public API::
 
     fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None)
     fuse_loras(weight, [(lora_a, lora_b, strength), ...], *, rule="addmm", threads=None, out=None)
+        (an adapter may also be (diff, strength), LoKr(w1, w2, scale) or
+        LoHa(w1_a, w1_b, w2_a, w2_b, scale))
     fuse_dora(weight, lora_a, lora_b, magnitude, *, scale=1.0, strength=1.0, style="peft")
     fuse_quantized(layout, weight, [(lora_a, lora_b, strength), ...], *, scale, scale_2=None)
     linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, progress=None)
@@ -59,6 +61,7 @@ if importlib.util.find_spec(__name__ + "._gemm") is None:
 # starts (and answers Ctrl-C) before any of them has loaded.
 _LAZY = {
     "fuse_lora": ".fuse", "fuse_loras": ".fuse", "fuse_dora": ".fuse",
+    "LoKr": ".fuse", "LoHa": ".fuse",
     "fuse_quantized": ".quantized", "QuantizedWeight": ".quantized",
     "normalized_features": ".features", "text_features": ".features",
     "FuseReport": ".files.checkpoint", "fuse_checkpoint": ".files.checkpoint",
@@ -86,6 +89,8 @@ __all__ = [
     "fuse_lora",
     "fuse_loras",
     "fuse_dora",
+    "LoKr",
+    "LoHa",
     "fuse_quantized",
     "QuantizedWeight",
     "linear",

@@ -13,7 +13,7 @@ per tile, A was repacked once per row strip: as many times over as there are str
 from cython.parallel cimport parallel, prange
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 from ._gemm cimport (continue_product, exact_product, exact_product_fused,
                      exact_product_fused_pairs, exact_product_pairs, exact_product_panel,
@@ -31,13 +31,23 @@ cdef enum:
     RULE_ADDMM = 2
 
 RULES = {"one": RULE_ONE, "sum": RULE_SUM, "addmm": RULE_ADDMM}
-KINDS = {"lora": KIND_LORA, "diff": KIND_DIFF}
+KINDS = {"lora": KIND_LORA, "diff": KIND_DIFF, "lokr": KIND_LOKR, "loha_first": KIND_LOHA_FIRST,
+         "loha": KIND_LOHA}
 
 
-# What an adapter is (an AdapterSpec's kind): a LoRA pair, or a full-weight difference.
+# What an AdapterSpec is: a LoRA pair, a full-weight difference, a LoKr (its Kronecker
+# factors, f32), or one of a LoHa's two low-rank pairs -- a LoHa is two specs in a row, the
+# first's product held while the second's is computed, then the two multiplied.
 cdef enum:
     KIND_LORA = 0
     KIND_DIFF = 1
+    KIND_LOKR = 2
+    KIND_LOHA_FIRST = 3
+    KIND_LOHA = 4
+
+# Bytes of an element of each FuseJob.fmt: bf16, F8_E4M3, F8_E5M2, the bare bf16 delta, the
+# bare f32 product.
+cdef Py_ssize_t[5] FORMAT_BYTES = [2, 1, 1, 2, 4]
 
 # The most terms of a rank one pass over a tile takes: a larger rank is split into passes of
 # this depth, each continuing the accumulation where the one before stopped (the textbook
@@ -49,12 +59,17 @@ PASS_DEPTH = PASS_DEPTH_C
 
 
 cdef struct AdapterSpec:
-    # One adapter as the plan decided to run it.
-    int kind                  # KIND_LORA or KIND_DIFF
+    # One adapter (or a LoHa's pair) as the plan decided to run it.
+    int kind                  # KIND_LORA, KIND_DIFF, KIND_LOKR, KIND_LOHA_FIRST or KIND_LOHA
+    int adapter               # which adapter it is, in the rule's order
+    bint unscaled             # B widened as stored: a later addmm term's, a LoHa pair's
     const uint16_t *a         # [rank, cols] bf16, row stride cols; a difference: [rows, cols]
     const uint16_t *b         # [rows, rank] bf16 (NULL for a difference)
+    const float *f1           # a LoKr's w1 [m1, n1] and w2 [m2, n2], f32, C order
+    const float *f2
+    Py_ssize_t n1, m2, n2
     int rank
-    float scale
+    float scale               # s of B * s; a LoKr's or LoHa's scale c (its second spec's)
     int depth[4]              # verified sgemm depth per tile shape class (see fuse_tile)
     bint pairs                # multiplied by the dot-product kernel on bf16 pairs, no sgemm
     Py_ssize_t bs_offset      # where its rows start in a thread's bs buffer
@@ -74,7 +89,8 @@ cdef struct FuseJob:
     int rule                  # RULE_ONE, RULE_SUM or RULE_ADDMM (see FusePlan)
     bint dry_run              # compute and check, write nothing
     bint check                # record the first non-finite output per tile
-    int fmt                   # 0: bf16, 1: F8_E4M3, 2: F8_E5M2, 3: the bare delta
+    int fmt                   # 0: bf16, 1: F8_E4M3, 2: F8_E5M2, 3: the bare delta, 4: the bare
+                              # f32 product of one unscaled LoRA-shaped pair (a LoKr factor)
     int fp8_kind              # fp8 only: the rounding store's ltx_fp8_kind (the overflow rule)
     bint stochastic           # fp8 only: stochastic rounding with random bits from key
     uint64_t key
@@ -94,6 +110,7 @@ cdef struct TileBuffers:
                               # bs columns
     float *acc                # [mt, nt] product
     float *total              # [mt, nt] several-adapter sum
+    float *held               # [mt, nt] a LoHa's first product, while its second is computed
     uint8_t *scratch          # [mt, nt] dry-run output
     Py_ssize_t strip          # row strip the bs rows hold, -1 for none
 
@@ -122,7 +139,7 @@ cdef inline void load_bs(const FuseJob *job, int a, Py_ssize_t o0, int mt, Py_ss
     cdef const AdapterSpec *ad = &job.ad[a]
     cdef float *dst = buf.bs + ad.bs_offset
     cdef const uint16_t *src = ad.b + o0 * ad.rank + k0
-    cdef bint unscaled = job.rule == RULE_ADDMM and a > 0   # addmm scales the product
+    cdef bint unscaled = ad.unscaled
     cdef Py_ssize_t r
     if kc == ad.rank:  # whole rows: one contiguous run
         if unscaled:
@@ -158,6 +175,59 @@ cdef void pack_a_pairs(const FuseJob *job, Py_ssize_t tj) noexcept nogil:
                                      job.ad[a].rank, nt)
 
 
+cdef void product_tile(const FuseJob *job, int a, Py_ssize_t o0, Py_ssize_t i0, int mt, int nt,
+                       int shape, TileBuffers *buf, float *acc) noexcept nogil:
+    """Spec a's low-rank product over the tile, f32 in the textbook order, into acc [mt, nt]:
+    bf16(B * s) @ A, or B @ A for an unscaled spec; the bs rows of its strip are loaded."""
+    cdef const ltx_kernels *kern = job.kern
+    cdef const AdapterSpec *ad = &job.ad[a]
+    cdef int rank = ad.rank, kc
+    cdef Py_ssize_t k0
+    cdef float *panel = buf.panels + ad.panel_offset
+    cdef float *bs = buf.bs + ad.bs_offset
+    if rank <= PASS_DEPTH_C:
+        if ad.pairs:  # two terms per instruction, as the one-adapter fuse
+            exact_product_pairs(kern, mt, nt, (rank + 1) // 2, buf.bs_pairs + ad.pairs_offset,
+                                (rank + 1) // 2, a_pairs_block(ad, i0), acc)
+        elif ad.depth[shape] == 0:
+            kern.pack_fuse_panel(ad.a + i0, job.cols, panel, rank, nt)
+            exact_product_panel(kern, mt, nt, rank, bs, rank, panel, acc)
+        else:
+            kern.widen_bf16_rows(ad.a + i0, job.cols, panel, nt, rank, nt)
+            exact_product(kern, mt, nt, rank, bs, rank, panel, acc, ad.depth[shape])
+        return
+    # passes of PASS_DEPTH_C terms: sgemm (to its verified depth) in the first only, the
+    # sequential kernel continuing each element's sum in the later ones
+    k0 = 0
+    while k0 < rank:
+        kc = <int>min(<Py_ssize_t>PASS_DEPTH_C, rank - k0)
+        load_bs(job, a, o0, mt, k0, kc, buf)
+        kern.widen_bf16_rows(ad.a + k0 * job.cols + i0, job.cols, panel, nt, kc, nt)
+        if k0 == 0:
+            exact_product(kern, mt, nt, kc, bs, kc, panel, acc, ad.depth[shape])
+        else:
+            continue_product(kern, mt, nt, kc, bs, kc, panel, nt, acc, nt)
+        k0 += kc
+
+
+cdef void kron_tile(const ltx_kernels *kern, const AdapterSpec *ad, Py_ssize_t o0,
+                    Py_ssize_t i0, int mt, int nt, float *acc) noexcept nogil:
+    """A LoKr's Kronecker product over the tile, into acc [mt, nt]: element (p, q) is
+    f32(w1[p div m2, q div n2] * w2[p mod m2, q mod n2]), taken in runs along a row of w2."""
+    cdef Py_ssize_t r, p, q, run, end = i0 + nt
+    cdef const float *row1
+    cdef const float *row2
+    for r in range(mt):
+        p = o0 + r
+        row1 = ad.f1 + (p // ad.m2) * ad.n1
+        row2 = ad.f2 + (p % ad.m2) * ad.n2
+        q = i0
+        while q < end:
+            run = min(ad.n2 - q % ad.n2, end - q)
+            kern.scale_f32(row2 + q % ad.n2, row1[q // ad.n2], acc + r * nt + (q - i0), run)
+            q += run
+
+
 cdef void fuse_tile(const FuseJob *job, Py_ssize_t t, TileBuffers *buf,
                     int64_t *bad, int64_t *overflows) noexcept nogil:
     cdef Py_ssize_t ti = t // job.tiles_n, tj = t % job.tiles_n
@@ -169,12 +239,10 @@ cdef void fuse_tile(const FuseJob *job, Py_ssize_t t, TileBuffers *buf,
     cdef const ltx_kernels *kern = job.kern
     cdef const AdapterSpec *ad
     cdef Py_ssize_t q, r
-    cdef int a, rank, kc
-    cdef Py_ssize_t k0
-    cdef float *bs
-    cdef float *panel
+    cdef int a, rank
+    cdef bint later
     cdef const float *result = buf.acc
-    cdef Py_ssize_t esize = 1 if job.fmt == 1 or job.fmt == 2 else 2
+    cdef Py_ssize_t esize = FORMAT_BYTES[job.fmt]
     cdef Py_ssize_t origin = o0 * job.cols + i0   # the tile's first element in the weight
     cdef uint8_t *dst
     cdef Py_ssize_t ldo
@@ -182,7 +250,7 @@ cdef void fuse_tile(const FuseJob *job, Py_ssize_t t, TileBuffers *buf,
     if buf.strip != ti:
         for a in range(job.count):
             ad = &job.ad[a]
-            if ad.kind == KIND_LORA and ad.rank <= PASS_DEPTH_C:
+            if ad.b != NULL and ad.rank <= PASS_DEPTH_C:
                 load_bs(job, a, o0, mt, 0, ad.rank, buf)
                 if ad.pairs:
                     kern.pack_pairs_cols(buf.bs + ad.bs_offset, ad.rank,
@@ -221,55 +289,42 @@ cdef void fuse_tile(const FuseJob *job, Py_ssize_t t, TileBuffers *buf,
         memset(buf.total, 0, <size_t>mt * nt * sizeof(float))
     for a in range(job.count):
         ad = &job.ad[a]
+        # A later addmm term leaves its scale to accumulate_addmm; every other term is scaled
+        # here, before the rule rounds or adds it.
+        later = job.rule == RULE_ADDMM and ad.adapter > 0
         if ad.kind == KIND_DIFF:
             # acc = f32(bf16(s * diff)), the difference's delta, or for a later addmm term
-            # f32(diff), which accumulate_addmm scales
+            # f32(diff)
             for r in range(mt):
-                if job.rule == RULE_ADDMM and a > 0:
+                if later:
                     kern.widen_bf16(ad.a + origin + r * job.cols, buf.acc + r * nt, nt)
                 else:
                     kern.scale_round_widen(ad.a + origin + r * job.cols, ad.scale,
                                            buf.acc + r * nt, nt)
-        elif ad.rank <= PASS_DEPTH_C:
-            rank = ad.rank
-            panel = buf.panels + ad.panel_offset
-            if ad.pairs:  # two terms per instruction, as the one-adapter fuse above
-                exact_product_pairs(kern, mt, nt, (rank + 1) // 2,
-                                    buf.bs_pairs + ad.pairs_offset, (rank + 1) // 2,
-                                    a_pairs_block(ad, i0), buf.acc)
-            elif ad.depth[shape] == 0:
-                kern.pack_fuse_panel(ad.a + i0, job.cols, panel, rank, nt)
-                exact_product_panel(kern, mt, nt, rank, buf.bs + ad.bs_offset, rank, panel,
-                                    buf.acc)
-            else:
-                kern.widen_bf16_rows(ad.a + i0, job.cols, panel, nt, rank, nt)
-                exact_product(kern, mt, nt, rank, buf.bs + ad.bs_offset, rank, panel,
-                              buf.acc, ad.depth[shape])
+        elif ad.kind == KIND_LOKR:
+            kron_tile(kern, ad, o0, i0, mt, nt, buf.acc)
+        elif ad.kind == KIND_LOHA_FIRST:
+            product_tile(job, a, o0, i0, mt, nt, shape, buf, buf.held)
+            continue  # the rule takes the LoHa at its second spec
         else:
-            # passes of PASS_DEPTH_C terms: sgemm (to its verified depth) in the first only,
-            # the sequential kernel continuing each element's sum in the later ones
-            panel = buf.panels + ad.panel_offset
-            bs = buf.bs + ad.bs_offset
-            k0 = 0
-            while k0 < ad.rank:
-                kc = <int>min(<Py_ssize_t>PASS_DEPTH_C, ad.rank - k0)
-                load_bs(job, a, o0, mt, k0, kc, buf)
-                kern.widen_bf16_rows(ad.a + k0 * job.cols + i0, job.cols, panel, nt, kc, nt)
-                if k0 == 0:
-                    exact_product(kern, mt, nt, kc, bs, kc, panel, buf.acc, ad.depth[shape])
-                else:
-                    continue_product(kern, mt, nt, kc, bs, kc, panel, nt, buf.acc, nt)
-                k0 += kc
+            product_tile(job, a, o0, i0, mt, nt, shape, buf, buf.acc)
+            if ad.kind == KIND_LOHA:
+                kern.multiply_f32(buf.held, buf.acc, buf.acc, <Py_ssize_t>mt * nt)
+        if (ad.kind == KIND_LOKR or ad.kind == KIND_LOHA) and not later:
+            kern.scale_f32(buf.acc, ad.scale, buf.acc, <Py_ssize_t>mt * nt)
         if job.rule == RULE_SUM:
             kern.accumulate_rounded(buf.acc, buf.total, <Py_ssize_t>mt * nt)
-        elif job.rule == RULE_ADDMM and a == 0:
+        elif job.rule == RULE_ADDMM and not later:
             kern.round_bf16_f32(buf.acc, buf.total, <Py_ssize_t>mt * nt)
         elif job.rule == RULE_ADDMM:
             kern.accumulate_addmm(buf.acc, buf.total, ad.scale, <Py_ssize_t>mt * nt)
     if job.rule != RULE_ONE:
         result = buf.total
 
-    if job.fmt == 0:
+    if job.fmt == 4:
+        for r in range(mt):
+            memcpy(<float *>dst + r * ldo, result + r * nt, <size_t>nt * sizeof(float))
+    elif job.fmt == 0:
         kern.store_fused(result, <const uint16_t *>(job.w + origin * esize), job.cols,
                          <uint16_t *>dst, ldo, mt, nt)
         finish_bf16_tile(job, <uint16_t *>dst, ldo, mt, nt, origin, &bad[t])
@@ -285,10 +340,10 @@ cdef void fuse_tile(const FuseJob *job, Py_ssize_t t, TileBuffers *buf,
 
 cdef (size_t, size_t, size_t, size_t, size_t, size_t) buffer_layout(
         int tile_rows, int tile_cols, Py_ssize_t width, Py_ssize_t panel_width, bint several,
-        bint dry_run, Py_ssize_t pair_width) noexcept:
+        bint dry_run, Py_ssize_t pair_width, bint held) noexcept:
     """One thread's buffers: bs rows [tile_rows, width], A panels [panel_width, tile_cols],
-    the product tile, the several-adapter total, the dry run's scratch tile, the bs pairs
-    [tile_rows, pair_width]; and their sum.  ``width`` is the sum over LoRAs of
+    the product tile, the several-adapter total, a LoHa's held product (with ``held``), the
+    dry run's scratch tile, the bs pairs [tile_rows, pair_width]; and their sum.  ``width`` is the sum over LoRAs of
     min(rank, PASS_DEPTH), ``panel_width`` the same over those not taking pairs (whose A is
     shared, see shared_buffer_bytes), ``pair_width`` of ceil(rank / 2) over those taking
     pairs."""
@@ -298,7 +353,8 @@ cdef (size_t, size_t, size_t, size_t, size_t, size_t) buffer_layout(
     cdef size_t scratch_len = up64(<size_t>tile_rows * tile_cols * sizeof(uint16_t))
     cdef size_t pairs_len = up64(<size_t>tile_rows * pair_width * sizeof(uint32_t))
     return (bs_len, panels_len, tile_len, scratch_len, pairs_len,
-            bs_len + panels_len + tile_len * (1 + several) + scratch_len * dry_run + pairs_len)
+            bs_len + panels_len + tile_len * (1 + several + held) + scratch_len * dry_run
+            + pairs_len)
 
 
 def takes_pairs(ranks, pairs):
@@ -309,17 +365,18 @@ def takes_pairs(ranks, pairs):
 
 
 def thread_buffer_bytes(int tile_rows, int tile_cols, ranks, bint several, pairs=None,
-                        bint dry_run=False):
-    """Bytes of one thread's buffers for LoRAs of ``ranks`` (what FusePlan allocates per
-    thread); ``pairs[a]``: whether LoRA a takes the dot-product kernel (default none), whose A
-    panels are shared (shared_buffer_bytes), not per thread."""
+                        bint dry_run=False, bint held=False):
+    """Bytes of one thread's buffers for low-rank pairs of ``ranks`` (a LoRA's, or each of a
+    LoHa's two; what FusePlan allocates per thread); ``pairs[a]``: whether pair a takes the
+    dot-product kernel (default none), whose A panels are shared (shared_buffer_bytes), not
+    per thread; ``held``: a LoHa is among the adapters."""
     takes = takes_pairs(ranks, pairs)
     cdef Py_ssize_t width = sum(min(int(r), PASS_DEPTH_C) for r in ranks)
     cdef Py_ssize_t panel_width = sum(min(int(r), PASS_DEPTH_C)
                                       for r, p in zip(ranks, takes) if not p)
     cdef Py_ssize_t pair_width = sum((int(r) + 1) // 2 for r, p in zip(ranks, takes) if p)
     return buffer_layout(tile_rows, tile_cols, width, panel_width, several, dry_run,
-                         pair_width)[5]
+                         pair_width, held)[5]
 
 
 def shared_buffer_bytes(Py_ssize_t cols, ranks, pairs=None):
@@ -330,7 +387,8 @@ def shared_buffer_bytes(Py_ssize_t cols, ranks, pairs=None):
 
 
 #: What a plan says each adapter's product takes, by what it decided (FusePlan.routes).
-ROUTE_NAMES = ("dot-product", "one-pass", "sgemm", "sgemm+sequential", "passes", "difference")
+ROUTE_NAMES = ("dot-product", "one-pass", "sgemm", "sgemm+sequential", "passes", "difference",
+               "Kronecker")
 
 
 cdef class FusePlan:
@@ -345,10 +403,16 @@ cdef class FusePlan:
 
     ``weight``, ``out`` (which may be ``weight``): their bytes, [rows, cols * element size];
     ``fmt`` 0 bf16, 1 F8_E4M3, 2 F8_E5M2, 3 the bare bf16 delta (``out = bf16(agg)``,
-    ``weight`` not read).  ``adapters``: per adapter (kind, a, b, scale, depths, pairs):
-    KIND_LORA with A [rank, cols] and B [rows, rank], or KIND_DIFF with the difference
-    [rows, cols] as ``a`` and ``b`` None (its delta ``bf16(s * diff)``, a later addmm term
-    ``f32(s * diff)``); ``depths``: the verified sgemm depth for the tile shapes (full, full),
+    ``weight`` not read), 4 the bare f32 product ``B @ A`` of one pair (``out`` f32, rule
+    RULE_ONE).  ``adapters``: per spec (kind, a, b, scale, depths, pairs, adapter): KIND_LORA
+    with A [rank, cols] and B [rows, rank]; KIND_DIFF with the difference [rows, cols] as ``a``
+    and ``b`` None (its delta ``bf16(s * diff)``, a later addmm term ``f32(s * diff)``);
+    KIND_LOKR with its f32 factors w1 [m1, n1] and w2 [m2, n2] as ``a`` and ``b`` (m1 m2 = rows,
+    n1 n2 = cols; its term ``f32(c * f32(w1 (x) w2))``); a LoHa as KIND_LOHA_FIRST then
+    KIND_LOHA, each a pair like a LoRA's, taken unscaled (its term ``f32(c * f32(m1 * m2))``,
+    ``c`` the second spec's scale); ``adapter``: the adapter's index in the rule's order, the
+    same for a LoHa's two specs (a later addmm term adds ``f32(c * its product)``, unrounded);
+    ``depths``: the verified sgemm depth for the tile shapes (full, full),
     (full, edge), (edge, full), (edge, edge) in (rows, cols); ``pairs``: the dot-product kernel
     gives its product's textbook bytes (fuse._pairs_exact; the kernel table has one).
     ``rule``: RULE_ONE (one adapter, ``W + delta``), RULE_SUM (``W + bf16(0 + d1 + d2 ...)``)
@@ -374,18 +438,21 @@ cdef class FusePlan:
                  int tile_rows, int tile_cols, int threads, bint allow_fma, int rule,
                  bint fused_pairs=False, bint plus_zero=False, bint stochastic=False,
                  uint64_t key=0, bint dry_run=False, bint fp8_nan_overflow=False):
-        cdef Py_ssize_t esize = 1 if fmt == 1 or fmt == 2 else 2
+        cdef Py_ssize_t esize = FORMAT_BYTES[fmt] if 0 <= fmt < 5 else 1
         cdef Py_ssize_t rows = weight.shape[0], cols = weight.shape[1] // esize
         cdef int count = len(adapters), a, s
         cdef Py_ssize_t rank_sum = 0, panel_sum = 0, pair_sum = 0
         cdef const uint16_t[:, ::1] view
+        cdef const float[:, ::1] factor
+        cdef bint held = False
         cdef size_t bs_len, panels_len, tile_len, scratch_len, pairs_len, buffer_len
         cdef size_t shared_len = 0
         cdef bint several = rule != RULE_ONE
         cdef char *base
         cdef AdapterSpec *ad
-        if rule not in (RULE_ONE, RULE_SUM, RULE_ADDMM) or (rule == RULE_ONE and count != 1):
-            raise ValueError(f"rule {rule} does not apply to {count} adapters")
+        if rule not in (RULE_ONE, RULE_SUM, RULE_ADDMM) or (
+                rule == RULE_ONE and (count == 0 or any(spec[6] != 0 for spec in adapters))):
+            raise ValueError(f"rule {rule} does not apply to these {count} specs")
         keep = [weight, out]  # the memoryviews whose pointers the C structs hold
         self.keep = keep
         self.threads = threads
@@ -410,19 +477,31 @@ cdef class FusePlan:
             raise MemoryError()
         self.job.ad = self.ad
         for a in range(count):
-            kind, lora_a, lora_b, scale, depths, pairs = adapters[a]
+            kind, lora_a, lora_b, scale, depths, pairs, adapter = adapters[a]
             ad = &self.ad[a]
-            view = lora_a
-            keep.append(view)
-            ad.kind, ad.a, ad.scale = kind, &view[0, 0] if view.size else NULL, scale
+            ad.kind, ad.adapter, ad.scale = kind, adapter, scale
+            ad.unscaled = (kind == KIND_LOHA_FIRST or kind == KIND_LOHA or fmt == 4
+                           or (rule == RULE_ADDMM and adapter > 0))
+            held = held or kind == KIND_LOHA_FIRST
             for s in range(4):
                 ad.depth[s] = depths[s]
             ad.pairs, ad.a_pairs = pairs, NULL
             ad.bs_offset = rank_sum * tile_rows
             ad.pairs_offset = pair_sum * tile_rows
             ad.panel_offset = 0    # set below for a LoRA that takes A panels
+            ad.a, ad.b, ad.f1, ad.f2, ad.rank = NULL, NULL, NULL, NULL, 0
+            if kind == KIND_LOKR:
+                factor = lora_a
+                keep.append(factor)
+                ad.f1, ad.n1 = &factor[0, 0], factor.shape[1]
+                factor = lora_b
+                keep.append(factor)
+                ad.f2, ad.m2, ad.n2 = &factor[0, 0], factor.shape[0], factor.shape[1]
+                continue
+            view = lora_a
+            keep.append(view)
+            ad.a = &view[0, 0] if view.size else NULL
             if kind == KIND_DIFF:
-                ad.rank, ad.b = 0, NULL
                 continue
             ad.rank = <int>view.shape[0]
             rank_sum += min(view.shape[0], PASS_DEPTH_C)
@@ -439,7 +518,7 @@ cdef class FusePlan:
         # Per-thread buffers. Panel offsets are multiples of tile_cols floats; every part is
         # 64-byte aligned.
         bs_len, panels_len, tile_len, scratch_len, pairs_len, buffer_len = buffer_layout(
-            tile_rows, tile_cols, rank_sum, panel_sum, several, dry_run, pair_sum)
+            tile_rows, tile_cols, rank_sum, panel_sum, several, dry_run, pair_sum, held)
         self.buffers = <char *>ltx_aligned_alloc(buffer_len * threads)
         self.per_thread = <TileBuffers *>malloc(threads * sizeof(TileBuffers))
         if self.buffers == NULL or self.per_thread == NULL:
@@ -459,8 +538,10 @@ cdef class FusePlan:
             self.per_thread[s].panels = <float *>(base + bs_len)
             self.per_thread[s].acc = <float *>(base + bs_len + panels_len)
             self.per_thread[s].total = <float *>(base + bs_len + panels_len + tile_len)
+            self.per_thread[s].held = <float *>(base + bs_len + panels_len
+                                                + tile_len * (1 + several))
             self.per_thread[s].scratch = <uint8_t *>(base + bs_len + panels_len
-                                                     + tile_len * (1 + several))
+                                                     + tile_len * (1 + several + held))
             self.per_thread[s].bs_pairs = <uint32_t *>(base + buffer_len - pairs_len)
 
     def __dealloc__(self):
@@ -529,13 +610,16 @@ cdef class FusePlan:
     def routes(self):
         """Per adapter, what takes its product on full tiles (ROUTE_NAMES): the dot-product
         kernel, the one-pass kernel (no sgemm), sgemm for every term, sgemm then the
-        sequential kernel, passes past PASS_DEPTH terms, or a difference's widening."""
+        sequential kernel, passes past PASS_DEPTH terms, a difference's widening, or a LoKr's
+        Kronecker product (a LoHa's two pairs each name their product's route)."""
         out = []
         cdef const AdapterSpec *ad
         for a in range(self.job.count):
             ad = &self.ad[a]
             if ad.kind == KIND_DIFF:
                 out.append("difference")
+            elif ad.kind == KIND_LOKR:
+                out.append("Kronecker")
             elif ad.pairs:
                 out.append("dot-product")
             elif ad.rank > PASS_DEPTH_C:

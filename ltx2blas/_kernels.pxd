@@ -124,4 +124,6 @@ cdef extern from "kernels.h" nogil:
         void (*accumulate_addmm)(const float *acc, float *agg, float s, ltx_idx n) noexcept nogil
         void (*store_rounded)(const float *acc, uint16_t *out, ltx_idx ldo, ltx_idx rows,
                               ltx_idx cols) noexcept nogil
+        void (*multiply_f32)(const float *x, const float *y, float *dst, ltx_idx n) noexcept nogil
+        void (*scale_f32)(const float *x, float s, float *dst, ltx_idx n) noexcept nogil
         const ltx_layout_passes *layout

@@ -366,22 +366,149 @@ def finite_weight_largest(bits, fmt):
     return largest
 
 
-class Adapter:
-    """One validated adapter: a LoRA pair (``a`` = A, ``b`` = B) or a full-weight difference
-    (``a`` = the difference, ``b`` None), with its f32 strength and its ``index`` among the
-    adapters given (rank-0 ones are left out, so it may differ from its place among those
-    kept)."""
+class LoKr(NamedTuple):
+    """A LoKr (LyCORIS) adapter, for :func:`ltx2blas.fuse_loras`: its delta is
+    ``bf16(c * f32(w1 (x) w2))``, the Kronecker product of two factors w1 [m1, n1] and
+    w2 [m2, n2], m1 m2 the weight's rows and n1 n2 its columns (docs/arithmetic.md §1).
 
-    def __init__(self, kind, a, b, s, index):
+    ``w1``, ``w2``: each a bf16 array (the factor stored whole) or a pair ``(a, b)`` of bf16
+    arrays, a [m, r] and b [r, n], whose product ``a @ b`` (f32, §1's order) is the factor.
+    ``scale``: c, the strength times alpha / dim as the file gives them
+    (:func:`ltx2blas.reference.lycoris_scale`)."""
+    w1: object
+    w2: object
+    scale: float = 1.0
+
+
+class LoHa(NamedTuple):
+    """A LoHa (LyCORIS) adapter, for :func:`ltx2blas.fuse_loras`: its delta is
+    ``bf16(c * f32(m1 * m2))``, the element-wise product of ``m1 = w1_a @ w1_b`` and
+    ``m2 = w2_a @ w2_b`` (each f32, §1's order; w*_a [rows, r], w*_b [r, cols], bf16).
+    ``scale``: c, as for :class:`LoKr`."""
+    w1_a: object
+    w1_b: object
+    w2_a: object
+    w2_b: object
+    scale: float = 1.0
+
+
+class Adapter:
+    """One validated adapter, with its f32 strength (a LoKr's or LoHa's scale c) and its
+    ``index`` among the adapters given (rank-0 LoRAs are left out, so it may differ from its
+    place among those kept).  Its low-rank pairs are ``pairs``, each (A [r, n], B [m, r]) as a
+    LoRA's: a LoRA's one (``a`` = A, ``b`` = B), a LoHa's two (w1_b, w1_a), (w2_b, w2_a);
+    a difference has ``a`` = the difference, ``b`` None.  A LoKr's factors are ``factors``,
+    each ("whole", bits) or ("pair", A, B); the fuse sets ``f1``, ``f2`` to them in f32."""
+
+    def __init__(self, kind, a, b, s, index, pairs=None, factors=None, arrays=None):
         self.kind, self.a, self.b, self.s, self.index = kind, a, b, s, index
         self.rank = a.shape[0] if kind == "lora" else 0
+        self.pairs = [(a, b)] if kind == "lora" else (pairs or [])
+        self.factors = factors
+        self.f1 = self.f2 = None
+        self.arrays = arrays or {"": a, " lora_b": b}   # by name, for errors and overlaps
+
+
+def _low_rank_pair(i, names, up, down, rows=None, cols=None):
+    """A low-rank pair checked: ``up`` [m, r] and ``down`` [r, n], bf16, 2-D, C-contiguous, of
+    one rank r > 0, m = rows and n = cols where given; returned as (A, B) = (down, up)."""
+    b = bf16_bits(up, f"adapter {i} {names[0]}")
+    a = bf16_bits(down, f"adapter {i} {names[1]}")
+    if a.ndim != 2 or b.ndim != 2:
+        raise ShapeError(f"adapter {i}: {names[0]} and {names[1]} must be 2-D, got {b.shape} "
+                         f"and {a.shape}")
+    if b.shape[1] != a.shape[0]:
+        raise ShapeError(f"adapter {i}: ranks disagree: {names[0]} has {b.shape[1]} columns, "
+                         f"{names[1]} {a.shape[0]} rows")
+    if a.shape[0] == 0:
+        raise ShapeError(f"adapter {i}: {names[0]} and {names[1]} have rank 0")
+    if a.shape[0] > BLAS_INT_MAX:
+        raise ShapeError(f"adapter {i}: rank {a.shape[0]} exceeds the BLAS integer range")
+    if rows is not None and (b.shape[0] != rows or a.shape[1] != cols):
+        raise ShapeError(f"adapter {i}: {names[0]} @ {names[1]} is [{b.shape[0]}, "
+                         f"{a.shape[1]}], the weight [{rows}, {cols}]")
+    contiguous(b, f"adapter {i} {names[0]}")
+    contiguous(a, f"adapter {i} {names[1]}")
+    return a, b
+
+
+def _lokr_factor(i, name, factor):
+    """("whole", bits) or ("pair", A, B), and its shape."""
+    if isinstance(factor, (tuple, list)):
+        if len(factor) != 2:
+            raise ArgumentTypeError(f"adapter {i}: LoKr {name} must be an array or a pair "
+                                    f"(a, b), got {len(factor)} items")
+        a, b = _low_rank_pair(i, (f"{name}_a", f"{name}_b"), *factor)
+        return ("pair", a, b), (b.shape[0], a.shape[1])
+    bits = bf16_bits(factor, f"adapter {i} {name}")
+    if bits.ndim != 2:
+        raise ShapeError(f"adapter {i}: LoKr {name} must be 2-D, got shape {bits.shape}")
+    return ("whole", contiguous(bits, f"adapter {i} {name}")), bits.shape
+
+
+def _lycoris_adapter(item, i, rows, cols):
+    s = strength_f32(item.scale, f"adapter {i}: scale")
+    if isinstance(item, LoHa):
+        first = _low_rank_pair(i, ("w1_a", "w1_b"), item.w1_a, item.w1_b, rows, cols)
+        second = _low_rank_pair(i, ("w2_a", "w2_b"), item.w2_a, item.w2_b, rows, cols)
+        arrays = {" w1_a": first[1], " w1_b": first[0], " w2_a": second[1],
+                  " w2_b": second[0]}
+        return Adapter("loha", *first, s, i, pairs=[first, second], arrays=arrays)
+    (w1, shape1), (w2, shape2) = (_lokr_factor(i, "w1", item.w1), _lokr_factor(i, "w2", item.w2))
+    if shape1[0] * shape2[0] != rows or shape1[1] * shape2[1] != cols:
+        raise ShapeError(f"adapter {i}: the Kronecker product of w1 {list(shape1)} and w2 "
+                         f"{list(shape2)} is [{shape1[0] * shape2[0]}, {shape1[1] * shape2[1]}], "
+                         f"the weight [{rows}, {cols}]")
+    arrays, pairs = {}, []
+    for name, factor in (("w1", w1), ("w2", w2)):
+        if factor[0] == "whole":
+            arrays[f" {name}"] = factor[1]
+        else:
+            arrays[f" {name}_a"], arrays[f" {name}_b"] = factor[2], factor[1]
+            pairs.append(factor[1:])
+    return Adapter("lokr", None, None, s, i, pairs=pairs, factors=(w1, w2), arrays=arrays)
+
+
+def refuse_nonfinite_adapter(ad, check=True):
+    """With ``check``, NonFiniteInputError at the first inf/NaN of an adapter's arrays."""
+    if not check:
+        return
+    for name, arr in ad.arrays.items():
+        if arr is None:
+            continue
+        mag = Magnitudes(arr)
+        if mag.first_nonfinite >= 0:
+            at = where(mag.first_nonfinite, arr.shape)
+            what = name.strip() or ("diff" if ad.kind == "diff" else "lora_a")
+            raise NonFiniteInputError(
+                f"adapter {ad.index} {what} is non-finite at {at} (value "
+                f"{float(bf16_to_f32(arr[at]))!r})", adapter=ad.index, tensor=what)
+
+
+def adapter_items(adapters):
+    """The adapters as fuse_loras takes them: LoKr and LoHa as they are, every other item a
+    tuple of 2 or 3."""
+    try:
+        items = [item if isinstance(item, (LoKr, LoHa)) else tuple(item) for item in adapters]
+    except TypeError:
+        raise ArgumentTypeError("adapters must be a sequence of (lora_a, lora_b, strength), "
+                                "(diff, strength), LoKr or LoHa") from None
+    for i, item in enumerate(items):
+        if not isinstance(item, (LoKr, LoHa)) and len(item) not in (2, 3):
+            raise ArgumentTypeError(f"adapters[{i}] must be (lora_a, lora_b, strength), (diff, "
+                                    f"strength), LoKr or LoHa, got {len(item)} items")
+    return items
 
 
 def adapters_for(adapters, rows, cols):
-    """[Adapter] of ``adapters`` -- (lora_a, lora_b, strength) or (diff, strength) -- checked
-    against a [rows, cols] weight; rank-0 LoRAs, which add nothing, are left out."""
+    """[Adapter] of ``adapters`` -- (lora_a, lora_b, strength), (diff, strength), LoKr or
+    LoHa -- checked against a [rows, cols] weight; rank-0 LoRAs, which add nothing, are left
+    out."""
     prepared = []
     for i, item in enumerate(adapters):
+        if isinstance(item, (LoKr, LoHa)):
+            prepared.append(_lycoris_adapter(item, i, rows, cols))
+            continue
         if len(item) == 2:
             s = strength_f32(item[1], f"adapter {i}: strength")
             diff = bf16_bits(item[0], f"adapter {i} diff")
@@ -389,7 +516,7 @@ def adapters_for(adapters, rows, cols):
                 raise ShapeError(f"adapter {i}: diff {diff.shape} does not fit weight "
                                  f"({rows}, {cols})")
             contiguous(diff, f"adapter {i} diff")
-            prepared.append(Adapter("diff", diff, None, s, i))
+            prepared.append(Adapter("diff", diff, None, s, i, arrays={"": diff}))
             continue
         lora_a, lora_b, strength = item
         a = bf16_bits(lora_a, f"adapter {i} lora_a")
@@ -421,10 +548,8 @@ def fuse_output(out, w, fmt, prepared):
     checked -- its kind, shape and layout, and overlapping no adapter."""
     if out is None:
         return np.empty_like(w), False
-    inputs = {}
-    for ad in prepared:
-        inputs[f"adapter {ad.index}"] = ad.a
-        inputs[f"adapter {ad.index} lora_b"] = ad.b
+    inputs = {f"adapter {ad.index}{name}": array
+              for ad in prepared for name, array in ad.arrays.items()}
     return output(weight_bits(out, fmt, "out")[1], w.shape, inputs, same_as=w), True
 
 

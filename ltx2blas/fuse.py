@@ -10,20 +10,19 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _fuse, _gemm, _probe, _quant
-from ._validate import (FP8, FP8_OVERFLOWS, RULES, WEIGHT_FORMATS, Magnitudes, adapters_for,
-                        as_kind, bf16_bits, bf16_to_f32, bias_f32, choice, contiguous,
+from ._validate import (FP8, FP8_OVERFLOWS, RULES, WEIGHT_FORMATS, Adapter, LoHa, LoKr,
+                        Magnitudes, adapter_items, adapters_for, refuse_nonfinite_adapter, as_kind, bf16_bits, bf16_to_f32, bias_f32,
+                        choice, contiguous,
                         finite_weight_largest, fuse_output, fuse_weight, is_bf16, ndarray, output,
                         strength_f32, tile_arg, where)
 from ._threads import blas_single_threaded, resolve_threads
 from .errors import (
-    ArgumentTypeError,
     DTypeError,
-    NonFiniteInputError,
     NonFiniteResultError,
     ShapeError,
 )
 
-__all__ = ["fuse_lora", "fuse_loras", "fuse_dora", "fuse_bias", "aggregate_delta",
+__all__ = ["fuse_lora", "fuse_loras", "fuse_dora", "fuse_bias", "aggregate_delta", "LoKr", "LoHa",
            "buffer_bytes", "default_tile", "DEFAULT_TILE", "MIN_TILES", "SMALLEST_TILE"]
 
 #: The largest output tile (rows, cols) a thread computes at a time: its f32 accumulator
@@ -108,8 +107,9 @@ def fuse_loras(weight, adapters, *, rule="addmm", threads=None, out=None, check_
     weight : bf16 or fp8 array [out, in]
         As for :func:`fuse_lora`.
     adapters : sequence
-        ``(lora_a, lora_b, strength)``, a LoRA pair, or ``(diff, strength)``, a full-weight
-        difference [out, in] (bf16) whose delta is ``bf16(strength * diff)``.
+        ``(lora_a, lora_b, strength)``, a LoRA pair, ``(diff, strength)``, a full-weight
+        difference [out, in] (bf16) whose delta is ``bf16(strength * diff)``, a
+        :class:`LoKr` or a :class:`LoHa`, in any mix.
     rule : "addmm" (default) or "sum"
         ``"addmm"`` (upstream LTX-2 today): ``agg = delta_1``, then for each later adapter
         ``agg = bf16(agg + f32(s_i * (B_i @ A_i)))``, B_i not scaled and the product
@@ -130,15 +130,7 @@ def fuse_loras(weight, adapters, *, rule="addmm", threads=None, out=None, check_
     :func:`ltx2blas.reference.fuse_loras` (``reference.fuse_loras_fp8`` for fp8 weights).
     """
     choice(rule, RULES, "rule")
-    try:
-        adapters = [tuple(item) for item in adapters]
-    except TypeError:
-        raise ArgumentTypeError("adapters must be a sequence of (lora_a, lora_b, strength) or "
-                        "(diff, strength)") from None
-    for i, item in enumerate(adapters):
-        if len(item) not in (2, 3):
-            raise ArgumentTypeError(f"adapters[{i}] must be (lora_a, lora_b, strength) or (diff, "
-                            f"strength), got {len(item)} items")
+    adapters = adapter_items(adapters)
     result, overflows = _fuse_into(weight, adapters, threads, out, check_finite, tile, rule=rule,
                                    weight_format=weight_format, fp8_rounding=fp8_rounding,
                                    seed=seed, name=name, fp8_overflow=fp8_overflow)
@@ -165,7 +157,7 @@ def aggregate_delta(rows, cols, adapters, *, rule="addmm", threads=None, tile=No
         byte-identical to :func:`ltx2blas.reference.aggregate_delta`.
     """
     choice(rule, RULES, "rule")
-    adapters = [tuple(item) for item in adapters]
+    adapters = adapter_items(adapters)
     if out is None:
         out = np.empty((rows, cols), np.uint16)
     else:
@@ -366,22 +358,39 @@ def _pairs_exact(rank, bs_min, a_min, overflow_bound):
     return bs_min >= 2.0**-126 and a_min >= 2.0**-126 and bs_min * a_min >= 2.0**-110
 
 
-_FORMAT_CODES = dict(zip(WEIGHT_FORMATS, range(4)))  # the tile driver's fmt
+_FORMAT_CODES = dict(zip(WEIGHT_FORMATS + ("product",), range(5)))  # the tile driver's fmt
 #: Largest finite value of each storage format: past it a result has overflowed.
 _FORMAT_LIMIT = {"bf16": _BF16_FINITE_LIMIT, **{k: f.largest for k, f in FP8.items()}}
+
+
+def _specs(prepared):
+    """The tile driver's specs of the adapters, in order: (kind, a, b, scale, adapter), the
+    kind a _fuse.KINDS name and adapter the adapter's place in the rule's order.  A LoHa is
+    two specs, its pairs, the second carrying its scale; a LoKr carries its f32 factors."""
+    specs = []
+    for n, ad in enumerate(prepared):
+        if ad.kind == "loha":
+            (a1, b1), (a2, b2) = ad.pairs
+            specs += [("loha_first", a1, b1, 1.0, n), ("loha", a2, b2, ad.s, n)]
+        elif ad.kind == "lokr":
+            specs.append(("lokr", ad.f1, ad.f2, ad.s, n))
+        else:
+            specs.append((ad.kind, ad.a, ad.b, ad.s, n))
+    return specs
 
 
 class _Route:
     """How a fuse runs, decided from the adapters' magnitudes; none of it changes a byte.
 
     rule       "one" (a single adapter, W + delta), "sum" or "addmm"
+    specs      the tile driver's specs (_specs)
     fma        every product is exact in f32, so the fast tables may contract c + x*y and a
                BLAS may be used
     blas       the adapters are finite (some BLAS builds skip zero terms, which changes how a
                NaN or inf propagates)
-    pairs      per adapter: the dot-product kernel gives its product's textbook bytes
-               (_pairs_exact, and the kernel table has one); with one bf16 adapter it also
-               fuses in the same pass (fused_pairs)
+    pairs      per spec: the dot-product kernel gives its product's textbook bytes
+               (_pairs_exact, and the kernel table has one); with one bf16 LoRA it also fuses
+               in the same pass (fused_pairs)
     plus_zero  one bf16 adapter under the sum rule: the one-adapter result with -0.0 made +0.0
     bound      a bound on |delta|, for the overflow check"""
 
@@ -395,35 +404,62 @@ class _Route:
         self.rule = "one" if len(prepared) == 1 else rule
         self.fmt = fmt
         self.fma, self.blas, self.bound = True, True, 0.0
-        self.pairs = [ad.kind == "lora" for ad in prepared]
+        self.specs = _specs(prepared)
+        self.pairs = [spec[0] in ("lora", "loha_first", "loha") for spec in self.specs]
 
     @property
     def fused_pairs(self):
-        """One bf16 adapter whose product the dot-product kernel takes: computed, rounded and
+        """One bf16 LoRA whose product the dot-product kernel takes: computed, rounded and
         added in one pass."""
-        return self.rule == "one" and self.fmt == "bf16" and self.pairs[0]
+        return (self.rule == "one" and self.fmt == "bf16" and self.specs[0][0] == "lora"
+                and self.pairs[0])
+
+
+def _pair_route(route, a, b, bs_max, bs_min):
+    """A low-rank pair's part in the route -- (A, B), B's magnitudes as multiplied (bs_max,
+    bs_min: bf16(B*s) or B) -- and (a bound on its product, whether the dot-product kernel
+    gives its textbook bytes)."""
+    amag = Magnitudes(a)
+    # Products bs*A are exact in f32 (so FMA and BLAS are exact too) unless they could leave
+    # the normal range.
+    if bs_max * amag.max >= 2.0**127 or (
+            bs_min * amag.min != 0 and bs_min * amag.min < 2.0**-126):
+        route.fma = False
+    if amag.first_nonfinite >= 0 or bs_max >= _BF16_FINITE_LIMIT:
+        route.blas = False
+    bound = a.shape[0] * bs_max * amag.max * 1.01
+    return bound, _pairs_exact(a.shape[0], bs_min, amag.min, bound)
 
 
 def _choose_route(prepared, fmt, rule, check_finite):
     route = _Route(rule, fmt, prepared)
+    spec = 0
     for i, ad in enumerate(prepared):
+        refuse_nonfinite_adapter(ad, check_finite)
         if ad.kind == "diff":
-            mag = Magnitudes(ad.a)
-            if check_finite and mag.first_nonfinite >= 0:
-                at = where(mag.first_nonfinite, ad.a.shape)
-                raise NonFiniteInputError(
-                    f"adapter {ad.index} diff is non-finite at {at} (value "
-                    f"{float(bf16_to_f32(ad.a[at]))!r})", adapter=ad.index, tensor="diff")
-            route.bound += abs(float(ad.s)) * mag.max * 1.01
+            route.bound += abs(float(ad.s)) * Magnitudes(ad.a).max * 1.01
+            spec += 1
             continue
-        amag, bmag = Magnitudes(ad.a), Magnitudes(ad.b)
-        if check_finite:
-            for what, arr, mag in (("lora_a", ad.a, amag), ("lora_b", ad.b, bmag)):
-                if mag.first_nonfinite >= 0:
-                    at = where(mag.first_nonfinite, arr.shape)
-                    raise NonFiniteInputError(
-                        f"adapter {ad.index} {what} is non-finite at {at} (value "
-                        f"{float(bf16_to_f32(arr[at]))!r})", adapter=ad.index, tensor=what)
+        if ad.kind == "lokr":
+            # the factors are f32 (_lokr_factors); their element products are one rounding each
+            with np.errstate(invalid="ignore", over="ignore"):
+                largest = float(np.max(np.abs(ad.f1))) * float(np.max(np.abs(ad.f2)))
+            route.bound += abs(float(ad.s)) * largest * 1.01
+            spec += 1
+            continue
+        if ad.kind == "loha":
+            bound = abs(float(ad.s))
+            for a, b in ad.pairs:
+                bmag = Magnitudes(b)
+                if bmag.first_nonfinite >= 0:
+                    route.blas = False
+                pair_bound, exact = _pair_route(route, a, b, bmag.max, bmag.min)
+                bound *= pair_bound
+                route.pairs[spec] = route.pairs[spec] and exact
+                spec += 1
+            route.bound += bound
+            continue
+        bmag = Magnitudes(ad.b)
         # bs = bf16(B*s): bounds on its magnitudes, one bf16 rounding step of slack each way;
         # addmm multiplies later adapters' B unscaled and scales their products.
         prescaled = route.rule != "addmm" or i == 0
@@ -439,16 +475,12 @@ def _choose_route(prepared, fmt, rule, check_finite):
                 raise NonFiniteResultError(
                     f"adapter {ad.index}: lora_b{at} x strength {float(ad.s)!r} overflows bf16",
                     adapter=ad.index, tensor="lora_b")
-        # Products bs*A are exact in f32 (so FMA and BLAS are exact too) unless they could
-        # leave the normal range.
-        if bs_max * amag.max >= 2.0**127 or (
-                bs_min * amag.min != 0 and bs_min * amag.min < 2.0**-126):
-            route.fma = False
-        if amag.first_nonfinite >= 0 or bmag.first_nonfinite >= 0 or bs_max >= _BF16_FINITE_LIMIT:
+        if bmag.first_nonfinite >= 0:
             route.blas = False
-        product_bound = ad.rank * bs_max * amag.max * 1.01  # of the product, before any scale
+        product_bound, exact = _pair_route(route, ad.a, ad.b, bs_max, bs_min)
         route.bound += product_bound * (1.0 if prescaled else abs(float(ad.s)))
-        route.pairs[i] = route.pairs[i] and _pairs_exact(ad.rank, bs_min, amag.min, product_bound)
+        route.pairs[spec] = route.pairs[spec] and exact
+        spec += 1
     usable = route.blas and route.fma and dot_fuse_chosen()
     route.pairs = [p and usable for p in route.pairs]
     return route
@@ -462,19 +494,19 @@ def _first_bf16_overflow(bits, s):
     return int(bad[0]) if bad.size else -1
 
 
-def _probe_depths(prepared, route, shape, tile):
-    """The verified sgemm depth of each LoRA for each tile shape class -- (full, full),
+def _probe_depths(route, shape, tile):
+    """The verified sgemm depth of each spec's pair for each tile shape class -- (full, full),
     (full, edge), (edge, full), (edge, edge) in (rows, cols) -- zero where sgemm is not used."""
-    depths = np.zeros((len(prepared), 4), dtype=np.intc)
+    depths = np.zeros((len(route.specs), 4), dtype=np.intc)
     if not (route.blas and route.fma):
         return depths
     rows, cols = shape
     last_rows = rows - (rows - 1) // tile.rows * tile.rows  # the edge tiles' sizes
     last_cols = cols - (cols - 1) // tile.cols * tile.cols
-    for i, ad in enumerate(prepared):
-        if ad.kind != "lora" or route.pairs[i]:  # the dot-product kernel calls no sgemm
-            continue
-        depth = min(ad.rank, _fuse.PASS_DEPTH)  # the first pass's, as the tile runs it
+    for i, (kind, a, *_) in enumerate(route.specs):
+        if kind not in ("lora", "loha_first", "loha") or route.pairs[i]:
+            continue  # no pair, or the dot-product kernel, which calls no sgemm
+        depth = min(a.shape[0], _fuse.PASS_DEPTH)  # the first pass's, as the tile runs it
         for row_edge, m in ((0, tile.rows), (1, last_rows)):
             for col_edge, n in ((0, tile.cols), (1, last_cols)):
                 if (not row_edge and rows < tile.rows) or (not col_edge and cols < tile.cols):
@@ -501,6 +533,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
         elif result is not w:
             np.copyto(result, w)
         return (result if given_out else as_kind(result, weight)), 0
+    _lokr_factors(prepared, threads, check_finite)
     route = _choose_route(prepared, fmt, rule, check_finite)
     # In place with the overflow check on and a bound that does not rule overflow out: a dry
     # run finds any overflow before a byte is written.
@@ -522,13 +555,43 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
     return (result if given_out else as_kind(result, weight)), plan.overflows
 
 
+def _lokr_factors(prepared, threads, check_finite=False):
+    """Each LoKr's two factors in f32 (``f1``, ``f2``): a whole one widened, a low-rank one
+    the f32 product of its pair in §1's order, once a call (each has the weight's elements
+    over the other's)."""
+    for ad in prepared:
+        if ad.kind != "lokr":
+            continue
+        refuse_nonfinite_adapter(ad, check_finite)
+        ad.f1, ad.f2 = (bf16_to_f32(f[1]) if f[0] == "whole" else pair_product(f[1], f[2], threads)
+                        for f in ad.factors)
+
+
+def pair_product(a, b, threads=None):
+    """The f32 product ``B @ A`` of a low-rank pair, A [r, n] and B [m, r] bf16 bits: each
+    element summed from 0.0 in k order, one rounding per product and per add (§1's order), by
+    the fuse's routes; byte-identical to :func:`ltx2blas.reference.lora_product`."""
+    rows, cols = b.shape[0], a.shape[1]
+    out = np.empty((rows, cols), np.float32)
+    if out.size == 0:
+        return out
+    prepared = [Adapter("lora", a, b, np.float32(1.0), 0)]
+    route = _choose_route(prepared, "product", "addmm", False)
+    tile = default_tile(rows, cols)
+    threads = resolve_threads(threads)
+    plan = _plan(out, out, "product", prepared, route, tile, threads)
+    with blas_single_threaded() if plan.depths.any() else contextlib.nullcontext():
+        plan.run()
+    return out
+
+
 def _plan(w, result, fmt, prepared, route, tile, threads, stochastic_key=None, dry_run=False,
           fp8_overflow="saturate"):
     """The tile driver's plan of a fuse of ``prepared`` adapters by ``route``: each adapter's
     spec with its verified sgemm depths, and the buffers."""
-    depths = _probe_depths(prepared, route, w.shape, tile)
-    specs = [(_fuse.KINDS[ad.kind], ad.a, ad.b, float(ad.s), list(depths[i]), route.pairs[i])
-             for i, ad in enumerate(prepared)]
+    depths = _probe_depths(route, w.shape, tile)
+    specs = [(_fuse.KINDS[kind], a, b, float(scale), list(depths[i]), route.pairs[i], adapter)
+             for i, (kind, a, b, scale, adapter) in enumerate(route.specs)]
     return _fuse.FusePlan(
         w.view(np.uint8), result.view(np.uint8), _FORMAT_CODES[fmt], specs, tile.rows, tile.cols,
         max(1, min(threads, tile.count(*w.shape))), route.fma, _fuse.RULES[route.rule],

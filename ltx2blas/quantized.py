@@ -36,14 +36,14 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import _gemm, _quant
-from ._validate import (FP8, contiguous_array, f32_array, first_nonfinite_fp8, layout_codes,
-                        nonfinite_weight, round_up, where)
+from ._validate import (FP8, adapter_items, adapters_for, contiguous_array, f32_array, first_nonfinite_fp8,
+                        layout_codes, nonfinite_weight, refuse_nonfinite_adapter, round_up,
+                        where)
 from ._threads import resolve_threads
 from .errors import (
     ArgumentError,
     DTypeError,
     LayoutError,
-    NonFiniteInputError,
     NonFiniteResultError,
     NonFiniteWeightError,
     ShapeError,
@@ -106,13 +106,8 @@ def _delta(rows, cols, adapters, rule, threads, tile, out):
     _, _, first = _gemm.scan_bf16(delta.reshape(-1))
     if first < 0:
         return delta
-    for i, (a, b, _) in enumerate(adapters):
-        for what, factor in (("lora_a", a), ("lora_b", b)):
-            _, _, bad = _gemm.scan_bf16(np.ascontiguousarray(factor).view(np.uint16).reshape(-1))
-            if bad >= 0:
-                at = where(bad, np.shape(factor))
-                raise NonFiniteInputError(f"adapter {i} {what} is non-finite at {at}",
-                                          adapter=i, tensor=what)
+    for ad in adapters_for(adapters, rows, cols):
+        refuse_nonfinite_adapter(ad)
     at = where(first, (rows, cols))
     raise NonFiniteResultError(f"the adapters' delta overflows bf16 at {at}")
 
@@ -181,8 +176,9 @@ def fuse_quantized(layout, weight, adapters, *, scale, scale_2=None, fmt=None, r
         One of ``LAYOUTS`` (see the module docstring).
     weight : uint8 array
         The stored codes (an ml_dtypes fp8 array is taken as its codes; int8 for comfy_int8).
-    adapters : sequence of (lora_a, lora_b, strength)
-        bf16 factors as for :func:`ltx2blas.fuse_loras`; ``rule`` names how several combine.
+    adapters : sequence
+        As for :func:`ltx2blas.fuse_loras` (LoRA pairs, differences, LoKr, LoHa); ``rule``
+        names how several combine.
     scale, scale_2 : arrays
         The layout's scales (f32; the nvfp4 layouts' block scales uint8 E4M3 codes, their
         ``scale_2`` f32; comfy_mxfp8's uint8 E8M0 exponents).
@@ -209,7 +205,7 @@ def fuse_quantized(layout, weight, adapters, *, scale, scale_2=None, fmt=None, r
                          (second is None or second.flags.writeable)):
         raise LayoutError("in_place needs writeable weight and scales")
     threads = resolve_threads(threads)
-    adapters = [tuple(item) for item in adapters]
+    adapters = adapter_items(adapters)
     if rows == 0 or cols == 0:
         copies = (codes, block, second) if in_place else (
             codes.copy(), block.copy(), None if second is None else second.copy())

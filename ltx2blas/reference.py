@@ -121,20 +121,60 @@ def loha_delta(w1_a, w1_b, w2_a, w2_b, scale):
     return bf16_round(np.float32(scale) * (m1 * m2))
 
 
+def _lokr_factors(item):
+    """A LoKr item's two factors in f32: each bf16 bits (stored whole) or a pair (a, b)."""
+    return [lokr_factor(a=f[0], b=f[1]) if isinstance(f, tuple) else bf16_widen(f)
+            for f in (item.w1, item.w2)]
+
+
+def _kind(item):
+    """"lokr" (an item with w1, w2, scale), "loha" (w1_a, w1_b, w2_a, w2_b, scale), "diff"
+    ((diff, s)) or "lora" ((A, B, s))."""
+    if hasattr(item, "w2"):
+        return "lokr"
+    if hasattr(item, "w2_a"):
+        return "loha"
+    return "diff" if len(item) == 2 else "lora"
+
+
 def adapter_delta(item):
-    """The bf16 delta of one adapter: (A, B, s), a LoRA (lora_delta), or (diff, s), a
-    full-weight difference (diff_delta)."""
-    return diff_delta(*item) if len(item) == 2 else lora_delta(*item)
+    """The bf16 delta of one adapter: (A, B, s), a LoRA (lora_delta); (diff, s), a
+    full-weight difference (diff_delta); a LoKr (w1, w2, scale; each factor bf16 bits or a
+    pair (a, b)) or a LoHa (w1_a, w1_b, w2_a, w2_b, scale), as ltx2blas.LoKr and LoHa."""
+    kind = _kind(item)
+    if kind == "lokr":
+        return lokr_delta(*_lokr_factors(item), item.scale)
+    if kind == "loha":
+        return loha_delta(item.w1_a, item.w1_b, item.w2_a, item.w2_b, item.scale)
+    return diff_delta(*item) if kind == "diff" else lora_delta(*item)
+
+
+def later_term(item):
+    """(acc, s): what a later addmm term adds, f32(s * acc), acc unscaled in f32: a LoRA's
+    lora_product(A, B) (B unscaled), a difference's f32(diff), a LoKr's Kronecker product, a
+    LoHa's m1 * m2."""
+    kind = _kind(item)
+    if kind == "lokr":
+        w1, w2 = _lokr_factors(item)
+        (m1, n1), (m2, n2) = w1.shape, w2.shape
+        return (w1[:, None, :, None] * w2[None, :, None, :]).reshape(m1 * m2, n1 * n2), item.scale
+    if kind == "loha":
+        return (lora_product(item.w1_b, item.w1_a) * lora_product(item.w2_b, item.w2_a),
+                item.scale)
+    if kind == "diff":
+        return bf16_widen(item[0]), item[1]
+    return lora_product(item[0], item[1]), item[2]
 
 
 def aggregate_delta(adapters, rule="addmm"):
     """The bf16 delta of one or more adapters on one weight, by a named rule.  Each adapter is
-    (A, B, s), a LoRA, or (diff, s), a full-weight difference.
+    (A, B, s), a LoRA, (diff, s), a full-weight difference, a LoKr or a LoHa (adapter_delta).
 
     "sum":   total = bf16(0.0 + f32(delta_1) + f32(delta_2) + ...), f32, in adapter order.
     "addmm": agg = delta_1; then for each later adapter i, in order,
-             agg = bf16(f32(agg) + f32(f32(s_i) * acc_i)), acc_i = lora_product(A_i, B_i) for
-             a LoRA (B unscaled), f32(diff_i) for a difference.
+             agg = bf16(f32(agg) + f32(f32(s_i) * acc_i)), (acc_i, s_i) = later_term(i):
+             lora_product(A_i, B_i) for a LoRA (B unscaled), f32(diff_i) for a difference,
+             the unscaled Kronecker or element-wise product for a LoKr or LoHa.
     Each delta_i is adapter_delta's (a LoRA's strength rounded into B first)."""
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
@@ -146,8 +186,8 @@ def aggregate_delta(adapters, rule="addmm"):
         return bf16_round(total)
     agg = adapter_delta(adapters[0])
     for item in adapters[1:]:
-        acc = bf16_widen(item[0]) if len(item) == 2 else lora_product(item[0], item[1])
-        agg = bf16_round(bf16_widen(agg) + np.float32(item[-1]) * acc)
+        acc, s = later_term(item)
+        agg = bf16_round(bf16_widen(agg) + np.float32(s) * acc)
     return agg
 
 

@@ -1968,6 +1968,18 @@ static void store_rounded(const float *acc, uint16_t *out, ltx_idx ldo, ltx_idx 
     }
 }
 
+static void multiply_f32(const float *x, const float *y, float *dst, ltx_idx n)
+{
+    for (ltx_idx i = 0; i < n; i++)
+        dst[i] = x[i] * y[i];
+}
+
+static void scale_f32(const float *x, float s, float *dst, ltx_idx n)
+{
+    for (ltx_idx i = 0; i < n; i++)
+        dst[i] = s * x[i];
+}
+
 static ltx_idx first_nonfinite_bf16(const uint16_t *src, ltx_idx n)
 {
     for (ltx_idx i = 0; i < n; i++)
@@ -2033,4 +2045,6 @@ const ltx_kernels LTX_KERNELS_TABLE = {
     .layer_stats = layer_stats,
     .accumulate_addmm = accumulate_addmm,
     .store_rounded = store_rounded,
+    .multiply_f32 = multiply_f32,
+    .scale_f32 = scale_f32,
 };

@@ -305,6 +305,12 @@ typedef struct {
      * with row stride ldo: a bare delta, for layouts whose rule needs all of it first */
     void (*store_rounded)(const float *acc, uint16_t *out, ltx_idx ldo, ltx_idx rows,
                           ltx_idx cols);
+    /* dst[i] = x[i] * y[i], one f32 rounding each (dst may be x or y): a LoHa's two low-rank
+     * products multiplied element by element */
+    void (*multiply_f32)(const float *x, const float *y, float *dst, ltx_idx n);
+    /* dst[i] = s * x[i], one f32 rounding each (dst may be x): a run of a LoKr's Kronecker
+     * product (one element of w1 times a run of a row of w2), and the LoKr/LoHa scale */
+    void (*scale_f32)(const float *x, float s, float *dst, ltx_idx n);
     /* The layouts' passes of the same instruction set (quant.h); set by dispatch.c, which
      * joins each build of kernels.c with the build of quant.c for its instruction set. */
     const ltx_layout_passes *layout;
