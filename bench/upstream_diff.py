@@ -183,6 +183,62 @@ def features(rng, tokens):
     return out
 
 
+def lycoris_cases(rng, rows, cols, rank=32):
+    """(name, kind, tensors by role, alpha) of a rank-32 LoHa and of LoKrs of factor 8 and 16
+    (LyCORIS' layout: w1 [f, f] whole, w2 [rows / f, cols / f] as a pair of the rank), and of a
+    LoKr whose w2 is whole, at LoRA-like magnitudes."""
+    cases = [("LoHa rank 32", "loha", {
+        "w1_a": bf16(rng, (rows, rank), 0.1), "w1_b": bf16(rng, (rank, cols), 0.1),
+        "w2_a": bf16(rng, (rows, rank), 0.1), "w2_b": bf16(rng, (rank, cols), 0.1)}, 16.0)]
+    for f in (8, 16):
+        cases.append((f"LoKr factor {f} rank 32", "lokr", {
+            "w1": bf16(rng, (f, f), 0.5), "w2_a": bf16(rng, (rows // f, rank), 0.05),
+            "w2_b": bf16(rng, (rank, cols // f), 0.05)}, 16.0))
+    cases.append(("LoKr factor 8, w2 whole", "lokr", {
+        "w1": bf16(rng, (8, 8), 0.5), "w2": bf16(rng, (rows // 8, cols // 8), 0.005)}, None))
+    return cases
+
+
+def lycoris_item(kind, t, strength, alpha):
+    """The ltx2blas adapter of a lycoris_cases entry, its scale c as the file layer computes it."""
+    if kind == "loha":
+        dim = t["w1_b"].shape[0]
+        return ltx2blas.LoHa(t["w1_a"], t["w1_b"], t["w2_a"], t["w2_b"],
+                             reference.lycoris_scale(strength, alpha, dim))
+    factors = [t[n] if n in t else (t[n + "_a"], t[n + "_b"]) for n in ("w1", "w2")]
+    dim = next((t[n + "_b"].shape[0] for n in ("w2", "w1") if n + "_b" in t), None)
+    return ltx2blas.LoKr(*factors, reference.lycoris_scale(strength, alpha, dim))
+
+
+def lycoris_against_comfy(w, kind, t, alpha, strength=0.8):
+    """Elements of ltx2blas's fused weight that differ from ComfyUI's; of its f32 scaled
+    product c * (product) from ComfyUI's (the low-rank products' order of additions: the
+    textbook's against torch.mm's); and of the weight ComfyUI would get from ltx2blas's f32
+    scaled product added unrounded (what rounding the delta to bf16 first changes)."""
+    item = lycoris_item(kind, t, strength, alpha)
+    theirs = up.comfy_lycoris(w, kind, t, strength, alpha)
+    ours = ltx2blas.fuse_loras(w, [item])
+    product = np.asarray(reference.later_term(item)[0], np.float32)
+    ours32 = np.float32(item.scale) * product
+    diff, dim = up.comfy_lycoris_diff(kind, t)
+    scale = alpha / dim if alpha is not None and dim is not None else 1.0
+    theirs32 = ((strength * scale) * diff.reshape(w.shape)).numpy()
+    unrounded = reference.bf16_round(reference.bf16_widen(w) + ours32)
+    return {"elements": int(w.size),
+            "fused weights differ": int(np.count_nonzero(ours != theirs)),
+            "f32 scaled products differ": int(np.count_nonzero(
+                ours32.view(np.uint32) != theirs32.view(np.uint32))),
+            "largest difference, bf16 steps": int(np.max(np.abs(ordered(ours) - ordered(theirs)))),
+            "with ltx2blas's product added unrounded, fused weights differ":
+                int(np.count_nonzero(unrounded != theirs))}
+
+
+def ordered(bits):
+    """bf16 bits as integers that count steps across zero (for finite values)."""
+    b = np.asarray(bits, np.uint16).astype(np.int64)
+    return np.where(b & 0x8000, -(b & 0x7FFF), b)
+
+
 def adapter_kinds(rng, rows, cols):
     """Each adapter kind against ComfyUI's (and for DoRA PEFT's) arithmetic, which differs from
     ltx2blas's rules by design: their products are f32 (ComfyUI) or bf16 matmuls (PEFT), and the
@@ -205,6 +261,8 @@ def adapter_kinds(rng, rows, cols):
     ours = ltx2blas.fuse_dora(w, a, b, m_rows, scale=alpha / 32, style="peft")
     out["DoRA lora_magnitude_vector vs PEFT merge"] = fraction(
         ours, up.peft_dora(w, a, b, m_rows, alpha / 32))
+    for name, kind, t, alpha in lycoris_cases(rng, rows, cols):
+        out[f"{name} vs ComfyUI"] = lycoris_against_comfy(w, kind, t, alpha)
     bias = bf16(rng, (rows,), 0.02)
     term = rng.standard_normal(rows).astype(np.float32) * np.float32(0.01)
     theirs = up.bits((up.bf16_tensor(bias).to(torch.float32) + 0.8 * torch.from_numpy(term)).to(torch.bfloat16))

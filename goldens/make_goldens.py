@@ -8,6 +8,7 @@ code under test -- takes part in making a golden.  Run from anywhere:
     python goldens/make_goldens.py --check    # recomputes and compares, writes nothing
 """
 import argparse
+import collections
 import importlib.util
 import os
 import sys
@@ -157,7 +158,38 @@ def adapter_kind_cases(ref):
     terms = [bf16((rows,), 0.01), rng.standard_normal(rows).astype(np.float32) * np.float32(0.01)]
     cases["kind_bias"] = {"bias": bias, "term0": terms[0], "term1": terms[1],
                           "expected": ref.fuse_bias(bias, [(terms[0], 0.5), (terms[1], -1.5)])}
+    # LoHa and LoKr alone and among a LoRA and a difference, by each rule; the LoKrs' factors
+    # whole and as pairs both ways round
+    lyc = {"weight": weight, "lora_a": a, "lora_b": b, "diff": diff}
+    for n, r in (("1", 5), ("2", 3)):
+        lyc[f"hada_w{n}_a"], lyc[f"hada_w{n}_b"] = bf16((rows, r), 0.2), bf16((r, cols), 0.2)
+    lyc["lokr_w1"], lyc["lokr_w2_a"], lyc["lokr_w2_b"] = (bf16((4, 5), 0.3), bf16((6, 3), 0.3),
+                                                          bf16((3, 8), 0.3))
+    lyc["lokr_w1_a"], lyc["lokr_w1_b"], lyc["lokr_w2"] = (bf16((2, 2), 0.3), bf16((2, 8), 0.3),
+                                                          bf16((12, 5), 0.3))
+    lyc["loha_scale"] = np.float64(ref.lycoris_scale(-0.8, 2.0, 5))
+    lyc["lokr_scale"] = np.float64(ref.lycoris_scale(0.9, 4.0, 3))
+    lyc["lokr2_scale"] = np.float64(ref.lycoris_scale(1.1, 4.0, 2))
+    for name, items in lycoris_items(lyc).items():
+        for rule in ("addmm", "sum"):
+            cases[f"kind_{name}_{rule}"] = {**lyc, "rule": np.array(rule),
+                                            "expected": ref.fuse_loras(weight, items, rule)}
     return cases
+
+
+LoHa = collections.namedtuple("LoHa", "w1_a w1_b w2_a w2_b scale")
+LoKr = collections.namedtuple("LoKr", "w1 w2 scale")
+
+
+def lycoris_items(c):
+    """The adapter lists of the LoHa/LoKr goldens, by case name, from a case's arrays (the same
+    fields as ltx2blas.LoHa and LoKr, which the test builds them as)."""
+    loha = LoHa(c["hada_w1_a"], c["hada_w1_b"], c["hada_w2_a"], c["hada_w2_b"],
+                float(c["loha_scale"]))
+    lokr = LoKr(c["lokr_w1"], (c["lokr_w2_a"], c["lokr_w2_b"]), float(c["lokr_scale"]))
+    lokr2 = LoKr((c["lokr_w1_a"], c["lokr_w1_b"]), c["lokr_w2"], float(c["lokr2_scale"]))
+    return {"loha": [loha], "lokr": [lokr], "lycoris_mixed": [
+        loha, (c["lora_a"], c["lora_b"], -1.2), lokr2, (c["diff"], 0.7), lokr]}
 
 
 def feature_cases(ref):

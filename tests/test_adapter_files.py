@@ -174,8 +174,9 @@ def test_dora_refusals(model, tmp_path, rng):
 
 @pytest.mark.parametrize("suffixes, kind", [
     ([".lora_down.weight", ".lora_up.weight", ".lora_mid.weight"], "LoCon with a Tucker core"),
-    ([".hada_w1_a", ".hada_w1_b", ".hada_w2_a", ".hada_w2_b"], "LoHa"),
-    ([".lokr_w1", ".lokr_w2"], "LoKr"),
+    ([".hada_w1_a", ".hada_w1_b", ".hada_w2_a", ".hada_w2_b", ".hada_t1"],
+     "LoHa with a Tucker core"),
+    ([".lokr_w1", ".lokr_w2_a", ".lokr_w2_b", ".lokr_t2"], "LoKr with a Tucker core"),
     ([".a1.weight", ".a2.weight", ".b1.weight", ".b2.weight"], "GLoRA"),
     ([".oft_blocks"], "OFT/BOFT"),
     ([".set_weight"], "set_weight"),

@@ -275,3 +275,14 @@ def test_the_verify_benchmark_runs_and_checks_its_files(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 1 and rows[0]["checked"] and rows[0]["scale"] == 16
     assert set(rows[0]["seconds"]) == {"fuse", "fuse_plain", "verify_file", "verify_rebuild"}
+
+
+def test_the_lycoris_benchmark_runs_and_checks_its_results(tmp_path):
+    out = tmp_path / "lycoris.json"
+    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(BENCH), "bench_lycoris.py"),
+                        "--threads", "1", "--shape", "256x320", "--rank", "8", "--repeats", "1",
+                        "--out", str(out)], capture_output=True, text=True, cwd="/", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["kind"] for row in rows] == ["lora", "loha", "lokr_f8", "lokr_f16"]
+    assert all(row["same_bytes"] for row in rows)

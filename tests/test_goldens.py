@@ -158,7 +158,20 @@ KIND_CASES = sorted(glob.glob(os.path.join(GOLDENS, "kind_*.npz")))
 def test_adapter_kind_goldens_exist():
     names = {os.path.basename(p) for p in KIND_CASES}
     assert {"kind_diff_addmm.npz", "kind_diff_sum.npz", "kind_dora_peft.npz",
-            "kind_dora_comfy_out.npz", "kind_dora_comfy_in.npz", "kind_bias.npz"} <= names
+            "kind_dora_comfy_out.npz", "kind_dora_comfy_in.npz", "kind_bias.npz",
+            "kind_loha_addmm.npz", "kind_lokr_sum.npz", "kind_lycoris_mixed_addmm.npz",
+            "kind_lycoris_mixed_sum.npz"} <= names
+
+
+def lycoris_items(c):
+    """The goldens' LoHa/LoKr adapter lists (as goldens/make_goldens.py builds them), as the
+    array API's LoHa and LoKr."""
+    loha = ltx2blas.LoHa(c["hada_w1_a"], c["hada_w1_b"], c["hada_w2_a"], c["hada_w2_b"],
+                         float(c["loha_scale"]))
+    lokr = ltx2blas.LoKr(c["lokr_w1"], (c["lokr_w2_a"], c["lokr_w2_b"]), float(c["lokr_scale"]))
+    lokr2 = ltx2blas.LoKr((c["lokr_w1_a"], c["lokr_w1_b"]), c["lokr_w2"], float(c["lokr2_scale"]))
+    return {"loha": [loha], "lokr": [lokr], "lycoris_mixed": [
+        loha, (c["lora_a"], c["lora_b"], -1.2), lokr2, (c["diff"], 0.7), lokr]}
 
 
 @pytest.mark.parametrize("path", KIND_CASES, ids=os.path.basename)
@@ -176,6 +189,11 @@ def test_adapter_kinds_reproduce_golden(path, threads):
         got = ltx2blas.fuse_dora(*args, scale=float(c["scale"]), strength=float(c["strength"]),
                                  style=str(c["style"]), threads=threads)
         again = reference.fuse_dora(*args, float(c["scale"]), float(c["strength"]), str(c["style"]))
+    elif name.startswith(("kind_lo", "kind_lycoris")):
+        kind = name[len("kind_"):name.rindex("_")]
+        items = lycoris_items(c)[kind]
+        got = ltx2blas.fuse_loras(c["weight"], items, rule=str(c["rule"]), threads=threads)
+        again = reference.fuse_loras(c["weight"], items, str(c["rule"]))
     else:
         items = [(c["term0"], 0.5), (c["term1"], -1.5)]
         got = ltx2blas.fuse.fuse_bias(c["bias"], items)

@@ -242,3 +242,19 @@ def test_routes_name_the_kinds(rng):
     w = random_bf16(rng, (64, 64))
     names = fuse._plan(w, w.copy(), "bf16", prepared, route, fuse.Tile(64, 64), 1).routes()
     assert names[0] == "Kronecker" and len(names) == 3
+
+
+def test_a_quantised_layout_names_a_non_finite_input_of_any_kind(rng):
+    from test_quantized import case
+
+    weight, _, kwargs = case(rng, "fp8_scaled")
+    rows, cols = weight.shape
+    diff = random_bf16(rng, (rows, cols), 0.01)
+    diff[3, 4] = 0x7F80
+    with pytest.raises(NonFiniteInputError, match=r"adapter 1 diff is non-finite at \(3, 4\)"):
+        ltx2blas.fuse_quantized("fp8_scaled", weight, [lora(rng, rows, cols), (diff, 0.5)],
+                                **kwargs)
+    ad = loha(rng, rows, cols)
+    ad.w2_a[7, 1] = 0xFFC0
+    with pytest.raises(NonFiniteInputError, match=r"adapter 0 w2_a is non-finite at \(7, 1\)"):
+        ltx2blas.fuse_quantized("fp8_scaled", weight, [ad], **kwargs)

@@ -328,6 +328,36 @@ def comfy_lora(weight, up, down, strength, alpha=None):
     return bits(w.to(torch.bfloat16))
 
 
+def comfy_lycoris_diff(kind, tensors):
+    """A LoHa's or LoKr's f32 diff and its dim as ComfyUI's weight_adapter/loha.py and lokr.py
+    compute them (the factors cast to f32, torch.mm, then the element-wise or Kronecker
+    product); ``tensors`` by role name without the kind's prefix (w1_a, w1, ...), bf16 bits."""
+    t = {k: bf16_tensor(v).to(torch.float32) for k, v in tensors.items()}
+    if kind == "loha":
+        return (torch.mm(t["w1_a"], t["w1_b"]) * torch.mm(t["w2_a"], t["w2_b"]),
+                t["w1_b"].shape[0])
+    dim = None
+    w1 = t.get("w1")
+    if w1 is None:
+        dim = t["w1_b"].shape[0]
+        w1 = torch.mm(t["w1_a"], t["w1_b"])
+    w2 = t.get("w2")
+    if w2 is None:
+        dim = t["w2_b"].shape[0]
+        w2 = torch.mm(t["w2_a"], t["w2_b"])
+    return torch.kron(w1, w2), dim
+
+
+def comfy_lycoris(weight, kind, tensors, strength, alpha=None):
+    """ComfyUI's LoHa or LoKr patch on the CPU: the weight widened to f32,
+    ``weight += (strength * (alpha / dim)) * diff`` (alpha / dim only with both), back to bf16."""
+    w = bf16_tensor(weight).to(torch.float32)
+    diff, dim = comfy_lycoris_diff(kind, tensors)
+    scale = alpha / dim if alpha is not None and dim is not None else 1.0
+    w += ((strength * scale) * diff.reshape(w.shape)).type(w.dtype)
+    return bits(w.to(torch.bfloat16))
+
+
 def comfy_diff(weight, diff, strength):
     w = bf16_tensor(weight).to(torch.float32)
     w += strength * bf16_tensor(diff).to(torch.float32)

@@ -1,7 +1,8 @@
 """Adapter files and what they fuse into: sources, the plan of a fuse, and its factors.
 
 A plan says, for every weight and bias an adapter touches, which of its tensors fuse there, as
-what kind (a LoRA pair, DoRA, a full-weight difference, a bias term) and at what scale, and
+what kind (a LoRA pair, DoRA, a LoHa, a LoKr, a full-weight difference, a bias term) and at
+what scale, and
 checks shapes, dtypes and combinations before anything is read or written.  Adapter modules
 that match no weight, and keys of no known role, stop the fuse unless the caller allows them.
 """
@@ -11,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._validate import (BLAS_INT_MAX, FP8_BY_NAME, bf16_to_f32, choice, first_nonfinite, is_bf16,
-                         ml_fp8_format, round_up, strength_f32, where)
+from .._validate import (BLAS_INT_MAX, FP8_BY_NAME, LoHa, LoKr, bf16_to_f32, choice,
+                         first_nonfinite, is_bf16, ml_fp8_format, round_up, strength_f32, where)
 from ..errors import DTypeError, FormatError, KeyMatchError, NonFiniteInputError, ShapeError
 from . import keys as keymatch
 from . import peft
@@ -50,8 +51,9 @@ class Item:
     """One adapter's contribution to one weight."""
     source: int
     pair: keymatch.Pair
-    kind: str          # "lora", "dora" or "diff"
-    scale: float       # LoRA and diff: the delta's scale; DoRA: the LoRA's own (alpha/rank)
+    kind: str          # "lora", "dora", "loha", "lokr" or "diff"
+    scale: float       # LoRA and diff: the delta's scale; DoRA: the LoRA's own (alpha/rank);
+                       # LoHa and LoKr: c = strength x alpha / dim
     strength: float    # the user's strength (DoRA blends by it)
 
 
@@ -269,6 +271,17 @@ def _plan_pair(plan, index, source, strength, pair, layout_of, model_entries, re
                              f"integer range ({BLAS_INT_MAX})")
     elif pair.kind == "diff":
         _check(source, keys["diff"], (out_f, in_f), FLOATS, "diff")
+    elif pair.kind in ("loha", "lokr"):
+        dim = _lycoris_dim(source, pair, (out_f, in_f), where)
+        scale = _lycoris_scale(source, pair, dim, alpha, strength, report)
+        strength_f32(scale, f"{source.name}: {pair.module}: the scale (strength x alpha / dim, "
+                            f"strength {strength:g})")
+        plan.weights.setdefault(pair.target, []).append(Item(index, pair, pair.kind, scale,
+                                                             strength))
+        report.pairs_used += 1
+        report.kinds[pair.kind] = report.kinds.get(pair.kind, 0) + 1
+        report.keys_used += len(keys)
+        return
     scale_at = _scale_rule(configs, source, pair, rank, alpha, report) if \
         pair.kind == "lora" else (lambda w: w)
     kind = pair.kind
@@ -311,6 +324,63 @@ def _plan_pair(plan, index, source, strength, pair, layout_of, model_entries, re
         if pair.kind == "bias":
             report.pairs_used += 1
     report.keys_used += len(keys)
+
+
+def _lycoris_dim(source, pair, shape, where):
+    """A LoHa's or LoKr's ``dim``, the rank its alpha divides by (None for a LoKr whose factors
+    are both whole), once its factors are found to fit the weight: a LoHa's the rank of
+    hada_w1_b; a LoKr's the rank of w2's pair if it has one, else of w1's, as ComfyUI takes
+    them."""
+    out_f, in_f = shape
+    keys = pair.keys
+
+    def two_d(role):
+        got = tuple(source.shape(keys[role]))
+        if len(got) != 2:
+            raise ShapeError(f"{source.name}: {keys[role]!r} has shape {list(got)}; the factors "
+                             f"of {where} are 2-D")
+        _check(source, keys[role], None, FLOATS, "factor")
+        return got
+
+    if pair.kind == "loha":
+        shapes = {role: two_d(role) for role in keymatch.LOHA_ROLES}
+        for n in ("1", "2"):
+            a, b = shapes[f"hada_w{n}_a"], shapes[f"hada_w{n}_b"]
+            if a[0] != out_f or b[1] != in_f or a[1] != b[0] or a[1] == 0:
+                raise ShapeError(f"{source.name}: {pair.module}: hada_w{n}_a {list(a)} and "
+                                 f"hada_w{n}_b {list(b)} do not fit {where}")
+        return shapes["hada_w1_b"][0]
+    factors, dims = [], []
+    for n in ("1", "2"):
+        if f"lokr_w{n}" in keys:
+            factors.append(two_d(f"lokr_w{n}"))
+            dims.append(None)
+            continue
+        a, b = two_d(f"lokr_w{n}_a"), two_d(f"lokr_w{n}_b")
+        if a[1] != b[0] or a[1] == 0:
+            raise ShapeError(f"{source.name}: {pair.module}: lokr_w{n}_a {list(a)} and "
+                             f"lokr_w{n}_b {list(b)} do not multiply (ranks {a[1]} and {b[0]})")
+        factors.append((a[0], b[1]))
+        dims.append(b[0])
+    (m1, n1), (m2, n2) = factors
+    if (m1 * m2, n1 * n2) != (out_f, in_f):
+        raise ShapeError(f"{source.name}: {pair.module}: the Kronecker product of w1 {[m1, n1]} "
+                         f"and w2 {[m2, n2]} is [{m1 * m2}, {n1 * n2}], not {where}")
+    return dims[1] if dims[1] is not None else dims[0]
+
+
+def _lycoris_scale(source, pair, dim, alpha, strength, report):
+    """A LoHa's or LoKr's scale c, as ComfyUI computes it: strength x (alpha / dim) in Python's
+    double arithmetic where the module has an .alpha and a dim, else the strength (an alpha
+    beside two whole LoKr factors is not applied, there as here)."""
+    if pair.alpha is None:
+        return strength
+    if alpha != "scale" or dim is None:
+        report.alpha_ignored += 1
+        return strength
+    report.alpha_scaled += 1
+    _alpha_source(report, "its .alpha tensors")
+    return strength * (_alpha_value(source, pair.alpha) / dim)
 
 
 def _scale_rule(configs, source, pair, rank, alpha, report):
@@ -359,6 +429,9 @@ def _alpha_source(report, text):
 
 def _bf16_keys(item):
     """The adapter tensors of an item that are read as bf16 (into the reader's space)."""
+    if item.kind in ("loha", "lokr"):
+        roles = keymatch.LOHA_ROLES if item.kind == "loha" else keymatch.LOKR_ROLES
+        return tuple(item.pair.keys[r] for r in roles if r in item.pair.keys)
     return (item.pair.keys["diff"],) if item.kind == "diff" else (item.pair.a, item.pair.b)
 
 
@@ -417,8 +490,32 @@ def refuse_nonfinite(source, key, array, stored=None):
 class Loaded:
     """An item's tensors, ready to fuse."""
     item: Item
-    arrays: tuple      # LoRA/DoRA (A, B); diff (diff,)
+    arrays: tuple      # LoRA/DoRA (A, B); diff (diff,); LoHa, LoKr: their factors by role, in
+                       # keys.LOHA_ROLES / LOKR_ROLES order
     magnitude: np.ndarray = None
+
+    def adapter(self):
+        """The array API's adapter: (A, B, scale), (diff, scale), a LoHa or a LoKr."""
+        it = self.item
+        if it.kind == "loha":
+            return LoHa(*self.arrays, it.scale)
+        if it.kind == "lokr":
+            roles = [r for r in keymatch.LOKR_ROLES if r in it.pair.keys]
+            by_role = dict(zip(roles, self.arrays))
+
+            def factor(name):
+                return by_role[name] if name in by_role else (by_role[name + "_a"],
+                                                              by_role[name + "_b"])
+            return LoKr(factor("lokr_w1"), factor("lokr_w2"), it.scale)
+        return (*self.arrays, it.scale)
+
+    def key_of(self, tensor):
+        """The file's key of a tensor the array API names (lora_a, w1_b, diff, ...)."""
+        keys = self.item.pair.keys
+        role = {"lora_a": "down", "lora_b": "up"}.get(tensor, tensor)
+        if self.item.kind in ("loha", "lokr"):
+            role = ("hada_" if self.item.kind == "loha" else "lokr_") + tensor
+        return keys.get(role) or keys.get("diff")
 
 
 def factors(items, sources, reports, space=None):
@@ -458,6 +555,22 @@ def bias_terms(items, sources):
 
 
 def gflop(shape, items, sources):
+    """The products' floating-point work of one weight's items, in GFLOP: 2 x rows x cols x
+    rank per low-rank product over the weight (a LoHa has two), a LoKr's factors' own
+    products, and one operation an element for a Kronecker or element-wise pass."""
     out_f, in_f = shape
-    return sum(2.0 * out_f * in_f * sources[it.source].shape(it.pair.a)[0] for it in items
-               if it.kind != "diff") / 1e9
+
+    def work(it):
+        if it.kind == "diff":
+            return 0.0
+        if it.kind in ("lora", "dora"):
+            return 2.0 * out_f * in_f * sources[it.source].shape(it.pair.a)[0]
+        keys, total = it.pair.keys, float(out_f * in_f)
+        for n in ("1", "2"):
+            role = f"hada_w{n}" if it.kind == "loha" else f"lokr_w{n}"
+            if role + "_a" in keys:
+                (m, r), cols = sources[it.source].shape(keys[role + "_a"]), \
+                    sources[it.source].shape(keys[role + "_b"])[1]
+                total += 2.0 * m * r * cols
+        return total
+    return sum(work(it) for it in items) / 1e9

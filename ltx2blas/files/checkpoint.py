@@ -109,8 +109,11 @@ class FuseReport:
         return "\n".join(lines)
 
 
+_KIND_NAMES = {"loha": "LoHa", "lokr": "LoKr"}  # LyCORIS' spelling of its kinds
+
+
 def _adapter_line(i, a, in_file=True):
-    kinds = ", ".join(f"{n} {k}" for k, n in sorted(a.kinds.items()))
+    kinds = ", ".join(f"{n} {_KIND_NAMES.get(k, k)}" for k, n in sorted(a.kinds.items()))
     text = (f"adapter {i}: {printable(a.path)} x {a.strength:g}: "
             f"{_count(a.pairs_used, 'module')} ({kinds or 'none'}; "
             f"{_count(a.keys_used, 'key')}) used")
@@ -493,9 +496,7 @@ def _located(exc, model, name, loaded=(), sources=()):
     place = f"{model}: {name}"
     if exc.adapter is not None and exc.adapter < len(loaded):
         item = loaded[exc.adapter].item
-        key = {"lora_a": item.pair.a, "lora_b": item.pair.b}.get(exc.tensor,
-                                                                 item.pair.keys.get("diff"))
-        place += f", adapter {sources[item.source].name}: {key}"
+        place += f", adapter {sources[item.source].name}: {loaded[exc.adapter].key_of(exc.tensor)}"
     return type(exc)(f"{place}: {exc}", adapter=exc.adapter, tensor=exc.tensor)
 
 
@@ -530,7 +531,7 @@ def _fuse_arrays(weight, loaded, layout, name, options, scales, delta):
         fuse_dora(weight, a, b, loaded[0].magnitude, scale=item.scale, strength=item.strength,
                   style=style, threads=options.threads, out=weight)
         return 0
-    adapters = [(*ld.arrays, ld.item.scale) for ld in loaded]
+    adapters = [ld.adapter() for ld in loaded]
     if layout.quantized:
         fuse_quantized(layout.kind, weight, adapters, scale=scales[0],
                        scale_2=scales[1] if len(scales) > 1 else None,

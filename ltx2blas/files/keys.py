@@ -1,15 +1,16 @@
 """Which adapter tensors go with which model weight, in every spelling the field uses.
 
 An adapter key is ``<prefix><module><suffix>``.  The suffix says the tensor's role (ROLES: the
-LoRA factors in seven spellings, alpha, DoRA's magnitude, biases, a full-weight difference, and
-the kinds ltx2blas does not fuse); the prefix is stripped (ADAPTER_PREFIXES); the module is then
+LoRA factors in seven spellings, LyCORIS' LoHa and LoKr factors, alpha, DoRA's magnitude,
+biases, a full-weight difference, and the kinds ltx2blas does not fuse); the prefix is stripped (ADAPTER_PREFIXES); the module is then
 looked up among the model's modules under every name they go by: as stored, LTX-2's and
 diffusers' names for the transformer (RENAMES, both ways), and kohya's flattened form with dots
 as underscores.  Model weights are ``<prefix><module>.weight`` (MODEL_PREFIXES).
 
-Every module of an adapter file becomes a Pair of one kind ("lora", "diff", "bias"), or an
-error: a factor without its partner, an alpha or magnitude without a pair, a kind that is not
-fused (LoCon's lora_mid, LoHa, LoKr, GLoRA, OFT/BOFT, ComfyUI's set and reshape patches).
+Every module of an adapter file becomes a Pair of one kind ("lora", "loha", "lokr", "diff",
+"bias"), or an error: a factor without its partner, an alpha or magnitude without a pair, a
+kind that is not fused (LoCon's lora_mid, the Tucker forms of LoHa and LoKr, GLoRA, OFT/BOFT,
+ComfyUI's set and reshape patches).
 Pairs that match no weight are returned as unmatched, each with the component it belongs to
 where the name says (text encoder, connectors, VAE); keys of no known role as unused, except
 the tensors of modules the model does not have at all (an adapter's own module, such as an
@@ -42,14 +43,23 @@ ROLES = {
     ".dora_scale": "dora_scale",
     ".lora_B.bias": "up_bias", ".lora_up.bias": "up_bias",
     ".diff": "diff", ".diff_b": "diff_b",
+    # LyCORIS (its own files, kohya's and ComfyUI's spellings are the same suffixes)
+    ".hada_w1_a": "hada_w1_a", ".hada_w1_b": "hada_w1_b", ".hada_w2_a": "hada_w2_a",
+    ".hada_w2_b": "hada_w2_b",
+    ".lokr_w1": "lokr_w1", ".lokr_w1_a": "lokr_w1_a", ".lokr_w1_b": "lokr_w1_b",
+    ".lokr_w2": "lokr_w2", ".lokr_w2_a": "lokr_w2_a", ".lokr_w2_b": "lokr_w2_b",
 }
+#: The roles of each LyCORIS kind's factors, by kind
+LOHA_ROLES = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+LOKR_ROLES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
 #: suffix -> the adapter kind it belongs to, for the kinds that are refused
 REFUSED = {
     ".lora_mid.weight": "LoCon with a Tucker core (lora_mid)",
-    ".hada_w1_a": "LoHa", ".hada_w1_b": "LoHa", ".hada_w2_a": "LoHa", ".hada_w2_b": "LoHa",
-    ".hada_t1": "LoHa", ".hada_t2": "LoHa",
-    ".lokr_w1": "LoKr", ".lokr_w1_a": "LoKr", ".lokr_w1_b": "LoKr", ".lokr_w2": "LoKr",
-    ".lokr_w2_a": "LoKr", ".lokr_w2_b": "LoKr", ".lokr_t2": "LoKr",
+    # LyCORIS writes Tucker cores for convolutions only; LTX-2's adapted weights are Linears
+    ".hada_t1": "LoHa with a Tucker core (hada_t1, a convolution's form)",
+    ".hada_t2": "LoHa with a Tucker core (hada_t2, a convolution's form)",
+    ".lokr_t1": "LoKr with a Tucker core (lokr_t1, a convolution's form)",
+    ".lokr_t2": "LoKr with a Tucker core (lokr_t2, a convolution's form)",
     ".a1.weight": "GLoRA", ".a2.weight": "GLoRA", ".b1.weight": "GLoRA", ".b2.weight": "GLoRA",
     ".oft_blocks": "OFT/BOFT", ".rescale": "OFT/BOFT",
     ".set_weight": "a weight replacement (set_weight)",
@@ -144,9 +154,9 @@ def component(module):
 class Pair:
     """One adapter module: its tensors by role, its kind, and the model keys it fuses into."""
     module: str
-    kind: str = None        # "lora", "diff" or "bias"
+    kind: str = None        # "lora", "loha", "lokr", "diff" or "bias"
     keys: dict = field(default_factory=dict)   # role -> adapter key
-    target: str = None      # the model weight key ("lora", "diff")
+    target: str = None      # the model weight key (every kind but "bias")
     bias_target: str = None  # the model bias key (an up_bias or diff_b)
     component: str = None   # for an unmatched pair: where its name says it belongs
 
@@ -216,9 +226,43 @@ class ModelIndex:
         return next(iter(hits))
 
 
+def _lycoris_kind(pair, roles, adapter_name):
+    """"loha" or "lokr" for a module with LyCORIS factors, or the error naming what is wrong."""
+    name = pair.module
+    loha, lokr = roles & set(LOHA_ROLES), roles & set(LOKR_ROLES)
+    if loha and lokr or roles & {"down", "up", "diff"}:
+        raise KeyMatchError(f"{adapter_name}: module {name!r} mixes the tensors of two adapter "
+                            f"kinds ({', '.join(sorted(roles))})")
+    if "dora_scale" in roles:
+        raise KeyMatchError(f"{adapter_name}: {pair.keys['dora_scale']!r}: a LoHa or LoKr with "
+                            "DoRA's weight decomposition, which ltx2blas does not fuse")
+    extra = roles - loha - lokr - {"alpha"}
+    if extra:
+        raise KeyMatchError(f"{adapter_name}: module {name!r}: {sorted(extra)} beside "
+                            f"{'LoHa' if loha else 'LoKr'} factors")
+    if loha:
+        missing = [r for r in LOHA_ROLES if r not in roles]
+        if missing:
+            raise KeyMatchError(f"{adapter_name}: module {name!r} is a LoHa without "
+                                f"{', '.join('.' + r for r in missing)}")
+        return "loha"
+    for factor in ("lokr_w1", "lokr_w2"):
+        halves = {f"{factor}_a", f"{factor}_b"} & roles
+        if factor in roles and halves:
+            raise KeyMatchError(f"{adapter_name}: module {name!r} holds .{factor} whole and as "
+                                f"the pair {', '.join('.' + h for h in sorted(halves))}")
+        if factor not in roles and len(halves) != 2:
+            have = f" (it has .{next(iter(halves))} alone)" if halves else ""
+            raise KeyMatchError(f"{adapter_name}: module {name!r} is a LoKr without .{factor} or "
+                                f".{factor}_a and .{factor}_b{have}")
+    return "lokr"
+
+
 def _kind(pair, adapter_name):
     roles = set(pair.keys)
     name = pair.module
+    if roles & (set(LOHA_ROLES) | set(LOKR_ROLES)):
+        return _lycoris_kind(pair, roles, adapter_name)
     if "down" in roles or "up" in roles:
         if not {"down", "up"} <= roles:
             have = pair.keys.get("down") or pair.keys.get("up")
