@@ -234,3 +234,19 @@ def test_a_whole_factor_beside_its_pair_is_refused(model, tmp_path, rng):
     kr = lokr_tensors(rng, "diffusion_model." + Q, (64, 48), (4, 4), w2_rank=3)
     kr["diffusion_model." + Q + ".lokr_w2"] = ("BF16", random_bf16(rng, (16, 12)))
     _refused(model, tmp_path, kr, errors.KeyMatchError, "holds .lokr_w2 whole and as the pair")
+
+
+def test_a_fused_loha_and_lokr_verify_and_a_changed_factor_is_named(model, tmp_path, rng):
+    path, _ = model
+    ha = loha_tensors(rng, "diffusion_model." + Q, (64, 48), alpha=2.0)
+    kr = lokr_tensors(rng, "lycoris_" + K.replace(".", "_"), (64, 48), (4, 6), w2_rank=5,
+                      alpha=3.0)
+    files = [ck.write(tmp_path / "ha.safetensors", ha), ck.write(tmp_path / "kr.safetensors", kr)]
+    out = tmp_path / "out.safetensors"
+    ltx2blas.fuse_checkpoint(path, [(files[0], 0.7), (files[1], -1.2)], out)
+    report = ltx2blas.verify_checkpoint(out, path, [files[0], files[1]], threads=1)
+    assert report.status == "verified", report.summary()
+    kr["lycoris_" + K.replace(".", "_") + ".lokr_w2_b"][1][0, 0] ^= 1
+    ck.write(files[1], kr)
+    report = ltx2blas.verify_checkpoint(out, path, [files[0], files[1]], threads=1)
+    assert report.status == "differs" and "lokr_w2_b" in report.summary()

@@ -49,6 +49,48 @@ def test_fuse_matches_reference(rows, cols, ranks, strengths, threads, tile, ml_
     assert np.array_equal(got.view(np.uint16), expected)
 
 
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def lycoris_adapter(draw, rows, cols, seed):
+    """A LoHa or a LoKr for a [rows, cols] weight: LoHa ranks 1-40; LoKr factors that divide
+    the weight's shape, each whole or a pair of rank 1-20."""
+    scale = draw(st.floats(-8, 8, allow_nan=False, width=32))
+    if draw(st.booleans()):
+        r1, r2 = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+        return ltx2blas.LoHa(bf16_array(seed, (rows, r1), 0.2), bf16_array(seed + 1, (r1, cols), 0.2),
+                             bf16_array(seed + 2, (rows, r2), 0.2), bf16_array(seed + 3, (r2, cols), 0.2),
+                             scale)
+    m1, n1 = draw(st.sampled_from(_divisors(rows))), draw(st.sampled_from(_divisors(cols)))
+    factors = []
+    for i, (m, n) in enumerate(((m1, n1), (rows // m1, cols // n1))):
+        rank = draw(st.one_of(st.none(), st.integers(1, 20)))
+        factors.append(bf16_array(seed + 4 + i, (m, n), 0.3) if rank is None else
+                       (bf16_array(seed + 6 + i, (m, rank), 0.3), bf16_array(seed + 8 + i, (rank, n), 0.3)))
+    return ltx2blas.LoKr(*factors, scale)
+
+
+@SETTINGS
+@given(data=st.data(), rows=st.integers(1, 60), cols=st.integers(1, 72),
+       rule=st.sampled_from(["addmm", "sum"]), threads=st.integers(1, 4),
+       tile=st.sampled_from([None, (7, 16), (32, 8), (64, 64)]), seed=st.integers(0, 2**30))
+def test_lokr_and_loha_among_loras_match_reference(data, rows, cols, rule, threads, tile, seed):
+    adapters = []
+    for i in range(data.draw(st.integers(1, 3))):
+        if data.draw(st.booleans()):
+            adapters.append(data.draw(lycoris_adapter(rows, cols, seed + 100 * i)))
+        else:
+            rank = data.draw(st.integers(1, 40))
+            adapters.append((bf16_array(seed + 100 * i, (rank, cols), 0.05),
+                             bf16_array(seed + 100 * i + 1, (rows, rank), 0.05),
+                             data.draw(st.floats(-8, 8, allow_nan=False, width=32))))
+    weight = bf16_array(seed + 999, (rows, cols), 0.05)
+    got = ltx2blas.fuse_loras(weight, adapters, rule=rule, threads=threads, tile=tile)
+    assert np.array_equal(got, reference.fuse_loras(weight, adapters, rule=rule))
+
+
 @SETTINGS
 @given(rows=st.integers(0, 40), cols=st.integers(1, 600), feats=st.integers(1, 40),
        x_bf16=st.booleans(), w_bf16=st.booleans(), bias=st.sampled_from([None, "f32", "bf16"]),
