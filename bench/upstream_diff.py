@@ -228,15 +228,20 @@ def lycoris_against_comfy(w, kind, t, alpha, strength=0.8):
             "fused weights differ": int(np.count_nonzero(ours != theirs)),
             "f32 scaled products differ": int(np.count_nonzero(
                 ours32.view(np.uint32) != theirs32.view(np.uint32))),
-            "largest difference, bf16 steps": int(np.max(np.abs(ordered(ours) - ordered(theirs)))),
+            "largest difference, in bf16 steps at the larger of the weight and the result":
+                largest_steps(w, ours, theirs),
             "with ltx2blas's product added unrounded, fused weights differ":
                 int(np.count_nonzero(unrounded != theirs))}
 
 
-def ordered(bits):
-    """bf16 bits as integers that count steps across zero (for finite values)."""
-    b = np.asarray(bits, np.uint16).astype(np.int64)
-    return np.where(b & 0x8000, -(b & 0x7FFF), b)
+def largest_steps(w, ours, theirs):
+    """max |ours - theirs| over the bf16 spacing at max(|w|, |ours|, |theirs|), element by
+    element: where the weight and the delta cancel, both results are tiny and steps counted at
+    the result alone would be huge for a difference below the inputs' own rounding."""
+    v = [reference.bf16_widen(x).astype(np.float64) for x in (w, ours, theirs)]
+    top = np.maximum(np.maximum(np.abs(v[0]), np.abs(v[1])), np.abs(v[2]))
+    step = np.exp2(np.floor(np.log2(np.maximum(top, 2.0**-126))) - 7)
+    return float(np.max(np.abs(v[1] - v[2]) / step))
 
 
 def adapter_kinds(rng, rows, cols):

@@ -1,5 +1,5 @@
-"""The ltx2blas command: fuse adapter files into a checkpoint, verify a fused one, show what
-this machine runs, and time a demonstration.
+"""The ltx2blas command: fuse adapter files into a checkpoint, verify a fused one, extract a
+LoRA from a fine-tuned checkpoint, show what this machine runs, and time a demonstration.
 
 Exit codes: 0 success; 1 a check failed (demo, verify); 2 bad arguments or inputs that do not
 fit (shapes, dtypes, keys, an already fused checkpoint); 3 a malformed file; 4 an I/O failure
@@ -174,6 +174,31 @@ def _cmd_verify(args):
     return report.exit_code
 
 
+def _cmd_extract(args):
+    from .files.extract import extract_lora
+
+    if args.rank is not None and args.energy is not None:
+        raise _argument_error("give --rank or --energy, not both")
+    rank = 64 if args.rank is None and args.energy is None else args.rank
+    report = extract_lora(
+        args.tuned, args.base, args.output, rank=rank, energy=args.energy,
+        max_rank=args.max_rank, keys=args.keys, dtype=args.dtype, full_diff=args.full_diff,
+        seed=args.seed, power_iterations=args.power_iterations, threads=args.threads,
+        progress=None if args.quiet else _ProgressPrinter())
+    _print(report.summary())
+    return 0
+
+
+def _fraction(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
 def _is_stdout(path):
     """Whether ``path`` is the regular file standard output writes to (a pipe or terminal is
     refused as the output by the writer)."""
@@ -323,6 +348,39 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("extract", help="extract a LoRA from a fine-tuned checkpoint and its base",
+                       description="Extract a LoRA whose pairs approximate the differences "
+                                   "between a fine-tuned checkpoint and its base, weight by "
+                                   "weight (a randomized SVD, the same bytes for any thread "
+                                   "count), at a fixed rank or keeping a fraction of each "
+                                   "difference's Frobenius norm.")
+    p.add_argument("tuned", help="the fine-tuned checkpoint (.safetensors file, sharded index or "
+                                 "diffusers model folder)")
+    p.add_argument("--base", required=True, help="the checkpoint it was tuned from")
+    p.add_argument("-o", "--output", required=True, help="the LoRA .safetensors file to write")
+    p.add_argument("--rank", type=_positive_int, default=None,
+                   help="every weight at this rank (the default, 64, without --energy)")
+    p.add_argument("--energy", type=_fraction, default=None,
+                   help="each weight at the least rank keeping this fraction of its "
+                        "difference's Frobenius norm, up to --max-rank")
+    p.add_argument("--max-rank", type=_positive_int, default=256,
+                   help="the largest rank --energy may choose (default 256)")
+    p.add_argument("--keys", choices=("ltx", "diffusers", "comfy"), default="ltx",
+                   help="key spelling: upstream LTX-2's trainer (the default), diffusers', or "
+                        "ComfyUI's and kohya's (lora_down / lora_up)")
+    p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16",
+                   help="the factors' storage (default bf16)")
+    p.add_argument("--full-diff", action="store_true",
+                   help="write the other tensors that differ (norms, biases) as full "
+                        "differences (.diff, .diff_b); they are listed either way")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random test matrix")
+    p.add_argument("--power-iterations", type=int, default=2,
+                   help="power iterations of the range finder (default 2)")
+    p.add_argument("--threads", type=_thread_count, default=None,
+                   help="threads (default: every CPU this process may use)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=_cmd_extract)
 
     p = sub.add_parser("demo", help="fuse an LTX-2-shaped adapter in memory, check it, time it",
                        description="Fuse an LTX-2-shaped adapter into a weight in memory, check "

@@ -1,0 +1,107 @@
+"""Driver of the low-rank extraction (ltx2blas.extract): a weight difference D [m, n] in f32,
+and its products with thin matrices, ``D @ X`` and ``D^T @ Y``, for the randomized range
+finder.
+
+Each product is cut into fixed blocks -- of D's rows for ``D @ X``, of its columns for
+``D^T @ Y`` -- and each block is one sgemm call (the seam's) with the BLAS on one thread; the
+threads share the blocks out.  An output element is computed by one call whose shape depends on
+the block size alone, so the bytes never depend on the thread count.
+"""
+from cython.parallel cimport prange
+from libc.stdint cimport uint16_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+
+from ._gemm cimport sgemm_rowmajor, sgemm_xty
+
+#: Rows (for D @ X) or columns (for D^T @ Y) of D one sgemm call takes: large enough that each
+#: call runs near the BLAS's rate on a thin X, small enough to share a 4096-row weight among
+#: tens of threads.
+BLOCK = 256
+
+ctypedef fused stored:
+    uint16_t    # bf16 bits
+    float
+
+
+cdef inline float widened(stored v) noexcept nogil:
+    cdef uint32_t bits
+    cdef float f
+    if stored is uint16_t:
+        bits = (<uint32_t>v) << 16
+        memcpy(&f, &bits, 4)
+        return f
+    else:
+        return v
+
+
+def difference(const stored[:, ::1] tuned, const stored[:, ::1] base, float[:, ::1] out,
+               double[::1] row_squares, int threads):
+    """out = f32(tuned) - f32(base), one f32 subtraction an element, and each row's sum of
+    squares of out in f64, added in column order from 0.0 (row_squares[r])."""
+    cdef Py_ssize_t rows = out.shape[0], cols = out.shape[1], r, c
+    cdef double acc
+    cdef float v
+    if tuned.shape[0] != rows or base.shape[0] != rows or tuned.shape[1] != cols or \
+            base.shape[1] != cols or row_squares.shape[0] != rows:
+        raise ValueError("shapes differ")
+    for r in prange(rows, nogil=True, num_threads=max(threads, 1), schedule="static"):
+        acc = 0.0
+        for c in range(cols):
+            v = widened(tuned[r, c]) - widened(base[r, c])
+            out[r, c] = v
+            acc = acc + <double>v * <double>v
+        row_squares[r] = acc
+
+
+def d_times(const float[:, ::1] d, const float[:, ::1] x, float[:, ::1] out, int threads,
+            int block=BLOCK):
+    """out[m, l] = d[m, n] @ x[n, l], one sgemm call per block of ``block`` rows of d; the
+    caller holds the BLAS to one thread."""
+    cdef int m = <int>d.shape[0], n = <int>d.shape[1], l = <int>x.shape[1]
+    cdef Py_ssize_t blocks = (m + block - 1) // block, b
+    cdef int r0, rb
+    if x.shape[0] != n or out.shape[0] != m or out.shape[1] != l:
+        raise ValueError("shapes differ")
+    if m == 0 or l == 0:
+        return
+    if n == 0:
+        out[:, :] = 0
+        return
+    for b in prange(blocks, nogil=True, num_threads=max(threads, 1), schedule="dynamic"):
+        r0 = <int>b * block
+        rb = min(block, m - r0)
+        sgemm_rowmajor(rb, l, n, &d[r0, 0], n, &x[0, 0], l, 0.0, &out[r0, 0], l)
+
+
+def dt_times(const float[:, ::1] d, const float[:, ::1] y, float[:, ::1] out, int threads,
+             int block=BLOCK):
+    """out[n, l] = d[m, n]^T @ y[m, l], one sgemm call per block of ``block`` columns of d; the
+    caller holds the BLAS to one thread."""
+    cdef int m = <int>d.shape[0], n = <int>d.shape[1], l = <int>y.shape[1]
+    cdef Py_ssize_t blocks = (n + block - 1) // block, b
+    cdef int c0, cb
+    if y.shape[0] != m or out.shape[0] != n or out.shape[1] != l:
+        raise ValueError("shapes differ")
+    if n == 0 or l == 0:
+        return
+    if m == 0:
+        out[:, :] = 0
+        return
+    for b in prange(blocks, nogil=True, num_threads=max(threads, 1), schedule="dynamic"):
+        c0 = <int>b * block
+        cb = min(block, n - c0)
+        sgemm_xty(cb, l, m, &d[0, c0], n, &y[0, 0], l, &out[c0, 0], l)
+
+
+cdef extern from "kernels.h" nogil:
+    uint64_t ltx_splitmix64(uint64_t x)
+
+
+def rademacher(uint64_t key, float[:, ::1] out):
+    """The range finder's test matrix: out[i, j] = +1 or -1 by the top bit of
+    splitmix64(key + i * cols + j), wrapping -- exact, the same on every machine."""
+    cdef Py_ssize_t rows = out.shape[0], cols = out.shape[1], i, j
+    with nogil:
+        for i in range(rows):
+            for j in range(cols):
+                out[i, j] = -1.0 if ltx_splitmix64(key + <uint64_t>(i * cols + j)) >> 63 else 1.0

@@ -1,0 +1,181 @@
+"""A LoRA from the difference of two weights: ``tuned - base ~ lora_B @ lora_A`` of a chosen
+rank, by a randomized range finder (Halko, Martinsson and Tropp 2011, algorithm 4.4: a random
+test matrix, power iterations orthonormalised between them, then the SVD of a small matrix).
+
+What is promised (docs/extract.md): the same bytes for any thread count; on another machine the
+same bytes wherever its BLAS and LAPACK compute the same products (the same library build and
+kernels).  The test matrix has +-1 entries from a seed and the tensor's name, the same
+everywhere; the products with the difference go through the seam's sgemm in fixed blocks
+(:mod:`ltx2blas._lowrank`); the QR factorisations and the small SVD are LAPACK's on one thread.
+"""
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _lowrank, _quant
+from ._threads import blas_single_threaded, resolve_threads
+from ._validate import bf16_bits, choice, contiguous, is_bf16, ndarray
+from .errors import ArgumentError, DTypeError, NonFiniteInputError, ShapeError
+
+__all__ = ["LowRank", "extract_lora_weight", "OVERSAMPLE", "POWER_ITERATIONS", "DTYPES"]
+
+#: Columns of the test matrix beyond the rank, and the power iterations: Halko et al.'s usual
+#: oversampling, and the iterations that keep the error within a few parts in a thousand of the
+#: optimum on fine-tuning differences (docs/extract.md gives the measurement).
+OVERSAMPLE = 10
+POWER_ITERATIONS = 2
+#: The factors' storage: bf16 (the default, what upstream's trainer writes) or f32.
+DTYPES = ("bf16", "f32")
+
+
+class LowRank(NamedTuple):
+    """An extracted LoRA: ``lora_b @ lora_a`` approximates the difference."""
+    lora_a: np.ndarray          # [rank, in]: sqrt(s) * V^T
+    lora_b: np.ndarray          # [out, rank]: U * sqrt(s)
+    rank: int
+    kept: float                 # ||D_r||_F / ||D||_F, the fraction of the norm kept (1 for D = 0)
+    norm: float                 # ||D||_F
+    singular_values: np.ndarray  # the range finder's estimates, largest first (f64)
+
+    @property
+    def error(self):
+        """||D - D_r||_F / ||D||_F, the truncation's relative error (before any rounding)."""
+        return float(np.sqrt(max(0.0, 1.0 - self.kept ** 2)))
+
+
+def _as_stored(x, name):
+    """A 2-D C-contiguous array as the driver reads it: bf16 bits (uint16) or float32 (float16
+    is widened, exactly)."""
+    a = ndarray(x, name)
+    if is_bf16(a.dtype):
+        a = bf16_bits(a, name)
+    elif a.dtype == np.float16:
+        a = a.astype(np.float32)
+    elif a.dtype != np.float32:
+        raise DTypeError(f"{name} must be bf16, float16 or float32, got {a.dtype}")
+    if a.ndim != 2:
+        raise ShapeError(f"{name} must be 2-D [out, in], got shape {a.shape}")
+    return contiguous(a, name)
+
+
+def difference(tuned, base, threads=None):
+    """(D, ||D||_F^2): ``D = f32(tuned) - f32(base)`` (one f32 subtraction an element) and its
+    squared norm, summed in f64 row by row in column order, the rows added in order."""
+    t, b = _as_stored(tuned, "tuned"), _as_stored(base, "base")
+    if t.shape != b.shape:
+        raise ShapeError(f"tuned {list(t.shape)} and base {list(b.shape)} differ in shape")
+    if t.dtype != b.dtype:  # one reads bf16 bits, the other f32 values: widen both
+        t = t if t.dtype == np.float32 else (t.astype(np.uint32) << 16).view(np.float32)
+        b = b if b.dtype == np.float32 else (b.astype(np.uint32) << 16).view(np.float32)
+    d = np.empty(t.shape, np.float32)
+    squares = np.empty(t.shape[0], np.float64)
+    _lowrank.difference(t, b, d, squares, resolve_threads(threads))
+    total = 0.0
+    for v in squares:  # in row order, a fixed order for any thread count
+        total += float(v)
+    return d, total
+
+
+def _orthonormal(y):
+    """An orthonormal basis of y's columns (f64 QR, LAPACK), as f32 for the next product."""
+    from scipy.linalg import qr
+
+    q, _ = qr(y.astype(np.float64), mode="economic", check_finite=False)
+    return np.ascontiguousarray(q, np.float32), q
+
+
+def extract_lora_weight(tuned, base, *, rank=None, energy=None, max_rank=256,
+                        oversample=OVERSAMPLE, power_iterations=POWER_ITERATIONS, seed=0,
+                        name="", dtype="bf16", threads=None):
+    """A LoRA of one weight's difference, ``tuned - base ~ lora_b @ lora_a``.
+
+    Parameters
+    ----------
+    tuned, base : arrays [out, in]
+        bf16 (uint16 bits or ml_dtypes.bfloat16), float16 or float32 (dequantised weights).
+    rank : int, optional
+        The rank kept; or
+    energy : float in (0, 1], optional
+        the least rank whose factors keep this fraction of ``||tuned - base||_F``, up to
+        ``max_rank``.
+    oversample, power_iterations : int
+        The range finder's extra columns and power iterations (Halko et al.).
+    seed, name : the test matrix's random bits (the tensor's name makes each weight's its own).
+    dtype : "bf16" (default) or "f32"
+        The factors' storage.
+    threads : int or None
+
+    Returns
+    -------
+    LowRank
+        ``lora_a = sqrt(s) V^T`` [rank, in], ``lora_b = U sqrt(s)`` [out, rank] (the singular
+        values split evenly, so the two factors have like magnitudes and round alike), the rank,
+        the fraction of the norm kept, the norm and the singular value estimates.  Equal
+        weights give rank-0 factors.
+    """
+    choice(dtype, DTYPES, "dtype")
+    if (rank is None) == (energy is None):
+        raise ArgumentError("give rank or energy, one of them")
+    threads = resolve_threads(threads)
+    d, norm_sq = difference(tuned, base, threads)
+    rows, cols = d.shape
+    if not np.isfinite(norm_sq):
+        bad = np.flatnonzero(~np.isfinite(d.reshape(-1)))[0]
+        at = (int(bad // cols), int(bad % cols))
+        raise NonFiniteInputError(f"{name or 'the weight'}: the difference is not finite at {at}")
+    largest = min(rows, cols)
+    if rank is not None:
+        if int(rank) != rank or rank < 1:
+            raise ArgumentError(f"rank must be a positive integer, got {rank!r}")
+        if rank > largest:
+            raise ShapeError(f"{name or 'the weight'}: rank {rank} is larger than the weight "
+                             f"[{rows}, {cols}] allows ({largest})")
+        wanted = int(rank)
+    else:
+        energy = float(energy)
+        if not 0.0 < energy <= 1.0:
+            raise ArgumentError(f"energy must be in (0, 1], got {energy!r}")
+        if int(max_rank) != max_rank or max_rank < 1:
+            raise ArgumentError(f"max_rank must be a positive integer, got {max_rank!r}")
+        wanted = min(int(max_rank), largest)
+    if norm_sq == 0.0:
+        empty = np.zeros(0, np.float64)
+        return _factors(np.zeros((rows, 0)), empty, np.zeros((cols, 0)), 0, 1.0, 0.0, dtype,
+                        empty)
+    width = min(wanted + int(oversample), largest)
+    key = _quant.stochastic_key(int(seed), str(name))
+    with blas_single_threaded():
+        omega = np.empty((cols, width), np.float32)
+        _lowrank.rademacher(key, omega)
+        y = np.empty((rows, width), np.float32)
+        z = np.empty((cols, width), np.float32)
+        _lowrank.d_times(d, omega, y, threads)
+        q32, q = _orthonormal(y)
+        for _ in range(int(power_iterations)):
+            _lowrank.dt_times(d, q32, z, threads)
+            p32, _ = _orthonormal(z)
+            _lowrank.d_times(d, p32, y, threads)
+            q32, q = _orthonormal(y)
+        _lowrank.dt_times(d, q32, z, threads)   # z = D^T Q = B^T, B = Q^T D [width, cols]
+        from scipy.linalg import svd
+
+        # B^T = Uz S Vz^T, so B = Vz S Uz^T and D ~ (Q Vz) S Uz^T
+        uz, s, vzt = svd(z.astype(np.float64), full_matrices=False, check_finite=False,
+                         lapack_driver="gesdd")
+        u = q @ vzt.T
+    if rank is None:
+        kept_sq = np.cumsum(s ** 2)
+        enough = np.flatnonzero(kept_sq >= (energy ** 2) * norm_sq)
+        wanted = min(wanted, int(enough[0]) + 1 if enough.size else wanted)
+    kept = float(np.sqrt(min(1.0, float(np.sum(s[:wanted] ** 2)) / norm_sq)))
+    return _factors(u, s, uz, wanted, kept, float(np.sqrt(norm_sq)), dtype, s)
+
+
+def _factors(u, s, v, rank, kept, norm, dtype, estimates):
+    root = np.sqrt(s[:rank])
+    b = np.ascontiguousarray((u[:, :rank] * root).astype(np.float32))
+    a = np.ascontiguousarray((v[:, :rank] * root).T.astype(np.float32))
+    if dtype == "bf16":
+        a = _quant.round_bf16(a.reshape(-1)).reshape(a.shape)
+        b = _quant.round_bf16(b.reshape(-1)).reshape(b.shape)
+    return LowRank(a, b, rank, kept, norm, estimates)

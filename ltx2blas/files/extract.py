@@ -1,0 +1,295 @@
+"""A LoRA extracted from a fine-tuned checkpoint and its base (``ltx2blas extract``).
+
+Every tensor of the two checkpoints is paired by name.  Weights of Linear layers (2-D
+``.weight`` tensors, dequantised first where a layout stores them scaled) that differ become a
+LoRA pair by :func:`ltx2blas.extract.extract_lora_weight`, one weight at a time; equal ones are
+skipped and counted.  Other tensors that differ (norms, biases, tables) are listed, and with
+``full_diff`` written as full differences (``.diff``, ``.diff_b``).  The factors are spilled to
+a temporary file as they are made and the output is written from it at the end, so memory holds
+a few weights whatever the model's size; nothing is written unless every tensor was read and
+extracted.
+"""
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .._validate import FP8, bf16_bits, choice
+from ..errors import DTypeError, FormatError, KeyMatchError, NumericsError, ShapeError, printable
+from ..extract import DTYPES, OVERSAMPLE, POWER_ITERATIONS, extract_lora_weight
+from . import keys as keymatch
+from . import layouts as layoutmod
+from .checkpoint import Checkpoint, Progress, format_gflop
+from .safetensors import SafetensorsWriter
+
+#: The output's key spellings: upstream LTX-2's trainer (``diffusion_model.<m>.lora_A.weight``),
+#: diffusers' (``transformer.<diffusers name>.lora_A.weight``), ComfyUI's and kohya's
+#: (``diffusion_model.<m>.lora_down.weight``).  Each pair has an ``.alpha`` equal to its rank,
+#: so that a tool that reads alpha scales the pair by 1, as one that does not.
+KEYS = ("ltx", "diffusers", "comfy")
+#: Layouts whose weights extract dequantises (f32 value of each code, times the one scale).
+READABLE = ("bf16", "float", "fp8", "fp8_scaled", "comfy_fp8")
+METADATA_KEY = "ltx2blas.extracted"
+
+
+@dataclass
+class ExtractReport:
+    output: str
+    rank: object                 # the fixed rank, or None (energy mode)
+    energy: object               # the energy fraction, or None
+    weights_extracted: int = 0
+    weights_equal: int = 0
+    other_differing: list = field(default_factory=list)   # names of other tensors that differ
+    full_diffs: int = 0           # of those, written as .diff / .diff_b
+    ranks: dict = field(default_factory=dict)   # weight -> (rank, fraction of ||D||_F kept)
+    gflop: float = 0.0
+    seconds: float = 0.0
+    bytes_written: int = 0
+
+    def summary(self):
+        kept = [k for _, k in self.ranks.values()]
+        ranks = [r for r, _ in self.ranks.values()]
+        mode = f"rank {self.rank}" if self.rank is not None else \
+            f"energy {self.energy:g} (ranks {min(ranks, default=0)}-{max(ranks, default=0)})"
+        lines = [f"extracted {self.weights_extracted} weights at {mode} into "
+                 f"{printable(self.output)} ({self.bytes_written / 2**20:.1f} MiB); "
+                 f"{self.weights_equal} equal weights skipped"]
+        if kept:
+            lines.append(f"fraction of each difference's Frobenius norm kept: least "
+                         f"{min(kept):.4f}, median {float(np.median(kept)):.4f}")
+        if self.other_differing:
+            shown = ", ".join(map(printable, self.other_differing[:3]))
+            more = ", ..." if len(self.other_differing) > 3 else ""
+            lines.append(f"{len(self.other_differing)} other tensors differ ({shown}{more}): "
+                         + (f"{self.full_diffs} written as full differences"
+                            if self.full_diffs else "not in a LoRA (--full-diff writes them as "
+                                                    "full differences)"))
+        lines.append(f"{self.seconds:.1f} s, {format_gflop(self.gflop)} GFLOP")
+        return "\n".join(lines)
+
+
+def _names(module, spelling):
+    """(A key, B key, alpha key) of a Linear module in a spelling."""
+    if spelling == "diffusers":
+        base = "transformer." + keymatch.to_diffusers(module)
+        return base + ".lora_A.weight", base + ".lora_B.weight", base + ".alpha"
+    base = "diffusion_model." + module
+    if spelling == "comfy":
+        return base + ".lora_down.weight", base + ".lora_up.weight", base + ".alpha"
+    return base + ".lora_A.weight", base + ".lora_B.weight", base + ".alpha"
+
+
+class _Side:
+    """One checkpoint, its entries and each weight's layout."""
+
+    def __init__(self, path, what):
+        self.what = what
+        self.ckpt = Checkpoint(path)
+        self.entries = {n: (info.dtype, tuple(info.shape)) for n, (_, info) in
+                        self.ckpt.entries.items()}
+        self.configs, self.marker = layoutmod.comfy_configs(
+            self.ckpt.metadata, self.entries, lambda n: self.ckpt.entries[n][0].read(n))
+
+    def layout(self, name):
+        dtype, shape = self.entries[name]
+        if dtype in ("F16", "F32"):  # no adapter fuses into these, so detect() refuses them
+            return layoutmod.Layout("float", dtype, shape)
+        return layoutmod.detect(name, self.entries, self.configs, self.marker)
+
+    def read(self, name):
+        return self.ckpt.entries[name][0].read(name)
+
+    def values(self, name, layout):
+        """The weight as extract reads it: bf16 bits, or f32 values (fp8 codes widened, times
+        the layout's one scale where it has one)."""
+        if layout.kind not in READABLE:
+            raise DTypeError(f"{self.what} {printable(self.ckpt.path)}: weight {printable(name)} "
+                             f"is stored as {layout.kind}; extract reads BF16, F16, F32, fp8 and "
+                             "per-tensor scaled fp8 weights")
+        array = self.read(name)
+        if layout.kind == "bf16":
+            return bf16_bits(array, name)
+        if layout.kind == "float":
+            return np.ascontiguousarray(array, np.float32)
+        from .. import _quant
+
+        codes = np.asarray(array).view(np.uint8)
+        values = _quant.fp8_values(FP8[layout.fmt].e5m2)[codes]
+        if layout.scale is not None:
+            scale = np.float32(np.asarray(self.read(layout.scale), np.float32).reshape(-1)[0])
+            values = values * scale
+        return np.ascontiguousarray(values, np.float32)
+
+    def close(self):
+        self.ckpt.close()
+
+
+def _float_values(array, dtype):
+    """A tensor that is no Linear weight as f32 values (for its difference)."""
+    if dtype == "BF16":
+        return (np.asarray(array).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(array, np.float32)
+
+
+def extract_lora(tuned, base, output, *, rank=None, energy=None, max_rank=256, keys="ltx",
+                 dtype="bf16", full_diff=False, seed=0, oversample=OVERSAMPLE,
+                 power_iterations=POWER_ITERATIONS, threads=None, progress=None):
+    """Extract a LoRA of ``tuned - base`` into a safetensors file (see the module docstring).
+
+    Parameters
+    ----------
+    tuned, base : path
+        The fine-tuned checkpoint and its base (file, sharded index or diffusers folder).
+    output : path
+        The LoRA file; written only when every tensor was read and extracted.
+    rank : int, optional
+        Every weight at this rank; or
+    energy : float in (0, 1], optional
+        each weight at the least rank that keeps this fraction of its difference's Frobenius
+        norm, up to ``max_rank``.
+    keys : "ltx" (default), "diffusers" or "comfy"
+    dtype : "bf16" (default) or "f32"
+    full_diff : bool
+        Write other tensors that differ as full differences (``.diff`` beside a weight,
+        ``.diff_b`` beside a bias); they are listed either way.
+    seed, oversample, power_iterations, threads
+        As for :func:`ltx2blas.extract.extract_lora_weight`.
+    progress : callable, optional
+        Called with a :class:`~ltx2blas.files.checkpoint.Progress` after each tensor.
+
+    Returns
+    -------
+    ExtractReport
+    """
+    choice(keys, KEYS, "keys")
+    choice(dtype, DTYPES, "dtype")
+    if (rank is None) == (energy is None):
+        from ..errors import ArgumentError
+
+        raise ArgumentError("give rank or energy, one of them")
+    t0 = time.perf_counter()
+    sides = []
+    try:
+        sides.append(_Side(tuned, "tuned"))
+        sides.append(_Side(base, "base"))
+        return _extract(*sides, output, rank, energy, max_rank, keys, dtype, full_diff, seed,
+                        oversample, power_iterations, threads, progress, t0)
+    finally:
+        for side in sides:
+            side.close()
+
+
+def _plan(tuned, base):
+    """(Linear weights, other tensors) in the tuned file's order, every name and shape checked
+    against the base; the scales a layout reads are left out of both."""
+    only = [n for n in tuned.entries if n not in base.entries]
+    missing = [n for n in base.entries if n not in tuned.entries]
+    if only or missing:
+        name, where = (only[0], "tuned but not the base") if only else (missing[0],
+                                                                           "base but not tuned")
+        raise KeyMatchError(f"tensor {printable(name)} is in the {where} checkpoint "
+                            f"({len(only) + len(missing)} such): extract pairs every tensor")
+    linear, other, scales = [], [], set()
+    for name in tuned.entries:
+        t_shape, b_shape = tuned.entries[name][1], base.entries[name][1]
+        if name.endswith(".weight") and len(t_shape) == 2:
+            layouts = [tuned.layout(name), base.layout(name)]
+            if layouts[0].shape != layouts[1].shape:
+                raise ShapeError(f"weight {printable(name)} is {list(layouts[0].shape)} in the "
+                                 f"tuned checkpoint and {list(layouts[1].shape)} in the base")
+            linear.append((name, layouts))
+            scales.update(s for lay in layouts for s in (lay.scale, lay.scale_2) if s)
+        elif t_shape != b_shape:
+            raise ShapeError(f"tensor {printable(name)} is {list(t_shape)} in the tuned "
+                             f"checkpoint and {list(b_shape)} in the base")
+    weights = {w for w, _ in linear}
+    other = [n for n in tuned.entries if n not in weights and n not in scales]
+    return linear, other
+
+
+def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff, seed,
+             oversample, power_iterations, threads, progress, t0):
+    linear, other = _plan(tuned, base)
+    report = ExtractReport(output=os.fspath(output), rank=rank, energy=energy)
+    total = len(linear) + len(other)
+    entries, places, per_weight = [], [], {}
+    folder = os.path.dirname(os.path.abspath(os.fspath(output)))
+    store = "BF16" if dtype == "bf16" else "F32"
+    with tempfile.TemporaryFile(dir=folder) as spill:
+        def put(name, array, dtype_name):
+            data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            offset = spill.seek(0, os.SEEK_END)
+            spill.write(data.tobytes())
+            entries.append((name, dtype_name, tuple(array.shape), data.nbytes))
+            places.append((offset, data.nbytes))
+
+        done = 0
+        for name, (t_layout, b_layout) in linear:
+            t_values, b_values = tuned.values(name, t_layout), base.values(name, b_layout)
+            done += 1
+            low = None
+            if not (t_values.dtype == b_values.dtype and np.array_equal(t_values, b_values)):
+                module = name[: -len(".weight")]
+                module = keymatch.model_module(name) or module
+                try:
+                    low = extract_lora_weight(
+                        t_values, b_values, rank=rank, energy=energy, max_rank=max_rank,
+                        oversample=oversample, power_iterations=power_iterations, seed=seed,
+                        name=name, dtype=dtype, threads=threads)
+                except (NumericsError, ShapeError) as exc:
+                    raise type(exc)(f"{printable(name)}: {exc}") from None
+            if low is None or low.rank == 0:   # equal values (stored alike or not)
+                report.weights_equal += 1
+            else:
+                rows, cols = t_layout.shape
+                width = min((rank or max_rank) + oversample, rows, cols)
+                report.gflop += 2.0 * rows * cols * width * (2 * power_iterations + 2) / 1e9
+                a_key, b_key, alpha_key = _names(module, keys)
+                put(a_key, low.lora_a, store)
+                put(b_key, low.lora_b, store)
+                put(alpha_key, np.array(low.rank, np.float32), "F32")
+                report.weights_extracted += 1
+                report.ranks[name] = (low.rank, low.kept)
+                per_weight[name] = {"rank": low.rank, "kept": round(low.kept, 6)}
+            if progress is not None:
+                progress(Progress(done, total, 0.0, 0.0, time.perf_counter() - t0, name))
+        for name in other:
+            t_dtype, b_dtype = tuned.entries[name][0], base.entries[name][0]
+            t_raw, b_raw = tuned.read(name), base.read(name)
+            done += 1
+            if t_dtype == b_dtype and np.array_equal(np.asarray(t_raw).view(np.uint8),
+                                                     np.asarray(b_raw).view(np.uint8)):
+                pass
+            else:
+                report.other_differing.append(name)
+                if full_diff and t_dtype in ("BF16", "F16", "F32") and b_dtype in (
+                        "BF16", "F16", "F32") and name.endswith((".weight", ".bias")):
+                    diff = _float_values(t_raw, t_dtype) - _float_values(b_raw, b_dtype)
+                    if not np.all(np.isfinite(diff)):
+                        raise NumericsError(f"{printable(name)}: the difference is not finite")
+                    module = keymatch.model_module(name) if name.endswith(".weight") else \
+                        name[: -len(".bias")]
+                    stem = ("transformer." + keymatch.to_diffusers(module) if keys == "diffusers"
+                            else "diffusion_model." + module)
+                    put(stem + (".diff" if name.endswith(".weight") else ".diff_b"), diff, "F32")
+                    report.full_diffs += 1
+            if progress is not None:
+                progress(Progress(done, total, 0.0, 0.0, time.perf_counter() - t0, name))
+        if not entries:
+            raise FormatError("the two checkpoints are equal in every tensor: no LoRA to write")
+        metadata = {METADATA_KEY: json.dumps({
+            "rank": rank, "energy": energy, "max_rank": max_rank if energy else None,
+            "dtype": dtype, "keys": keys, "seed": seed, "oversample": oversample,
+            "power_iterations": power_iterations, "weights": per_weight,
+            "other_differing": report.other_differing}, separators=(",", ":"))}
+        spill.flush()
+        with SafetensorsWriter(output, entries, metadata) as writer:
+            for (name, *_), (offset, nbytes) in zip(entries, places):
+                writer.copy(name, spill.fileno(), offset, nbytes, "the spilled factors")
+            writer.commit()
+            report.bytes_written = writer.size
+    report.seconds = time.perf_counter() - t0
+    return report
