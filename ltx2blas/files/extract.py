@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._validate import FP8, bf16_bits, choice
-from ..errors import DTypeError, FormatError, KeyMatchError, NumericsError, ShapeError, printable
+from ..errors import (ArgumentError, DTypeError, KeyMatchError, NumericsError, ShapeError,
+                      printable)
 from ..extract import DTYPES, OVERSAMPLE, POWER_ITERATIONS, extract_lora_weight
 from . import keys as keymatch
 from . import layouts as layoutmod
@@ -167,8 +168,6 @@ def extract_lora(tuned, base, output, *, rank=None, energy=None, max_rank=256, k
     choice(keys, KEYS, "keys")
     choice(dtype, DTYPES, "dtype")
     if (rank is None) == (energy is None):
-        from ..errors import ArgumentError
-
         raise ArgumentError("give rank or energy, one of them")
     t0 = time.perf_counter()
     sides = []
@@ -279,7 +278,8 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
             if progress is not None:
                 progress(Progress(done, total, 0.0, 0.0, time.perf_counter() - t0, name))
         if not entries:
-            raise FormatError("the two checkpoints are equal in every tensor: no LoRA to write")
+            raise ArgumentError("the two checkpoints are equal in every tensor: no LoRA to "
+                                "write, nothing written")
         metadata = {METADATA_KEY: json.dumps({
             "rank": rank, "energy": energy, "max_rank": max_rank if energy else None,
             "dtype": dtype, "keys": keys, "seed": seed, "oversample": oversample,
