@@ -116,6 +116,9 @@ def extract_lora_weight(tuned, base, *, rank=None, energy=None, max_rank=256,
     choice(dtype, DTYPES, "dtype")
     if (rank is None) == (energy is None):
         raise ArgumentError("give rank or energy, one of them")
+    for value, what in ((oversample, "oversample"), (power_iterations, "power_iterations")):
+        if int(value) != value or value < 0:
+            raise ArgumentError(f"{what} must be a whole number of at least 0, got {value!r}")
     threads = resolve_threads(threads)
     d, norm_sq = difference(tuned, base, threads)
     rows, cols = d.shape

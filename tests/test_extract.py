@@ -249,6 +249,11 @@ def test_bad_checkpoints_are_refused_naming_the_tensor(checkpoints, tmp_path, rn
              r"to_q.weight: .*the difference is not finite at \(2, 5\)")
     _refused(paths, tmp_path, tuned, errors.ShapeError, r"rank 49 is larger than the weight "
              r"\[64, 48\]", rank=49)
+    with pytest.raises(errors.ArgumentError, match="is an input file"):
+        extract_lora(paths["tuned"], paths["base"], paths["base"], rank=4)
+    with pytest.raises(errors.ArgumentError, match="power_iterations"):
+        extract_lora(paths["tuned"], paths["base"], paths["out"], rank=4, power_iterations=-1)
+    assert not paths["out"].exists()
 
 
 def test_fp8_weights_are_read_by_their_values(tmp_path, rng):

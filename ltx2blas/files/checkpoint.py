@@ -595,7 +595,7 @@ def _peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _check_output_is_not_an_input(output, inputs):
+def check_output_is_not_an_input(output, inputs):
     out_real = os.path.realpath(output)
     for path in inputs:
         if os.path.realpath(path) == out_real or (
@@ -721,7 +721,7 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
         report.tensors_copied = report.tensors_total - report.modules_fused - len(plan.biases) - sum(
             len(lay.rewritten) for lay in layouts.values())
         if output is not None:
-            _check_output_is_not_an_input(output, ckpt.paths() + [s.name for s in sources])
+            check_output_is_not_an_input(output, ckpt.paths() + [s.name for s in sources])
         if dry_run:
             _dry_run_checks(lambda n: _read_tensor(ckpt, n), plan, layouts, sources,
                             check_finite, ckpt.path)

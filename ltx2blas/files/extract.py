@@ -23,7 +23,7 @@ from ..errors import (ArgumentError, DTypeError, KeyMatchError, NumericsError, S
 from ..extract import DTYPES, OVERSAMPLE, POWER_ITERATIONS, extract_lora_weight
 from . import keys as keymatch
 from . import layouts as layoutmod
-from .checkpoint import Checkpoint, Progress, format_gflop
+from .checkpoint import Checkpoint, Progress, check_output_is_not_an_input, format_gflop
 from .safetensors import SafetensorsWriter
 
 #: The output's key spellings: upstream LTX-2's trainer (``diffusion_model.<m>.lora_A.weight``),
@@ -174,6 +174,8 @@ def extract_lora(tuned, base, output, *, rank=None, energy=None, max_rank=256, k
     try:
         sides.append(_Side(tuned, "tuned"))
         sides.append(_Side(base, "base"))
+        check_output_is_not_an_input(os.fspath(output), [p for side in sides
+                                                          for p in side.ckpt.paths()])
         return _extract(*sides, output, rank, energy, max_rank, keys, dtype, full_diff, seed,
                         oversample, power_iterations, threads, progress, t0)
     finally:
