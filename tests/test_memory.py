@@ -178,3 +178,29 @@ def test_verify_with_a_rebuild_streams(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     m = json.loads(out.stdout)
     assert m["growth"] <= 4 * m["largest"] + 128 * 2**20, m
+
+
+EXTRACT_SCRIPT = VERIFY_SCRIPT.replace(
+    # factors large enough to change the fused weights, which the extraction then finds
+    "rng.integers(0x3000, 0x3400, size=s", "rng.integers(0x3C00, 0x3C80, size=s").replace('''report = ltx2blas.verify_checkpoint(os.path.join(folder, "out.safetensors"),
+                                    os.path.join(folder, "m.safetensors"),
+                                    [os.path.join(folder, "a.safetensors")], threads=2)
+assert report.status == "verified" and report.tensors_rebuilt == fused, report.summary()''', '''from ltx2blas.files.extract import extract_lora
+report = extract_lora(os.path.join(folder, "out.safetensors"), os.path.join(folder, "m.safetensors"),
+                      os.path.join(folder, "x.safetensors"), rank=64, threads=2)
+assert report.weights_extracted == fused and report.weights_equal == count - fused, report.summary()''')
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_extract_streams(tmp_path):
+    """Extracting a LoRA from two 384 MiB checkpoints holds about one weight at a time: growth
+    below 4 x the largest tensor (the two weights read, their f32 difference of twice the
+    size) + 128 MiB (the thin matrices, LAPACK's work, Python); the factors are spilled to a
+    file, not kept."""
+    code = EXTRACT_SCRIPT.format(folder=str(tmp_path))
+    assert "extract_lora" in code and code.count("clear_refs") == 1
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = json.loads(out.stdout)
+    assert m["growth"] <= 4 * m["largest"] + 128 * 2**20, m
