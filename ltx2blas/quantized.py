@@ -50,7 +50,7 @@ from .errors import (
 )
 from .fuse import aggregate_delta
 
-__all__ = ["fuse_quantized", "QuantizedWeight", "LAYOUTS", "logical_shape"]
+__all__ = ["fuse_quantized", "dequantized", "QuantizedWeight", "LAYOUTS", "logical_shape"]
 
 LAYOUTS = ("fp8_scaled", "comfy_fp8", "fp8_block", "fp6_block", "nvfp4", "comfy_nvfp4",
            "comfy_mxfp8", "comfy_int8")
@@ -273,3 +273,32 @@ def fuse_quantized(layout, weight, adapters, *, scale, scale_2=None, fmt=None, r
 def _check_merged(top):
     if not np.isfinite(top):
         raise NonFiniteResultError("the merged weight overflows: its scales cannot be computed")
+
+
+#: The layouts whose owner dequantises to bf16 before adding a delta (upstream LTX-2's), which
+#: :func:`dequantized` reads.
+DEQUANTIZED_TO_BF16 = ("fp8_block", "fp6_block", "nvfp4")
+
+
+def dequantized(layout, weight, *, scale, scale_2=None, threads=None):
+    """The weight's values as its owner's rule dequantises them before a fuse adds a delta:
+    ``bf16(f32(code) * scale)`` per block (fp8_block, fp6_block; NVFP4 with the block scale
+    times ``scale_2``), by the same passes a fuse runs, with a delta of +0.0 (which turns a
+    -0.0 into +0.0 and changes nothing else).
+
+    Returns
+    -------
+    uint16 array [rows, cols]: bf16 bits.
+    """
+    if layout not in DEQUANTIZED_TO_BF16:
+        raise ArgumentError(f"dequantized reads the layouts {DEQUANTIZED_TO_BF16}, not "
+                            f"{layout!r}")
+    codes, _, block, second, rows, cols = _operands(layout, weight, scale, scale_2, None)
+    threads = resolve_threads(threads)
+    values = np.zeros((rows, cols), np.uint16)
+    if rows and cols:
+        if layout == "nvfp4":
+            _quant.nvfp4_merge(codes, block, np.float32(second.reshape(-1)[0]), values, threads)
+        else:
+            _quant.block_merge(codes, layout == "fp6_block", block, values, threads)
+    return values

@@ -401,6 +401,13 @@ def _unblocks(b):
     return b.swapaxes(1, 2).reshape(ob * BLOCK, ib * BLOCK)
 
 
+def dequantize_block(codes, scales):
+    """Blockwise fp8's values as upstream dequantises them: bf16(f32(code) * scale[block]), e4m3
+    codes [out, in], f32 scales [out/128, in/128]; bf16 bits."""
+    s = np.asarray(scales, np.float32)
+    return bf16_round(fp8_widen(codes, "F8_E4M3") * np.repeat(np.repeat(s, BLOCK, 0), BLOCK, 1))
+
+
 def fuse_block_fp8(codes, scales, delta, scale_max=E4M3_MAX):
     """Blockwise fp8 (upstream's blockwise policy): e4m3 codes [out, in], f32 scales
     [out/128, in/128]; returns (codes, scales).
@@ -409,8 +416,7 @@ def fuse_block_fp8(codes, scales, delta, scale_max=E4M3_MAX):
         merged = bf16(f32(w) + f32(delta))
         per block: m = scale_max * f32(1 / max|merged|)
         code'  = e4m3(f32(merged * m));  scale'[block] = f32(1 / m)"""
-    s = np.asarray(scales, np.float32)
-    w = bf16_round(fp8_widen(codes, "F8_E4M3") * np.repeat(np.repeat(s, BLOCK, 0), BLOCK, 1))
+    w = dequantize_block(codes, scales)
     merged = bf16_widen(bf16_round(bf16_widen(w) + bf16_widen(delta)))
     blocks = _blocks(merged)
     absmax = np.max(np.abs(blocks), axis=(2, 3))
@@ -512,6 +518,15 @@ def to_tiled(values, shape=None):
     return out.reshape(shape)
 
 
+def dequantize_nvfp4(packed, block_scales, scale_2):
+    """NVFP4's values as upstream dequantises them: bf16(f32(e2m1) * f32(scale_2 * f32(block
+    scale))), the block scales in the tiled layout; bf16 bits."""
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    bs = fp8_widen(from_tiled(block_scales, rows, cols // NVFP4_GROUP), "F8_E4M3")
+    total = np.float32(scale_2) * bs
+    return bf16_round(e2m1_widen(nvfp4_unpack(packed)) * np.repeat(total, NVFP4_GROUP, 1))
+
+
 def fuse_nvfp4(packed, block_scales, scale_2, delta):
     """NVFP4 (upstream's rule, its CUDA kernels written out): packed E2M1 [out, in/2] (element
     2j in the high nibble), E4M3 block scales in the tiled layout, one f32 ``scale_2``; returns
@@ -525,9 +540,7 @@ def fuse_nvfp4(packed, block_scales, scale_2, delta):
         code   = e2m1(f32(merged * inv))"""
     rows, cols = packed.shape[0], packed.shape[1] * 2
     groups = cols // NVFP4_GROUP
-    bs = fp8_widen(from_tiled(block_scales, rows, groups), "F8_E4M3")
-    total = np.float32(scale_2) * bs
-    w = bf16_round(e2m1_widen(nvfp4_unpack(packed)) * np.repeat(total, NVFP4_GROUP, 1))
+    w = dequantize_nvfp4(packed, block_scales, scale_2)
     merged = bf16_widen(bf16_round(bf16_widen(w) + bf16_widen(delta)))
     t = np.float32(_max_abs(merged) * np.float32(1.0 / 2688.0))
     g = merged.reshape(rows, groups, NVFP4_GROUP)

@@ -279,3 +279,28 @@ def test_the_command(checkpoints, capsys):
     assert code == 0 and "extracted 3 weights at rank 4" in out and "1 other tensors differ" in out
     assert main(["extract", str(paths["tuned"]), "--base", str(paths["base"]), "-o",
                  str(paths["out"]), "--rank", "4", "--energy", "0.9"]) == 2
+
+
+@pytest.mark.parametrize("layout", ["fp8_block", "nvfp4"])
+def test_upstreams_quantised_bases_are_read_by_their_rule(tmp_path, rng, layout):
+    """A bf16 fine-tune of a blockwise fp8 or NVFP4 base: the difference is taken from the
+    base's values as upstream dequantises them, so a rank-3 change comes back whole."""
+    from ltx2blas import quantized
+    from test_quantized import case
+
+    weight, scales, kwargs = case(rng, layout)
+    values = quantized.dequantized(layout, weight, **kwargs)
+    rows, cols = values.shape
+    key = M + "transformer_blocks.0.attn1.to_q.weight"
+    base = {key: ("U8" if layout == "nvfp4" else "F8_E4M3", weight),
+            M + "transformer_blocks.0.attn1.to_q.weight_scale":
+                ("F8_E4M3" if layout == "nvfp4" else "F32", scales[0])}
+    if layout == "nvfp4":
+        base[M + "transformer_blocks.0.attn1.to_q.weight_scale_2"] = (
+            "F32", np.asarray(scales[1], np.float32).reshape(()))
+    a, b = random_bf16(rng, (3, cols), 0.05), random_bf16(rng, (rows, 3), 0.05)
+    tuned = {key: ("BF16", reference.fuse_lora(values, a, b, 1.0))}
+    paths = [ck.write(tmp_path / "b.safetensors", base), ck.write(tmp_path / "t.safetensors",
+                                                                  tuned)]
+    report = extract_lora(paths[1], paths[0], tmp_path / "l.safetensors", rank=3)
+    assert report.weights_extracted == 1 and 0.99 <= report.ranks[key][1] <= 1.0

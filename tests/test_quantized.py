@@ -359,3 +359,19 @@ def test_e2m1_rounding_grid():
                        -0.1, -2.5, -5.5], np.float32)
     expected = [0, 0, 1, 2, 2, 4, 4, 6, 6, 7, 7, 7, 7, 8, 8, 12, 15]
     assert list(reference.e2m1_round(values)) == expected
+
+
+@pytest.mark.parametrize("layout", quantized.DEQUANTIZED_TO_BF16)
+def test_dequantized_values_are_the_owners(rng, layout):
+    """What a fuse adds a delta to, alone: the reference's dequantisation, byte for byte."""
+    weight, scales, kwargs = case(rng, layout)
+    got = quantized.dequantized(layout, weight, **kwargs)
+    if layout == "nvfp4":
+        want = reference.dequantize_nvfp4(weight, *scales)
+    else:
+        codes = reference.fp6_unpack(weight, COLS) if layout == "fp6_block" else weight
+        want = reference.dequantize_block(codes, scales[0])
+    zero = reference.bf16_widen(want) == 0          # -0.0 comes back +0.0 (0 + delta)
+    assert np.array_equal(got[~zero], want[~zero]) and np.all(got[zero] == 0)
+    with pytest.raises(errors.ArgumentError, match="dequantized reads"):
+        quantized.dequantized("comfy_int8", weight, **kwargs)

@@ -21,6 +21,7 @@ from .._validate import FP8, bf16_bits, choice
 from ..errors import (ArgumentError, DTypeError, KeyMatchError, NumericsError, ShapeError,
                       printable)
 from ..extract import DTYPES, OVERSAMPLE, POWER_ITERATIONS, extract_lora_weight
+from ..quantized import DEQUANTIZED_TO_BF16, dequantized
 from . import keys as keymatch
 from . import layouts as layoutmod
 from .checkpoint import Checkpoint, Progress, check_output_is_not_an_input, format_gflop
@@ -32,7 +33,7 @@ from .safetensors import SafetensorsWriter
 #: so that a tool that reads alpha scales the pair by 1, as one that does not.
 KEYS = ("ltx", "diffusers", "comfy")
 #: Layouts whose weights extract dequantises (f32 value of each code, times the one scale).
-READABLE = ("bf16", "float", "fp8", "fp8_scaled", "comfy_fp8")
+READABLE = ("bf16", "float", "fp8", "fp8_scaled", "comfy_fp8", "fp8_block", "fp6_block", "nvfp4")
 METADATA_KEY = "ltx2blas.extracted"
 
 
@@ -108,9 +109,13 @@ class _Side:
         the layout's one scale where it has one)."""
         if layout.kind not in READABLE:
             raise DTypeError(f"{self.what} {printable(self.ckpt.path)}: weight {printable(name)} "
-                             f"is stored as {layout.kind}; extract reads BF16, F16, F32, fp8 and "
-                             "per-tensor scaled fp8 weights")
+                             f"is stored as {layout.kind}; extract reads BF16, F16, F32, fp8, "
+                             "scaled fp8 and upstream's blockwise fp8/fp6 and NVFP4 weights")
         array = self.read(name)
+        if layout.kind in DEQUANTIZED_TO_BF16:
+            scale_2 = self.read(layout.scale_2) if layout.scale_2 else None
+            return dequantized(layout.kind, array, scale=self.read(layout.scale),
+                               scale_2=scale_2)
         if layout.kind == "bf16":
             return bf16_bits(array, name)
         if layout.kind == "float":
@@ -183,18 +188,36 @@ def extract_lora(tuned, base, output, *, rank=None, energy=None, max_rank=256, k
             side.close()
 
 
+def _companions(side):
+    """The tensors that belong to one side's stored layouts rather than to the model: each
+    quantised weight's scales, input scale and ComfyUI marker, and the scaled_fp8 marker."""
+    names = {n for n in side.entries if n == "scaled_fp8" or n.endswith(".scaled_fp8")}
+    for name, (_, shape) in side.entries.items():
+        if name.endswith(".weight") and len(shape) == 2:
+            layout = side.layout(name)
+            module = name[: -len(".weight")]
+            if layout.kind not in ("bf16", "float"):
+                names.update(n for n in (layout.scale, layout.scale_2, module + ".input_scale",
+                                         module + ".comfy_quant") if n in side.entries)
+    return names
+
+
 def _plan(tuned, base):
     """(Linear weights, other tensors) in the tuned file's order, every name and shape checked
-    against the base; the scales a layout reads are left out of both."""
-    only = [n for n in tuned.entries if n not in base.entries]
-    missing = [n for n in base.entries if n not in tuned.entries]
+    against the base; the tensors of either side's stored layouts (scales, markers) need no
+    partner and are left out of both."""
+    companions = _companions(tuned) | _companions(base)
+    t_names = [n for n in tuned.entries if n not in companions]
+    b_names = {n for n in base.entries if n not in companions}
+    only = [n for n in t_names if n not in b_names]
+    missing = [n for n in base.entries if n in b_names and n not in set(t_names)]
     if only or missing:
         name, where = (only[0], "tuned but not the base") if only else (missing[0],
                                                                            "base but not tuned")
         raise KeyMatchError(f"tensor {printable(name)} is in the {where} checkpoint "
                             f"({len(only) + len(missing)} such): extract pairs every tensor")
-    linear, other, scales = [], [], set()
-    for name in tuned.entries:
+    linear, other = [], []
+    for name in t_names:
         t_shape, b_shape = tuned.entries[name][1], base.entries[name][1]
         if name.endswith(".weight") and len(t_shape) == 2:
             layouts = [tuned.layout(name), base.layout(name)]
@@ -202,12 +225,11 @@ def _plan(tuned, base):
                 raise ShapeError(f"weight {printable(name)} is {list(layouts[0].shape)} in the "
                                  f"tuned checkpoint and {list(layouts[1].shape)} in the base")
             linear.append((name, layouts))
-            scales.update(s for lay in layouts for s in (lay.scale, lay.scale_2) if s)
         elif t_shape != b_shape:
             raise ShapeError(f"tensor {printable(name)} is {list(t_shape)} in the tuned "
                              f"checkpoint and {list(b_shape)} in the base")
-    weights = {w for w, _ in linear}
-    other = [n for n in tuned.entries if n not in weights and n not in scales]
+        else:
+            other.append(name)
     return linear, other
 
 
