@@ -250,3 +250,16 @@ def test_a_fused_loha_and_lokr_verify_and_a_changed_factor_is_named(model, tmp_p
     ck.write(files[1], kr)
     report = ltx2blas.verify_checkpoint(out, path, [files[0], files[1]], threads=1)
     assert report.status == "differs" and "lokr_w2_b" in report.summary()
+
+
+def test_a_state_dict_in_place(model, tmp_path, rng):
+    _, tensors = model
+    state = {name: value.copy() for name, (_, value) in tensors.items()}
+    kr = lokr_tensors(rng, "diffusion_model." + FF, (96, 48), (8, 4), w1_rank=2, alpha=4.0)
+    ck.write(tmp_path / "kr.safetensors", kr)
+    ltx2blas.fuse_state_dict(state, [(tmp_path / "kr.safetensors", 0.6)])
+    want = reference.fuse_loras(tensors[M + FF + ".weight"][1],
+                                [lokr_item(kr, "diffusion_model." + FF,
+                                           reference.lycoris_scale(0.6, 4.0, 2))])
+    assert np.array_equal(state[M + FF + ".weight"], want)
+    assert np.array_equal(state[M + Q + ".weight"], tensors[M + Q + ".weight"][1])
