@@ -59,7 +59,7 @@ def relative_error(d, b, a):
 def run_weights(threads_list, shape, ranks, repeats=3, full_svd=True, log=print):
     from ltx2blas import _lowrank, reference
     from ltx2blas._threads import blas_single_threaded
-    from ltx2blas.extract import difference, extract_lora_weight
+    from ltx2blas.extract import difference, extract_lora_weight, range_width
 
     rng = np.random.default_rng(0)
     tuned, base = sample_weights(shape, rng)
@@ -75,10 +75,11 @@ def run_weights(threads_list, shape, ranks, repeats=3, full_svd=True, log=print)
             f"({torch.get_num_threads()} torch threads)")
     out_rows = []
     for rank in ranks:
-        width = min(rank + OVERSAMPLE, rows, cols)
+        width = range_width(rank, OVERSAMPLE, min(rows, cols))
         x = np.ones((cols, width), np.float32)
         y = np.empty((rows, width), np.float32)
-        z = np.empty((cols, width), np.float32)
+        yt = np.ones((width, rows), np.float32)
+        zt = np.empty((width, cols), np.float32)
         for threads in threads_list:
             square, square_flops = harness.square_sgemm(threads)
             made = {}
@@ -91,7 +92,7 @@ def run_weights(threads_list, shape, ranks, repeats=3, full_svd=True, log=print)
                 with blas_single_threaded():
                     for _ in range(ITERATIONS + 1):
                         _lowrank.d_times(d, x, y, threads)
-                        _lowrank.dt_times(d, y, z, threads)
+                        _lowrank.dt_times(d, yt, zt, threads)
             cands = {"ltx2blas": ours, "products": products, "sgemm_square": square}
             if torch is not None:
                 torch.set_num_threads(threads)
@@ -126,6 +127,7 @@ def run_weights(threads_list, shape, ranks, repeats=3, full_svd=True, log=print)
                 u_, s_, v_ = made["torch"]
                 tb = (u_[:, :rank] * s_[:rank]).numpy()
                 ta = v_[:, :rank].T.contiguous().numpy()
+                row["svd_lowrank_columns"] = width
                 row["svd_lowrank_time_ratio"] = t["svd_lowrank"][harness.STAT] / row["seconds"]
                 row["svd_lowrank_error"] = relative_error(d, tb, ta)
                 text += (f"; svd_lowrank {row['svd_lowrank_time_ratio']:.2f}x its time, error "

@@ -31,9 +31,6 @@ cdef void sgemm_rowmajor(int m, int n, int k, const float *x, int ldx, const flo
 cdef void sgemm_wxt(int n, int m, int k, const float *w, int ldw, const float *x, int ldx,
                     float beta, float *c, int ldc) noexcept nogil
 
-cdef void sgemm_xty(int n, int l, int m, const float *x, int ldx, const float *y, int ldy,
-                    float *c, int ldc) noexcept nogil
-
 cdef void dgemm_wxt(int n, int m, int k, const double *w, int ldw, const double *x, int ldx,
                     double beta, double *c, int ldc) noexcept nogil
 

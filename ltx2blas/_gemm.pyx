@@ -92,15 +92,6 @@ cdef void sgemm_wxt(int n, int m, int k, const float *w, int ldw, const float *x
     _sgemm(b"T", b"N", &m, &n, &k, &alpha, x, &ldx, w, &ldw, &beta, c, &ldc)
 
 
-cdef void sgemm_xty(int n, int l, int m, const float *x, int ldx, const float *y, int ldy,
-                    float *c, int ldc) noexcept nogil:
-    """c[n, l] = x[m, n]^T @ y[m, l], row-major: a block of columns of x (ldx its row stride)
-    against all of y.  Column-major that is c^T = y^T x, y entering as it is and x transposed,
-    so a block of x's columns is read in place."""
-    cdef float alpha = 1.0, beta = 0.0
-    _sgemm(b"N", b"T", &l, &n, &m, &alpha, y, &ldy, x, &ldx, &beta, c, &ldc)
-
-
 cdef void dgemm_wxt(int n, int m, int k, const double *w, int ldw, const double *x, int ldx,
                     double beta, double *c, int ldc) noexcept nogil:
     """f64 twin of sgemm_wxt."""

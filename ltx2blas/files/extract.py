@@ -20,7 +20,7 @@ import numpy as np
 from .._validate import FP8, bf16_bits, choice
 from ..errors import (ArgumentError, DTypeError, KeyMatchError, NumericsError, ShapeError,
                       printable)
-from ..extract import DTYPES, OVERSAMPLE, POWER_ITERATIONS, extract_lora_weight
+from ..extract import DTYPES, OVERSAMPLE, POWER_ITERATIONS, extract_lora_weight, range_width
 from ..quantized import DEQUANTIZED_TO_BF16, dequantized
 from . import keys as keymatch
 from . import layouts as layoutmod
@@ -268,7 +268,7 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
                 report.weights_equal += 1
             else:
                 rows, cols = t_layout.shape
-                width = min((rank or max_rank) + oversample, rows, cols)
+                width = range_width(rank or max_rank, oversample, min(rows, cols))
                 report.gflop += 2.0 * rows * cols * width * (2 * power_iterations + 2) / 1e9
                 a_key, b_key, alpha_key = _names(module, keys)
                 put(a_key, low.lora_a, store)
