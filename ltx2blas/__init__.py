@@ -11,6 +11,7 @@ Public API::
     linear(x, weight, bias=None, *, accumulate="f32", threads=None, out=None, progress=None)
     fuse_checkpoint(model, [(path, strength), ...], output, *, rule="addmm", threads=None)
     fuse_state_dict(state_dict, [(path, strength), ...], *, threads=None)
+    extract_lora(tuned, base, output, *, rank=None, energy=None, keys="ltx", threads=None)
     text_features(hidden_states, attention_mask, [(weight, bias), ...], *, version="v1",
                   audio_video=False)
 
@@ -67,6 +68,7 @@ _LAZY = {
     "FuseReport": ".files.checkpoint", "fuse_checkpoint": ".files.checkpoint",
     "fuse_state_dict": ".files.checkpoint",
     "verify_checkpoint": ".files.verify", "VerifyReport": ".files.verify",
+    "extract_lora": ".files.extract", "ExtractReport": ".files.extract",
     "linear": ".linear_layer",
 }
 
@@ -76,7 +78,7 @@ def __getattr__(name):
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value
         return value
-    if name in ("reference", "fuse", "quantized", "features", "linear_layer", "files"):
+    if name in ("reference", "fuse", "quantized", "features", "linear_layer", "files", "extract"):
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'ltx2blas' has no attribute {name!r}")
 
@@ -101,6 +103,8 @@ __all__ = [
     "FuseReport",
     "verify_checkpoint",
     "VerifyReport",
+    "extract_lora",
+    "ExtractReport",
     "reference",
     "errors",
     "Ltx2BlasError",
