@@ -304,3 +304,18 @@ def test_upstreams_quantised_bases_are_read_by_their_rule(tmp_path, rng, layout)
                                                                   tuned)]
     report = extract_lora(paths[1], paths[0], tmp_path / "l.safetensors", rank=3)
     assert report.weights_extracted == 1 and 0.99 <= report.ranks[key][1] <= 1.0
+
+
+def test_comfyuis_own_quantised_layers_are_refused_naming_the_tensor(tmp_path, rng):
+    key = M + "transformer_blocks.0.attn1.to_q.weight"
+    stem = key[: -len(".weight")]
+    marker = np.frombuffer(b'{"format": "int8_tensorwise"}', np.uint8).copy()
+    base = {key: ("I8", rng.integers(-100, 100, (64, 48), dtype=np.int8)),
+            stem + ".weight_scale": ("F32", np.array(0.01, np.float32)),
+            stem + ".comfy_quant": ("U8", marker)}
+    tuned = {key: ("BF16", random_bf16(rng, (64, 48), 0.5))}
+    paths = [ck.write(tmp_path / "b.safetensors", base), ck.write(tmp_path / "t.safetensors", tuned)]
+    with pytest.raises(errors.DTypeError, match=r"to_q.weight is stored as comfy_int8; extract "
+                                                 r"reads"):
+        extract_lora(paths[1], paths[0], tmp_path / "l.safetensors", rank=4)
+    assert not (tmp_path / "l.safetensors").exists()
