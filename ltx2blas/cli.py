@@ -158,7 +158,9 @@ def _cmd_fuse(args):
     _ignore_signals()
     lines = [_cli_words(report.summary())]
     if args.verbose:
-        lines += [f"  {printable(name)}  <- adapters {adapters}" for name, adapters in report.fused]
+        lines += [f"  {printable(name)}  <- adapters {adapters} "
+                  f"({', '.join(report.fused_kinds.get(name, []))})"
+                  for name, adapters in report.fused]
     _print("\n".join(lines))
     return 0
 

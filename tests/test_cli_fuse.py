@@ -122,7 +122,7 @@ def test_summary_says_what_happened(paths, tmp_path, rng):
     r = run("fuse", model, "--lora", lora, "-o", out, "-q", "-v")
     assert r.returncode == 0, r.stderr
     assert "rule" not in r.stdout.splitlines()[0] and "copied 9 other tensors" in r.stdout
-    assert "transformer_blocks.0.attn1.to_q.weight  <- adapters [0]" in r.stdout
+    assert "transformer_blocks.0.attn1.to_q.weight  <- adapters [0] (LoRA)" in r.stdout
     r = run("fuse", model, "--lora", lora, "--dry-run")
     assert r.returncode == 0 and "would copy 9 other tensors" in r.stdout and "copied" not in r.stdout
 

@@ -67,6 +67,7 @@ class FuseReport:
     peak_rss_mib: float = 0.0
     adapters: list = field(default_factory=list)
     fused: list = field(default_factory=list)  # (model key, [adapter indices]) in file order
+    fused_kinds: dict = field(default_factory=dict)  # model key -> [each adapter's kind there]
     metadata: dict = field(default_factory=dict)
     rule: str = "addmm"
     layouts: dict = field(default_factory=dict)  # layout kind -> modules fused in it
@@ -109,11 +110,12 @@ class FuseReport:
         return "\n".join(lines)
 
 
-_KIND_NAMES = {"loha": "LoHa", "lokr": "LoKr"}  # LyCORIS' spelling of its kinds
+#: The adapter kinds as the summary names them (LyCORIS' spelling of its own).
+KIND_NAMES = {"lora": "LoRA", "dora": "DoRA", "diff": "diff", "loha": "LoHa", "lokr": "LoKr"}
 
 
 def _adapter_line(i, a, in_file=True):
-    kinds = ", ".join(f"{n} {_KIND_NAMES.get(k, k)}" for k, n in sorted(a.kinds.items()))
+    kinds = ", ".join(f"{n} {KIND_NAMES.get(k, k)}" for k, n in sorted(a.kinds.items()))
     text = (f"adapter {i}: {printable(a.path)} x {a.strength:g}: "
             f"{_count(a.pairs_used, 'module')} ({kinds or 'none'}; "
             f"{_count(a.keys_used, 'key')}) used")
@@ -636,6 +638,8 @@ def _report(output, dry_run, plan, layouts, total, options, order, sources):
                         tensors_total=total, rule=options["rule"],
                         layouts=_layout_counts(layouts), fp8_overflow=options["fp8_overflow"])
     report.fused = [(n, [it.source for it in plan.weights[n]]) for n in order if n in plan.weights]
+    report.fused_kinds = {n: [KIND_NAMES.get(it.kind, it.kind) for it in items]
+                          for n, items in plan.weights.items()}
     report.modules_fused = len(report.fused)
     report.biases_fused = len(plan.biases)
     report.gflop = sum(plans.gflop(layouts[n].shape, plan.weights[n], sources)
