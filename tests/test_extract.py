@@ -319,3 +319,18 @@ def test_comfyuis_own_quantised_layers_are_refused_naming_the_tensor(tmp_path, r
                                                  r"reads"):
         extract_lora(paths[1], paths[0], tmp_path / "l.safetensors", rank=4)
     assert not (tmp_path / "l.safetensors").exists()
+
+
+def test_full_differences_fuse_back(checkpoints, tmp_path):
+    """--full-diff writes the norm's change as a .diff, which the fuse adds as it adds a bias
+    term (f32 sum, rounded once into the vector's dtype)."""
+    paths, base, tuned, changed = checkpoints
+    extract_lora(paths["tuned"], paths["base"], paths["out"], rank=4, full_diff=True)
+    refused = tmp_path / "refused.safetensors"
+    report = ltx2blas.fuse_checkpoint(paths["base"], [(paths["out"], 1.0)], refused)
+    assert report.adapters[0].kinds == {"lora": 3, "diff": 1}
+    fused, _ = read(refused)
+    diff = read(paths["out"])[0]["diffusion_model.norm_out.diff"]
+    norm = M + "norm_out.weight"
+    assert np.array_equal(fused[norm], reference.fuse_bias(base[norm][1], [(diff, 1.0)]))
+    assert np.array_equal(fused[norm], tuned[norm][1])   # here the f32 round trip is exact

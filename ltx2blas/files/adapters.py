@@ -253,6 +253,9 @@ def make_plan(model_entries, layout_of, sources, strengths, alpha="scale",
 
 def _plan_pair(plan, index, source, strength, pair, layout_of, model_entries, report, alpha,
                configs):
+    if pair.kind == "diff" and len(model_entries[pair.target][1]) == 1:
+        _plan_vector_diff(plan, index, source, strength, pair, model_entries, report)
+        return
     layout = layout_of(pair.target)
     out_f, in_f = layout.shape
     where = f"weight {pair.target} [{out_f}, {in_f}]" + (
@@ -324,6 +327,33 @@ def _plan_pair(plan, index, source, strength, pair, layout_of, model_entries, re
         if pair.kind == "bias":
             report.pairs_used += 1
     report.keys_used += len(keys)
+
+
+def _plan_vector_diff(plan, index, source, strength, pair, model_entries, report):
+    """A full difference of a 1-D weight (a norm's scale): added as a bias term is (§1, bias
+    terms: the sum in f32, rounded once into the weight's dtype), which is ComfyUI's f32 add."""
+    dtype, shape = model_entries[pair.target]
+    if dtype not in FLOATS:
+        raise DTypeError(f"weight {pair.target} is {dtype} {list(shape)}; a difference is added "
+                         f"to {'/'.join(FLOATS)} vectors")
+    for role in pair.keys:
+        if role not in ("diff", "diff_b"):
+            raise KeyMatchError(f"{source.name}: {pair.keys[role]!r} beside a difference of the "
+                                f"vector {pair.target}")
+    _check(source, pair.keys["diff"], tuple(shape), FLOATS, "diff")
+    plan.biases.setdefault(pair.target, []).append(BiasItem(index, pair.keys["diff"], strength))
+    report.pairs_used += 1
+    report.kinds["diff"] = report.kinds.get("diff", 0) + 1
+    report.keys_used += 1
+    if "diff_b" in pair.keys:
+        if pair.bias_target is None:
+            raise KeyMatchError(f"{source.name}: {pair.keys['diff_b']!r} is a bias term, but the "
+                                f"model's {pair.target[:-len('.weight')]} has no bias")
+        _check(source, pair.keys["diff_b"], tuple(shape), FLOATS, "bias term")
+        plan.biases.setdefault(pair.bias_target, []).append(
+            BiasItem(index, pair.keys["diff_b"], strength))
+        report.kinds["bias"] = report.kinds.get("bias", 0) + 1
+        report.keys_used += 1
 
 
 def _lycoris_dim(source, pair, shape, where):
