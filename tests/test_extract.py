@@ -334,3 +334,17 @@ def test_full_differences_fuse_back(checkpoints, tmp_path):
     norm = M + "norm_out.weight"
     assert np.array_equal(fused[norm], reference.fuse_bias(base[norm][1], [(diff, 1.0)]))
     assert np.array_equal(fused[norm], tuned[norm][1])   # here the f32 round trip is exact
+
+
+def test_a_changed_bias_is_written_under_its_modules_name(checkpoints, tmp_path, rng):
+    paths, base, tuned, _ = checkpoints
+    bias = M + "transformer_blocks.0.attn1.to_k.bias"
+    changed = dict(tuned)
+    changed[bias] = ("BF16", random_bf16(rng, (64,), 0.02))
+    path = ck.write(tmp_path / "t2.safetensors", changed)
+    extract_lora(path, paths["base"], paths["out"], rank=4, full_diff=True)
+    assert "diffusion_model.transformer_blocks.0.attn1.to_k.diff_b" in read(paths["out"])[0]
+    refused = tmp_path / "refused.safetensors"
+    ltx2blas.fuse_checkpoint(paths["base"], [(paths["out"], 1.0)], refused)
+    diff = read(paths["out"])[0]["diffusion_model.transformer_blocks.0.attn1.to_k.diff_b"]
+    assert np.array_equal(read(refused)[0][bias], reference.fuse_bias(base[bias][1], [(diff, 1.0)]))

@@ -293,8 +293,9 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
                     diff = _float_values(t_raw, t_dtype) - _float_values(b_raw, b_dtype)
                     if not np.all(np.isfinite(diff)):
                         raise NumericsError(f"{printable(name)}: the difference is not finite")
-                    module = keymatch.model_module(name) if name.endswith(".weight") else \
-                        name[: -len(".bias")]
+                    stem_name = name if name.endswith(".weight") else \
+                        name[: -len(".bias")] + ".weight"
+                    module = keymatch.model_module(stem_name)   # the model's prefix stripped
                     stem = ("transformer." + keymatch.to_diffusers(module) if keys == "diffusers"
                             else "diffusion_model." + module)
                     put(stem + (".diff" if name.endswith(".weight") else ".diff_b"), diff, "F32")
