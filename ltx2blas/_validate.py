@@ -407,6 +407,14 @@ class Adapter:
         self.factors = factors
         self.f1 = self.f2 = None
         self.arrays = arrays or {"": a, " lora_b": b}   # by name, for errors and overlaps
+        self._magnitudes = {}
+
+    def magnitudes(self, array):
+        """Magnitudes of one of the adapter's arrays, scanned once however often asked (the
+        finiteness check and the route both read them)."""
+        if id(array) not in self._magnitudes:
+            self._magnitudes[id(array)] = Magnitudes(array)
+        return self._magnitudes[id(array)]
 
 
 def _low_rank_pair(i, names, up, down, rows=None, cols=None):
@@ -476,7 +484,7 @@ def refuse_nonfinite_adapter(ad, check=True):
     for name, arr in ad.arrays.items():
         if arr is None:
             continue
-        mag = Magnitudes(arr)
+        mag = ad.magnitudes(arr)
         if mag.first_nonfinite >= 0:
             at = where(mag.first_nonfinite, arr.shape)
             what = name.strip() or ("diff" if ad.kind == "diff" else "lora_a")

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _lowrank, _quant
 from ._threads import blas_single_threaded, resolve_threads
-from ._validate import bf16_bits, choice, contiguous, is_bf16, ndarray
+from ._validate import bf16_bits, bf16_to_f32, choice, contiguous, is_bf16, ndarray
 from .errors import ArgumentError, DTypeError, NonFiniteInputError, ShapeError
 
 __all__ = ["LowRank", "extract_lora_weight", "OVERSAMPLE", "POWER_ITERATIONS", "DTYPES"]
@@ -77,8 +77,8 @@ def difference(tuned, base, threads=None):
     if t.shape != b.shape:
         raise ShapeError(f"tuned {list(t.shape)} and base {list(b.shape)} differ in shape")
     if t.dtype != b.dtype:  # one reads bf16 bits, the other f32 values: widen both
-        t = t if t.dtype == np.float32 else (t.astype(np.uint32) << 16).view(np.float32)
-        b = b if b.dtype == np.float32 else (b.astype(np.uint32) << 16).view(np.float32)
+        t = t if t.dtype == np.float32 else bf16_to_f32(t)
+        b = b if b.dtype == np.float32 else bf16_to_f32(b)
     d = np.empty(t.shape, np.float32)
     squares = np.empty(t.shape[0], np.float64)
     _lowrank.difference(t, b, d, squares, resolve_threads(threads))

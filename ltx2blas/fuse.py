@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _fuse, _gemm, _probe, _quant
 from ._validate import (FP8, FP8_OVERFLOWS, RULES, WEIGHT_FORMATS, Adapter, LoHa, LoKr,
-                        Magnitudes, adapter_items, adapters_for, refuse_nonfinite_adapter, as_kind, bf16_bits, bf16_to_f32, bias_f32,
+                        adapter_items, adapters_for, refuse_nonfinite_adapter, as_kind, bf16_bits, bf16_to_f32, bias_f32,
                         choice, contiguous,
                         finite_weight_largest, fuse_output, fuse_weight, is_bf16, ndarray, output,
                         strength_f32, tile_arg, where)
@@ -415,20 +415,19 @@ class _Route:
                 and self.pairs[0])
 
 
-def _pair_route(route, a, b, bs_max, bs_min):
-    """A low-rank pair's part in the route -- (A, B), B's magnitudes as multiplied (bs_max,
-    bs_min: bf16(B*s) or B) -- and (a bound on its product, whether the dot-product kernel
-    gives its textbook bytes)."""
-    amag = Magnitudes(a)
+def _pair_route(route, rank, amag, bmag, bs_max, bs_min):
+    """A low-rank pair's part in the route -- its rank, the Magnitudes of A and B, and B's as
+    multiplied (bs_max, bs_min: bf16(B*s) or B) -- and (a bound on its product, whether the
+    dot-product kernel gives its textbook bytes)."""
     # Products bs*A are exact in f32 (so FMA and BLAS are exact too) unless they could leave
     # the normal range.
     if bs_max * amag.max >= 2.0**127 or (
             bs_min * amag.min != 0 and bs_min * amag.min < 2.0**-126):
         route.fma = False
-    if amag.first_nonfinite >= 0 or bs_max >= _BF16_FINITE_LIMIT:
+    if amag.first_nonfinite >= 0 or bmag.first_nonfinite >= 0 or bs_max >= _BF16_FINITE_LIMIT:
         route.blas = False
-    bound = a.shape[0] * bs_max * amag.max * 1.01
-    return bound, _pairs_exact(a.shape[0], bs_min, amag.min, bound)
+    bound = rank * bs_max * amag.max * 1.01
+    return bound, _pairs_exact(rank, bs_min, amag.min, bound)
 
 
 def _choose_route(prepared, fmt, rule, check_finite):
@@ -437,7 +436,7 @@ def _choose_route(prepared, fmt, rule, check_finite):
     for i, ad in enumerate(prepared):
         refuse_nonfinite_adapter(ad, check_finite)
         if ad.kind == "diff":
-            route.bound += abs(float(ad.s)) * Magnitudes(ad.a).max * 1.01
+            route.bound += abs(float(ad.s)) * ad.magnitudes(ad.a).max * 1.01
             spec += 1
             continue
         if ad.kind == "lokr":
@@ -450,16 +449,15 @@ def _choose_route(prepared, fmt, rule, check_finite):
         if ad.kind == "loha":
             bound = abs(float(ad.s))
             for a, b in ad.pairs:
-                bmag = Magnitudes(b)
-                if bmag.first_nonfinite >= 0:
-                    route.blas = False
-                pair_bound, exact = _pair_route(route, a, b, bmag.max, bmag.min)
+                bmag = ad.magnitudes(b)
+                pair_bound, exact = _pair_route(route, a.shape[0], ad.magnitudes(a), bmag,
+                                                bmag.max, bmag.min)
                 bound *= pair_bound
                 route.pairs[spec] = route.pairs[spec] and exact
                 spec += 1
             route.bound += bound
             continue
-        bmag = Magnitudes(ad.b)
+        bmag = ad.magnitudes(ad.b)
         # bs = bf16(B*s): bounds on its magnitudes, one bf16 rounding step of slack each way;
         # addmm multiplies later adapters' B unscaled and scales their products.
         prescaled = route.rule != "addmm" or i == 0
@@ -475,9 +473,8 @@ def _choose_route(prepared, fmt, rule, check_finite):
                 raise NonFiniteResultError(
                     f"adapter {ad.index}: lora_b{at} x strength {float(ad.s)!r} overflows bf16",
                     adapter=ad.index, tensor="lora_b")
-        if bmag.first_nonfinite >= 0:
-            route.blas = False
-        product_bound, exact = _pair_route(route, ad.a, ad.b, bs_max, bs_min)
+        product_bound, exact = _pair_route(route, ad.rank, ad.magnitudes(ad.a), bmag, bs_max,
+                                           bs_min)
         route.bound += product_bound * (1.0 if prescaled else abs(float(ad.s)))
         route.pairs[spec] = route.pairs[spec] and exact
         spec += 1
@@ -533,7 +530,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
         elif result is not w:
             np.copyto(result, w)
         return (result if given_out else as_kind(result, weight)), 0
-    _lokr_factors(prepared, threads, check_finite)
+    _lokr_factors(prepared, threads)
     route = _choose_route(prepared, fmt, rule, check_finite)
     # In place with the overflow check on and a bound that does not rule overflow out: a dry
     # run finds any overflow before a byte is written.
@@ -555,14 +552,14 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
     return (result if given_out else as_kind(result, weight)), plan.overflows
 
 
-def _lokr_factors(prepared, threads, check_finite=False):
+def _lokr_factors(prepared, threads):
     """Each LoKr's two factors in f32 (``f1``, ``f2``): a whole one widened, a low-rank one
     the f32 product of its pair in §1's order, once a call (each has the weight's elements
-    over the other's)."""
+    over the other's).  Non-finite factors are refused, where asked, with the other adapters'
+    (_choose_route), before anything is written."""
     for ad in prepared:
         if ad.kind != "lokr":
             continue
-        refuse_nonfinite_adapter(ad, check_finite)
         ad.f1, ad.f2 = (bf16_to_f32(f[1]) if f[0] == "whole" else pair_product(f[1], f[2], threads)
                         for f in ad.factors)
 

@@ -106,11 +106,15 @@ def lokr_delta(w1, w2, scale):
     """A LoKr's delta: delta[p, q] = bf16(f32(c) * f32(w1[p // m2, q // n2] * w2[p % m2,
     q % n2])) for f32 factors w1 [m1, n1] and w2 [m2, n2]: each element of the Kronecker
     product one f32 product, then the scale, then one rounding."""
+    return bf16_round(np.float32(scale) * _kron(w1, w2))
+
+
+def _kron(w1, w2):
+    """The Kronecker product of two f32 factors, each element one f32 product."""
     w1 = np.asarray(w1, dtype=np.float32)
     w2 = np.asarray(w2, dtype=np.float32)
     (m1, n1), (m2, n2) = w1.shape, w2.shape
-    kron = (w1[:, None, :, None] * w2[None, :, None, :]).reshape(m1 * m2, n1 * n2)
-    return bf16_round(np.float32(scale) * kron)
+    return (w1[:, None, :, None] * w2[None, :, None, :]).reshape(m1 * m2, n1 * n2)
 
 
 def loha_delta(w1_a, w1_b, w2_a, w2_b, scale):
@@ -155,9 +159,7 @@ def later_term(item):
     LoHa's m1 * m2."""
     kind = _kind(item)
     if kind == "lokr":
-        w1, w2 = _lokr_factors(item)
-        (m1, n1), (m2, n2) = w1.shape, w2.shape
-        return (w1[:, None, :, None] * w2[None, :, None, :]).reshape(m1 * m2, n1 * n2), item.scale
+        return _kron(*_lokr_factors(item)), item.scale
     if kind == "loha":
         return (lora_product(item.w1_b, item.w1_a) * lora_product(item.w2_b, item.w2_a),
                 item.scale)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._validate import FP8, bf16_bits, choice
+from .._validate import FP8, bf16_bits, bf16_to_f32, choice
 from ..errors import (ArgumentError, DTypeError, KeyMatchError, NumericsError, ShapeError,
                       printable)
 from ..extract import DTYPES, OVERSAMPLE, POWER_ITERATIONS, extract_lora_weight, range_width
@@ -73,12 +73,16 @@ class ExtractReport:
         return "\n".join(lines)
 
 
+def _stem(module, spelling):
+    """A model module's name as an adapter key of the spelling begins."""
+    if spelling == "diffusers":
+        return "transformer." + keymatch.to_diffusers(module)
+    return "diffusion_model." + module
+
+
 def _names(module, spelling):
     """(A key, B key, alpha key) of a Linear module in a spelling."""
-    if spelling == "diffusers":
-        base = "transformer." + keymatch.to_diffusers(module)
-        return base + ".lora_A.weight", base + ".lora_B.weight", base + ".alpha"
-    base = "diffusion_model." + module
+    base = _stem(module, spelling)
     if spelling == "comfy":
         return base + ".lora_down.weight", base + ".lora_up.weight", base + ".alpha"
     return base + ".lora_A.weight", base + ".lora_B.weight", base + ".alpha"
@@ -135,9 +139,7 @@ class _Side:
 
 def _float_values(array, dtype):
     """A tensor that is no Linear weight as f32 values (for its difference)."""
-    if dtype == "BF16":
-        return (np.asarray(array).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return np.asarray(array, np.float32)
+    return bf16_to_f32(array) if dtype == "BF16" else np.asarray(array, np.float32)
 
 
 def extract_lora(tuned, base, output, *, rank=None, energy=None, max_rank=256, keys="ltx",
@@ -245,7 +247,7 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
         def put(name, array, dtype_name):
             data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
             offset = spill.seek(0, os.SEEK_END)
-            spill.write(data.tobytes())
+            spill.write(data)
             entries.append((name, dtype_name, tuple(array.shape), data.nbytes))
             places.append((offset, data.nbytes))
 
@@ -255,8 +257,6 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
             done += 1
             low = None
             if not (t_values.dtype == b_values.dtype and np.array_equal(t_values, b_values)):
-                module = name[: -len(".weight")]
-                module = keymatch.model_module(name) or module
                 try:
                     low = extract_lora_weight(
                         t_values, b_values, rank=rank, energy=energy, max_rank=max_rank,
@@ -270,7 +270,7 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
                 rows, cols = t_layout.shape
                 width = range_width(rank or max_rank, oversample, min(rows, cols))
                 report.gflop += 2.0 * rows * cols * width * (2 * power_iterations + 2) / 1e9
-                a_key, b_key, alpha_key = _names(module, keys)
+                a_key, b_key, alpha_key = _names(keymatch.model_module(name), keys)
                 put(a_key, low.lora_a, store)
                 put(b_key, low.lora_b, store)
                 put(alpha_key, np.array(low.rank, np.float32), "F32")
@@ -293,11 +293,9 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
                     diff = _float_values(t_raw, t_dtype) - _float_values(b_raw, b_dtype)
                     if not np.all(np.isfinite(diff)):
                         raise NumericsError(f"{printable(name)}: the difference is not finite")
-                    stem_name = name if name.endswith(".weight") else \
+                    weight = name if name.endswith(".weight") else \
                         name[: -len(".bias")] + ".weight"
-                    module = keymatch.model_module(stem_name)   # the model's prefix stripped
-                    stem = ("transformer." + keymatch.to_diffusers(module) if keys == "diffusers"
-                            else "diffusion_model." + module)
+                    stem = _stem(keymatch.model_module(weight), keys)  # the model's prefix off
                     put(stem + (".diff" if name.endswith(".weight") else ".diff_b"), diff, "F32")
                     report.full_diffs += 1
             if progress is not None:
