@@ -15,15 +15,26 @@ import numpy as np
 from . import _lowrank, _quant
 from ._threads import blas_single_threaded, resolve_threads
 from ._validate import bf16_bits, bf16_to_f32, choice, contiguous, is_bf16, ndarray
-from .errors import ArgumentError, DTypeError, NonFiniteInputError, ShapeError
+from .errors import ArgumentError, DTypeError, NonFiniteInputError, NumericsError, ShapeError
 
-__all__ = ["LowRank", "extract_lora_weight", "OVERSAMPLE", "POWER_ITERATIONS", "DTYPES"]
+__all__ = ["LowRank", "extract_lora_weight", "OVERSAMPLE", "POWER_ITERATIONS",
+           "MAX_POWER_ITERATIONS", "DTYPES"]
 
 #: Columns of the test matrix beyond the rank (at least; see range_width), and the power
 #: iterations: Halko et al.'s usual oversampling, and the iterations that keep the error within
 #: 2 % of the optimum on fine-tuning differences (docs/extract.md gives the measurement).
 OVERSAMPLE = 10
 POWER_ITERATIONS = 2
+#: The most power iterations taken: each costs two more passes over the weight, and two already
+#: keep the error within 2 % of the optimum (docs/extract.md); a bound keeps a mistyped count
+#: from running for days.
+MAX_POWER_ITERATIONS = 16
+#: The products with D stay finite while sqrt(max(out, in)) * ||D||_F (which bounds every entry
+#: of D X and Q^T D, with X of +-1 entries or orthonormal columns, and of their partial sums)
+#: is at most 2^SAFE_EXPONENT, well inside f32's 2^128.  A larger difference (entries near f32's
+#: limit) is scaled down by a power of two first: exact, and only then, so that any ordinary
+#: difference is computed as before.
+SAFE_EXPONENT = 120
 #: The range finder's width is a multiple of this: the BLAS's register block of f32 columns
 #: (16 on AVX-512), whose partial blocks run the products at two thirds of the rate.
 WIDTH_STEP = 16
@@ -88,6 +99,32 @@ def difference(tuned, base, threads=None):
     return d, total
 
 
+def check_counts(oversample, power_iterations):
+    """ArgumentError unless ``oversample`` is a whole number of at least 0 and
+    ``power_iterations`` one from 0 to MAX_POWER_ITERATIONS."""
+    for value, what, most in ((oversample, "oversample", None),
+                              (power_iterations, "power_iterations", MAX_POWER_ITERATIONS)):
+        try:
+            whole = int(value) == value
+        except (TypeError, ValueError, OverflowError):
+            whole = False
+        if not whole or value < 0 or (most is not None and value > most):
+            raise ArgumentError(f"{what} must be a whole number from 0"
+                                + (f" to {most}" if most is not None else "")
+                                + f", got {value!r}")
+
+
+def _scale_exponent(norm_sq, rows, cols):
+    """An even k such that D * 2^-k keeps the products finite (see SAFE_EXPONENT); 0 where D
+    needs no scaling, as every difference of weights of ordinary magnitudes."""
+    bound = np.sqrt(float(max(rows, cols)) * norm_sq)
+    if bound <= 2.0 ** SAFE_EXPONENT:
+        return 0
+    # even, so that sqrt(s) -- each factor's share -- scales back by 2^(k/2) exactly
+    k = int(np.ceil(np.log2(bound))) - (SAFE_EXPONENT - 8)
+    return k + (k & 1)
+
+
 def _orthonormal(y):
     """An orthonormal basis of y's columns (f64 QR, LAPACK)."""
     from scipy.linalg import qr
@@ -111,7 +148,8 @@ def extract_lora_weight(tuned, base, *, rank=None, energy=None, max_rank=256,
         the least rank whose factors keep this fraction of ``||tuned - base||_F``, up to
         ``max_rank``.
     oversample, power_iterations : int
-        The range finder's extra columns and power iterations (Halko et al.).
+        The range finder's extra columns and power iterations (Halko et al.; at most
+        MAX_POWER_ITERATIONS iterations).
     seed, name : the test matrix's random bits (the tensor's name makes each weight's its own).
     dtype : "bf16" (default) or "f32"
         The factors' storage.
@@ -128,9 +166,7 @@ def extract_lora_weight(tuned, base, *, rank=None, energy=None, max_rank=256,
     choice(dtype, DTYPES, "dtype")
     if (rank is None) == (energy is None):
         raise ArgumentError("give rank or energy, one of them")
-    for value, what in ((oversample, "oversample"), (power_iterations, "power_iterations")):
-        if int(value) != value or value < 0:
-            raise ArgumentError(f"{what} must be a whole number of at least 0, got {value!r}")
+    check_counts(oversample, power_iterations)
     threads = resolve_threads(threads)
     d, norm_sq = difference(tuned, base, threads)
     rows, cols = d.shape
@@ -158,6 +194,9 @@ def extract_lora_weight(tuned, base, *, rank=None, energy=None, max_rank=256,
         return _factors(np.zeros((rows, 0)), empty, np.zeros((cols, 0)), 0, 1.0, 0.0, dtype,
                         empty)
     width = range_width(wanted, oversample, largest)
+    shift = _scale_exponent(norm_sq, rows, cols)
+    if shift:  # entries near f32's limit: D * 2^-shift, exact (but for far smaller entries)
+        np.ldexp(d, -shift, out=d)
     key = _quant.stochastic_key(int(seed), str(name))
     from scipy.linalg import svd
 
@@ -174,10 +213,16 @@ def extract_lora_weight(tuned, base, *, rank=None, energy=None, max_rank=256,
             _lowrank.d_times(d, np.ascontiguousarray(p, np.float32), y, threads)
             q = _orthonormal(y)
         _lowrank.dt_times(d, np.ascontiguousarray(q.T, np.float32), zt, threads)   # B = Q^T D
+        if not np.all(np.isfinite(zt)):  # the scaling above keeps them finite; LAPACK would
+            raise NumericsError(        # only say "A has a NaN entry"
+                f"{name or 'the weight'}: the range finder's products are not finite "
+                f"(||D||_F = {np.sqrt(norm_sq):.6g})")
         # B = Ub S Vb^T, so D ~ Q B = (Q Ub) S Vb^T
         ub, s, vbt = svd(zt.astype(np.float64), full_matrices=False, check_finite=False,
                          lapack_driver="gesdd")
         u = q @ ub
+    if shift:
+        s = s * 2.0 ** shift    # f64: the singular values of D itself
     if rank is None:
         kept_sq = np.cumsum(s ** 2)
         enough = np.flatnonzero(kept_sq >= (energy ** 2) * norm_sq)

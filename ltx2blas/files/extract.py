@@ -18,14 +18,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._validate import FP8, bf16_bits, bf16_to_f32, choice
-from ..errors import (ArgumentError, DTypeError, KeyMatchError, NumericsError, ShapeError,
-                      printable)
-from ..extract import DTYPES, OVERSAMPLE, POWER_ITERATIONS, extract_lora_weight, range_width
+from ..errors import (ArgumentError, DTypeError, KeyMatchError, Ltx2IOError, NumericsError,
+                      ShapeError, printable)
+from ..extract import (DTYPES, OVERSAMPLE, POWER_ITERATIONS, check_counts, extract_lora_weight,
+                       range_width)
 from ..quantized import DEQUANTIZED_TO_BF16, dequantized
 from . import keys as keymatch
 from . import layouts as layoutmod
 from .checkpoint import Checkpoint, Progress, check_output_is_not_an_input, format_gflop
-from .safetensors import SafetensorsWriter
+from .safetensors import SafetensorsWriter, output_path
 
 #: The output's key spellings: upstream LTX-2's trainer (``diffusion_model.<m>.lora_A.weight``),
 #: diffusers' (``transformer.<diffusers name>.lora_A.weight``), ComfyUI's and kohya's
@@ -46,6 +47,7 @@ class ExtractReport:
     weights_equal: int = 0
     other_differing: list = field(default_factory=list)   # names of other tensors that differ
     full_diffs: int = 0           # of those, written as .diff / .diff_b
+    full_diff: bool = False       # whether they were asked for
     ranks: dict = field(default_factory=dict)   # weight -> (rank, fraction of ||D||_F kept)
     gflop: float = 0.0
     seconds: float = 0.0
@@ -65,10 +67,16 @@ class ExtractReport:
         if self.other_differing:
             shown = ", ".join(map(printable, self.other_differing[:3]))
             more = ", ..." if len(self.other_differing) > 3 else ""
+            listed = len(self.other_differing) - self.full_diffs
+            if not self.full_diff:
+                what = ("not in a LoRA (--full-diff writes those of 1-D weights and biases as "
+                        "full differences)")
+            else:
+                what = f"{self.full_diffs} written as full differences" + (
+                    f", {listed} listed only (the fuse adds differences to 1-D weights and "
+                    "biases only)" if listed else "")
             lines.append(f"{len(self.other_differing)} other tensors differ ({shown}{more}): "
-                         + (f"{self.full_diffs} written as full differences"
-                            if self.full_diffs else "not in a LoRA (--full-diff writes them as "
-                                                    "full differences)"))
+                         + what)
         lines.append(f"{self.seconds:.1f} s, {format_gflop(self.gflop)} GFLOP")
         return "\n".join(lines)
 
@@ -176,6 +184,8 @@ def extract_lora(tuned, base, output, *, rank=None, energy=None, max_rank=256, k
     choice(dtype, DTYPES, "dtype")
     if (rank is None) == (energy is None):
         raise ArgumentError("give rank or energy, one of them")
+    check_counts(oversample, power_iterations)
+    output_path(output)  # a missing folder, a folder or a device: refused by name, first
     t0 = time.perf_counter()
     sides = []
     try:
@@ -238,16 +248,28 @@ def _plan(tuned, base):
 def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff, seed,
              oversample, power_iterations, threads, progress, t0):
     linear, other = _plan(tuned, base)
-    report = ExtractReport(output=os.fspath(output), rank=rank, energy=energy)
+    report = ExtractReport(output=os.fspath(output), rank=rank, energy=energy,
+                           full_diff=bool(full_diff))
     total = len(linear) + len(other)
     entries, places, per_weight = [], [], {}
-    folder = os.path.dirname(os.path.abspath(os.fspath(output)))
+    shown = printable(os.fspath(output))
+    folder = os.path.dirname(output_path(output))   # beside the file the output names
     store = "BF16" if dtype == "bf16" else "F32"
-    with tempfile.TemporaryFile(dir=folder) as spill:
+    try:
+        spill = tempfile.TemporaryFile(dir=folder)
+    except OSError as exc:  # a read-only or special folder (/proc, /sys): name it, as the
+        raise Ltx2IOError(  # writer does
+            exc.errno, f"output {shown}: cannot create a file in {printable(folder)}: "
+                       f"{exc.strerror}") from exc
+    with spill:
         def put(name, array, dtype_name):
             data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
             offset = spill.seek(0, os.SEEK_END)
-            spill.write(data)
+            try:
+                spill.write(data)
+            except OSError as exc:  # a full disk, the file size limit
+                raise Ltx2IOError(exc.errno, f"output {shown}: writing the spilled factors in "
+                                             f"{printable(folder)}: {exc.strerror}") from exc
             entries.append((name, dtype_name, tuple(array.shape), data.nbytes))
             places.append((offset, data.nbytes))
 
@@ -283,13 +305,19 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
             t_dtype, b_dtype = tuned.entries[name][0], base.entries[name][0]
             t_raw, b_raw = tuned.read(name), base.read(name)
             done += 1
-            if t_dtype == b_dtype and np.array_equal(np.asarray(t_raw).view(np.uint8),
-                                                     np.asarray(b_raw).view(np.uint8)):
+            # compared as bytes, flattened first: numpy views no 0-d array (a scalar such
+            # as a logit scale) as bytes of another size
+            if t_dtype == b_dtype and np.array_equal(
+                    np.asarray(t_raw).reshape(-1).view(np.uint8),
+                    np.asarray(b_raw).reshape(-1).view(np.uint8)):
                 pass
             else:
                 report.other_differing.append(name)
+                # a difference is written where the fuse adds it back: to a 1-D .weight (as a
+                # bias term) or .bias; a scalar's is listed only
                 if full_diff and t_dtype in ("BF16", "F16", "F32") and b_dtype in (
-                        "BF16", "F16", "F32") and name.endswith((".weight", ".bias")):
+                        "BF16", "F16", "F32") and name.endswith((".weight", ".bias")) and \
+                        len(tuned.entries[name][1]) == 1:
                     diff = _float_values(t_raw, t_dtype) - _float_values(b_raw, b_dtype)
                     if not np.all(np.isfinite(diff)):
                         raise NumericsError(f"{printable(name)}: the difference is not finite")
@@ -300,6 +328,14 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
                     report.full_diffs += 1
             if progress is not None:
                 progress(Progress(done, total, 0.0, 0.0, time.perf_counter() - t0, name))
+        if not entries and report.other_differing:
+            names = ", ".join(map(printable, report.other_differing[:3]))
+            raise ArgumentError(
+                f"no Linear weight differs and no other tensor's difference is written "
+                f"({len(report.other_differing)} differ: {names}"
+                f"{', ...' if len(report.other_differing) > 3 else ''}"
+                f"{'' if full_diff else '; --full-diff writes those of 1-D weights and biases'}"
+                "): no LoRA to write, nothing written")
         if not entries:
             raise ArgumentError("the two checkpoints are equal in every tensor: no LoRA to "
                                 "write, nothing written")
