@@ -15,6 +15,7 @@ import threading
 
 #: The library's keyword spellings in its messages, as this command spells them.
 _FLAGS = (("force=True", "--force"), ("allow_unmatched=True", "--allow-unmatched"),
+          ("allow_repeated=True", "--allow-repeated"),
           ("check_finite=True", "--check-finite"), ("alpha='ignore'", "--alpha ignore"),
           ("alpha='scale'", "--alpha scale"), ("fp8_rounding='stochastic'",
                                                 "--fp8-rounding stochastic"),
@@ -153,7 +154,7 @@ def _cmd_fuse(args):
         progress=None if (args.dry_run or args.quiet) else _ProgressPrinter(),
         check_finite=args.check_finite, force=args.force, fp8_rounding=args.fp8_rounding,
         seed=args.seed or 0, dry_run=args.dry_run, fp8_overflow=args.fp8_overflow,
-        digests=not args.no_digests)
+        digests=not args.no_digests, allow_repeated=args.allow_repeated)
     # The output is in place: a signal now would only call a finished fuse a failure.
     _ignore_signals()
     lines = [_cli_words(report.summary())]
@@ -315,6 +316,9 @@ def build_parser():
     p.add_argument("--allow-unmatched", action="store_true",
                    help="fuse what matches when some adapter modules match no weight, and list "
                         "them (by default that is an error and nothing is written)")
+    p.add_argument("--allow-repeated", action="store_true",
+                   help="fuse an adapter given twice (the same file, or a copy of it) twice; "
+                        "by default that is an error and nothing is written")
     p.add_argument("--threads", type=_thread_count, default=None,
                    help="threads (default: every CPU this process may use)")
     p.add_argument("--dry-run", action="store_true",

@@ -14,10 +14,11 @@ import numpy as np
 
 from .._validate import (BLAS_INT_MAX, FP8_BY_NAME, LoHa, LoKr, bf16_to_f32, choice,
                          first_nonfinite, is_bf16, ml_fp8_format, round_up, strength_f32, where)
-from ..errors import DTypeError, FormatError, KeyMatchError, NonFiniteInputError, ShapeError
+from ..errors import (ArgumentError, DTypeError, FormatError, KeyMatchError, NonFiniteInputError,
+                      ShapeError)
 from . import keys as keymatch
 from . import peft
-from .safetensors import SafetensorsFile
+from .safetensors import SafetensorsFile, read_into
 
 ALPHA_MODES = ("scale", "ignore")
 FLOATS = ("BF16", "F32", "F16")
@@ -44,6 +45,8 @@ class AdapterReport:
     rounded_to_bf16: list = field(default_factory=list)    # factors stored as F32/F16
     kinds: dict = field(default_factory=dict)              # kind -> count
     settings: dict = field(default_factory=dict)           # an IC-LoRA's reference_* metadata
+    repeat_of: int = None                                  # the earlier adapter this one is again
+    repeat_how: str = ""                                   # "the same file", "the same bytes", ...
 
 
 @dataclass
@@ -220,14 +223,25 @@ def run_time_settings(metadata):
 
 
 def make_plan(model_entries, layout_of, sources, strengths, alpha="scale",
-              allow_unmatched=False):
+              allow_unmatched=False, allow_repeated=True):
     """The Plan of fusing ``sources`` at ``strengths`` into a model of ``model_entries``
-    (name -> (dtype, shape)); ``layout_of(key)`` gives a weight's Layout or raises."""
+    (name -> (dtype, shape)); ``layout_of(key)`` gives a weight's Layout or raises.  An
+    adapter given again (repeats) is reported as such, or with ``allow_repeated`` False
+    refused."""
     choice(alpha, ALPHA_MODES, "alpha")
     plan = Plan({}, {}, [])
+    again = repeats(sources)
+    if again and not allow_repeated:
+        index, (first, how) = next(iter(again.items()))
+        raise ArgumentError(
+            f"{sources[index].name}: adapter {index} is adapter {first} again ({how}"
+            f"{'' if how == 'the same file' else ' as ' + sources[first].name}); it would be "
+            "fused twice, its change added to each weight twice: give it once, at the strength "
+            "meant (allow_repeated=True fuses it again)")
     for index, (source, strength) in enumerate(zip(sources, strengths)):
         report = AdapterReport(path=source.name, strength=strength, alpha_mode=alpha,
                                settings=run_time_settings(source.metadata))
+        report.repeat_of, report.repeat_how = again.get(index, (None, ""))
         # upstream LTX-2 (alpha="ignore") reads no alpha, from tensors or from PEFT's metadata
         configs, report.metadata_ignored = (peft.read_configs(source.metadata, source.name)
                                             if alpha == "scale" else ({}, []))
@@ -249,6 +263,43 @@ def make_plan(model_entries, layout_of, sources, strengths, alpha="scale",
                                 f"is not combined with others on it ({len(items)} adapters "
                                 "touch it)")
     return plan
+
+
+def repeats(sources):
+    """{index: (the first adapter it repeats, how)} of the sources that are an earlier one
+    again: the same file (one inode, under one name or two), the same bytes (a copy), or the
+    same mapping.  A user almost never means to add one adapter twice; a file's bytes are
+    compared only where two files have the same size, and only as far as they agree."""
+    out = {}
+    for j, b in enumerate(sources):
+        for i, a in enumerate(sources[:j]):
+            if i in out:
+                continue  # compared with the first of its kind
+            how = _same_adapter(a, b)
+            if how:
+                out[j] = (i, how)
+                break
+    return out
+
+
+def _same_adapter(a, b):
+    """How Source ``b`` is Source ``a`` again, or ""."""
+    if a.file is None or b.file is None:
+        return "the same mapping" if a.file is b.file is None and a.mapping is b.mapping else ""
+    sa, sb = os.fstat(a.file._fd), os.fstat(b.file._fd)
+    if (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino):
+        return "the same file"
+    if sa.st_size != sb.st_size or a.file.data_start != b.file.data_start:
+        return ""
+    chunk = 1 << 20
+    x, y = np.empty(chunk, np.uint8), np.empty(chunk, np.uint8)
+    for offset in range(0, sa.st_size, chunk):
+        n = min(chunk, sa.st_size - offset)
+        read_into(a.file._fd, x[:n], offset, a.name)
+        read_into(b.file._fd, y[:n], offset, b.name)
+        if not np.array_equal(x[:n], y[:n]):
+            return ""
+    return "the same bytes"
 
 
 def _plan_pair(plan, index, source, strength, pair, layout_of, model_entries, report, alpha,
@@ -369,6 +420,12 @@ def _lycoris_dim(source, pair, shape, where):
         if len(got) != 2:
             raise ShapeError(f"{source.name}: {keys[role]!r} has shape {list(got)}; the factors "
                              f"of {where} are 2-D")
+        if max(got) > BLAS_INT_MAX:
+            # an empty tensor may claim any shape; one this large is no factor of a weight,
+            # and numpy would refuse even to shape its zero elements
+            raise FormatError(f"{source.name}: {keys[role]!r} has shape {list(got)}, a "
+                              f"dimension past {BLAS_INT_MAX}; no factor of {where} is that "
+                              "large")
         _check(source, keys[role], None, FLOATS, "factor")
         return got
 
@@ -396,6 +453,11 @@ def _lycoris_dim(source, pair, shape, where):
     if (m1 * m2, n1 * n2) != (out_f, in_f):
         raise ShapeError(f"{source.name}: {pair.module}: the Kronecker product of w1 {[m1, n1]} "
                          f"and w2 {[m2, n2]} is [{m1 * m2}, {n1 * n2}], not {where}")
+    if max(m1, m2) > out_f or max(n1, n2) > in_f:
+        # only beside an empty weight (a zero dimension in the other factor): a factor is
+        # computed in f32 before the product, and one larger than its weight has no place
+        raise ShapeError(f"{source.name}: {pair.module}: w1 {[m1, n1]} and w2 {[m2, n2]} are "
+                         f"factors larger than {where} they multiply to")
     return dims[1] if dims[1] is not None else dims[0]
 
 

@@ -119,6 +119,9 @@ def _adapter_line(i, a, in_file=True):
     text = (f"adapter {i}: {printable(a.path)} x {a.strength:g}: "
             f"{_count(a.pairs_used, 'module')} ({kinds or 'none'}; "
             f"{_count(a.keys_used, 'key')}) used")
+    if a.repeat_of is not None:
+        text += (f"; {a.repeat_how} as adapter {a.repeat_of}, so its change is added again "
+                 "(given twice)")
     if a.alpha_scaled:
         if a.alpha_rslora == a.alpha_scaled:
             how = "alpha / sqrt(rank) (rsLoRA)"
@@ -627,7 +630,8 @@ def _prepare(entries, metadata, read_bytes, sources, loras, options, retry_dtype
         return cache[key]
 
     plan = plans.make_plan(entries, layout_of, sources, [s for _, s in loras],
-                           alpha=options["alpha"], allow_unmatched=options["allow_unmatched"])
+                           alpha=options["alpha"], allow_unmatched=options["allow_unmatched"],
+                           allow_repeated=options.get("allow_repeated", True))
     layouts = {n: layout_of(n) for n in plan.weights}
     _check_fp8_rounding(options["fp8_rounding"], layouts)
     return plan, layouts
@@ -650,7 +654,7 @@ def _report(output, dry_run, plan, layouts, total, options, order, sources):
 def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progress=None,
                     check_finite=False, force=False, fp8_rounding="nearest", seed=0,
                     dry_run=False, alpha="scale", allow_unmatched=False,
-                    fp8_overflow="saturate", digests=True):
+                    fp8_overflow="saturate", digests=True, allow_repeated=True):
     """Fuse adapter files into a safetensors checkpoint, writing a new one.
 
     Parameters
@@ -689,6 +693,10 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
         Record in the output's metadata, beside the options, the SHA-256 of every base and
         adapter tensor read and of every tensor written (``ltx2blas.provenance``), so that
         :func:`ltx2blas.verify_checkpoint` can check the file and rebuild it (default True).
+    allow_repeated : bool
+        An adapter given twice (the same file, or a copy of its bytes) is fused twice, and the
+        report says so (the default); False refuses it with an ArgumentError before anything
+        is written, as the command does without ``--allow-repeated``.
 
     Weights stored in a scaled or quantised layout (:mod:`ltx2blas.files.layouts`) are fused
     by their layout's rule, their rewritten scales written right after them; bias terms of an
@@ -717,7 +725,8 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
                                     "fuse again")
         entries_of = {n: (info.dtype, info.shape) for n, (_, info) in ckpt.entries.items()}
         opts = dict(rule=rule, alpha=alpha, allow_unmatched=allow_unmatched,
-                    fp8_rounding=fp8_rounding, fp8_overflow=fp8_overflow)
+                    fp8_rounding=fp8_rounding, fp8_overflow=fp8_overflow,
+                    allow_repeated=allow_repeated)
         plan, layouts = _prepare(entries_of, ckpt.metadata, lambda n: _read_tensor(ckpt, n),
                                  sources, loras, opts)
         order = layoutmod.output_order(list(ckpt.entries), layouts)

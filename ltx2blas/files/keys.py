@@ -315,6 +315,7 @@ def match(adapter_keys, model_keys, adapter_name="adapter"):
     result = AdapterMatch()
     for key in unused:
         (result.extra if _own_module(key, index) else result.unused).append(key)
+    by_target = {}
     for name, pair in modules.items():
         pair.kind = _kind(pair, adapter_name)
         stripped, prefix = strip_prefix(name)
@@ -328,6 +329,7 @@ def match(adapter_keys, model_keys, adapter_name="adapter"):
             pair.component = component(stripped)
             result.unmatched.append(pair)
         else:
+            _refuse_second_spelling(by_target.setdefault(pair.target, pair), pair, adapter_name)
             result.pairs.append(pair)
     if not result.pairs:
         sample = ", ".join(sorted(modules)[:3]) or ", ".join(sorted(unused)[:3]) or "(none)"
@@ -336,6 +338,22 @@ def match(adapter_keys, model_keys, adapter_name="adapter"):
                             "the modules that match and none does: is this the model the "
                             "adapter was made for?")
     return result
+
+
+def _refuse_second_spelling(first, pair, adapter_name):
+    """KeyMatchError where ``pair`` is a second module of one file naming the weight that
+    ``first`` names (diffusion_model.X.lora_A beside lora_unet_X.lora_down): a loader that
+    takes every key would add the adapter to that weight twice, and which spelling was meant
+    cannot be told from the file."""
+    if first is pair:
+        return
+
+    def key(p):
+        return next(iter(p.keys.values()))
+    raise KeyMatchError(f"{adapter_name}: {key(first)!r} and {key(pair)!r} name the same weight "
+                        f"{pair.target} in two spellings (modules {first.module!r} and "
+                        f"{pair.module!r}); fusing both would add it twice, so nothing is fused: "
+                        "keep one spelling of each module")
 
 
 def _own_module(key, index):
