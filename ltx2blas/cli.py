@@ -4,7 +4,10 @@ LoRA from a fine-tuned checkpoint, show what this machine runs, and time a demon
 Exit codes: 0 success; 1 a check failed (demo, verify); 2 bad arguments or inputs that do not
 fit (shapes, dtypes, keys, an already fused checkpoint); 3 a malformed file; 4 an I/O failure
 or memory exhausted; 5 non-finite values; 6 nothing to verify by (verify); 130 interrupted
-(Ctrl-C); 143 and 129 terminated by SIGTERM and SIGHUP.
+(Ctrl-C), 143 and 129 terminated by SIGTERM and SIGHUP: stopped within a second, before the
+output was renamed into place, which is left as it was.  A signal after that rename finds the
+output complete: the command says so and exits 0.  A reader that stops reading (| head) ends
+the output quietly, with the command's own exit code.
 """
 import argparse
 import json
@@ -12,6 +15,8 @@ import os
 import signal
 import sys
 import threading
+
+from . import _stop
 
 #: The library's keyword spellings in its messages, as this command spells them.
 _FLAGS = (("force=True", "--force"), ("allow_unmatched=True", "--allow-unmatched"),
@@ -27,7 +32,7 @@ def _cmd_info(args):
     from .info import collect, format_info
 
     info = collect()
-    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    _print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0
 
 
@@ -100,6 +105,15 @@ class _ProgressPrinter:
         self.last_time = 0.0
 
     def __call__(self, p):
+        if self.stream is None:
+            return
+        try:
+            self._show(p)
+        except BrokenPipeError:  # its reader went away: the job goes on without progress
+            _silence(self.stream)
+            self.stream = None
+
+    def _show(self, p):
         from .files.checkpoint import format_gflop
 
         rate = p.gflop_done / p.elapsed if p.elapsed > 0 else 0.0
@@ -155,8 +169,8 @@ def _cmd_fuse(args):
         check_finite=args.check_finite, force=args.force, fp8_rounding=args.fp8_rounding,
         seed=args.seed or 0, dry_run=args.dry_run, fp8_overflow=args.fp8_overflow,
         digests=not args.no_digests, allow_repeated=args.allow_repeated)
-    # The output is in place: a signal now would only call a finished fuse a failure.
-    _ignore_signals()
+    # The output is in place (or this was a dry run): a signal from here on does not
+    # interrupt (the handler sees the commit, _stop.commit_rename) and is reported by main().
     lines = [_cli_words(report.summary())]
     if args.verbose:
         lines += [f"  {printable(name)}  <- adapters {adapters} "
@@ -173,6 +187,7 @@ def _cmd_verify(args):
     report = verify_checkpoint(
         args.fused, args.model, loras, rule=args.rule, alpha=args.alpha, threads=args.threads,
         progress=None if (args.quiet or args.json) else _ProgressPrinter())
+    _stop.check()  # a signal whose exception Python swallowed (in a __del__) still stops it
     _print(json.dumps(report.as_dict(), indent=2) if args.json else _cli_words(report.summary()))
     return report.exit_code
 
@@ -226,7 +241,25 @@ def _print(text, stream=None):
     encoding lacks must not turn success into an error."""
     stream = stream or sys.stdout
     encoding = getattr(stream, "encoding", None) or "utf-8"
-    print(text.encode(encoding, "backslashreplace").decode(encoding), file=stream)
+    try:
+        print(text.encode(encoding, "backslashreplace").decode(encoding), file=stream,
+              flush=True)
+    except BrokenPipeError:
+        # the reader stopped reading (| head): the rest goes nowhere, quietly, as with any
+        # Unix tool; the command's exit code is its own
+        _silence(stream)
+
+
+def _silence(stream):
+    """Point a stream whose pipe is closed at /dev/null, so that nothing more written to it
+    (Python's own flush at exit included) fails."""
+    try:
+        fd = stream.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _positive_int(text):
@@ -445,67 +478,73 @@ def _message(exc):
     return _cli_words(printable(text.strip()) or type(exc).__name__)
 
 
-class _Terminated(BaseException):
-    """SIGTERM or SIGHUP, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that
-    the same clean-up runs (the temporary output removed) on the way out."""
-
-    def __init__(self, signum):
-        super().__init__(signum)
-        self.signum = signum
-
-
-_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
-
-
-def _ignore_signals():
-    """A second signal must not interrupt the clean-up the first started.  A handler that
-    does nothing, not SIG_IGN: a signal already pending would find SIG_IGN set and Python
-    would print a traceback for it.  Only the main thread may set handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for name in _SIGNALS:
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), _ignore)
-
-
-def _ignore(signum, frame):
-    pass
-
-
-def _raise_stop(signum, frame):
-    _ignore_signals()
-    if signum == signal.SIGINT:
-        raise KeyboardInterrupt
-    raise _Terminated(signum)
+_Terminated = _stop.Terminated
 
 
 def _handle_signals():
     """Handlers for Ctrl-C, SIGTERM and SIGHUP (timeout, systemd, docker stop, a closed
-    terminal): the first one to arrive stops the command, and later ones are ignored; returns
-    the previous handlers.  Only the main thread may set them."""
+    terminal), and the watchdog that ends the process should a stop's clean-up hang; returns
+    (the previous handlers, the previous wakeup fd).  Only the main thread may set them."""
     if threading.current_thread() is not threading.main_thread():
-        return {}
-    return {sig: signal.signal(sig, _raise_stop)
-            for sig in (getattr(signal, name) for name in _SIGNALS if hasattr(signal, name))}
+        return {}, None
+    previous = {sig: signal.signal(sig, _stop.on_signal) for sig in _stop.STOP_SIGNALS}
+    return previous, _stop.arm()
+
+
+def _quiet_stop(unraisable):
+    """A stop raised where Python cannot raise (a __del__, a callback) is not a traceback: the
+    signal stays recorded and stops the command at its next check."""
+    if isinstance(unraisable.exc_value, (KeyboardInterrupt, _stop.Terminated)):
+        return
+    sys.__unraisablehook__(unraisable)
+
+
+def _stopped(signum):
+    """The exit of a command a stop signal reached: 128 + n and one line, unless its output
+    was already complete (renamed into place), which it then says (exit 0)."""
+    if _stop.state.complete is not None:
+        return _stop.report(0, _stop.complete_line(signum, _stop.state.complete), sys.stderr)
+    return _stop.report(128 + signum, _stop.stop_line(signum), sys.stderr)
 
 
 def main(argv=None):
-    """Runs the command line; returns the exit code.  Where a signal stopped the command the
-    other signals stay ignored after the return: the process is on its way out, and a second
-    signal sent a moment after the first must not turn a clean stop into a death by signal."""
-    previous = _handle_signals()
+    """Runs the command line; returns the exit code.
+
+    A stop signal (SIGINT, SIGTERM, SIGHUP) ends a command with 128 + n before its output is
+    renamed into place, nothing changed; after the rename it is reported as coming after the
+    complete output, exit 0.  Later signals are ignored, and the handlers stay in place after
+    the return where a signal came or where this is the command line itself (``argv`` None):
+    the process is on its way out, and a signal then must neither kill it nor print a
+    traceback.  Called with ``argv`` (from Python), the previous handlers are restored after
+    a command that no signal reached."""
+    _stop.reset()
+    previous, wakeup = _handle_signals()
+    hook, sys.unraisablehook = sys.unraisablehook, _quiet_stop
+    keep = argv is None
+    code = None
     try:
         args = build_parser().parse_args(argv)
-        return args.func(args)
+        # the commit of fuse's and extract's output is the command's result
+        _stop.state.final = args.func in (_cmd_fuse, _cmd_extract)
+        code = args.func(args)
+        if _stop.state.signum is not None:
+            # deferred: it came after the output was complete (exit 0, said so), or Python
+            # swallowed its exception where it could not raise (128 + n)
+            return _stopped(_stop.state.signum)
+        return _stop.report(code, None, sys.stderr)
     except KeyboardInterrupt:
-        _ignore_signals()   # where Ctrl-C came before the handlers were set
-        previous = {}
-        print("ltx2blas: interrupted", file=sys.stderr)
-        return 130
-    except _Terminated as exc:
-        previous = {}
-        print(f"ltx2blas: terminated by {signal.Signals(exc.signum).name}", file=sys.stderr)
-        return 128 + exc.signum
+        return _stopped(signal.SIGINT)
+    except _stop.Terminated as exc:
+        return _stopped(exc.signum)
+    except SystemExit as exc:  # argparse: --help, --version, a usage error
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        raise
+    except BrokenPipeError:
+        # a reader of stdout or stderr went away in the middle (demo's lines): quietly, with
+        # the exit status of a tool SIGPIPE ends
+        _silence(sys.stdout)
+        _silence(sys.stderr)
+        return _stop.report(128 + signal.SIGPIPE, None, sys.stderr)
     except (Exception, MemoryError) as exc:
         from .errors import Ltx2BlasError
 
@@ -515,10 +554,17 @@ def main(argv=None):
                 and os.environ.get("LTX2BLAS_DEBUG")):
             raise
         _print(f"ltx2blas: error: {_message(exc)}", sys.stderr)
-        return exit_code(exc)
+        return _stop.report(exit_code(exc), None, sys.stderr)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if _stop.state.exit_code is None:  # an exception on its way out (or SystemExit)
+            _stop.state.exit_code = 2 if code is None else code
+        stopped = _stop.state.signum is not None
+        if not (keep or stopped):
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            sys.unraisablehook = hook
+        if not keep and wakeup is not None:
+            _stop.disarm(wakeup)
 
 
 if __name__ == "__main__":

@@ -445,11 +445,14 @@ class _Prefetcher:
                     self.live[b] -= 1
             self.cv.notify_all()
 
-    def close(self):
+    def close(self, wait=True):
+        """Stop reading ahead.  ``wait`` False (on the way out of an error or a stop) waits
+        only briefly: the thread may wait for ever on a lock an interrupted main thread left
+        held, and it is a daemon that touches nothing the caller keeps."""
         with self.cv:
             self.stop = True
             self.cv.notify_all()
-        self.thread.join()
+        self.thread.join(None if wait else 0.25)
 
 
 def _path_arg(value, what):
@@ -837,9 +840,11 @@ class _FusedWriter:
                 metadata = self.metadata(hashes, writer.digests() if digests is not None
                                          else {})
                 writer.set_metadata(metadata)
-                writer.commit()
-            finally:
-                reader.close()
+                writer.commit()  # the commit point: the output is complete once this returns
+            except BaseException:
+                reader.close(wait=False)
+                raise
+            reader.close()
         return metadata
 
     def _digests(self):

@@ -53,6 +53,7 @@ class Hasher:
         self.digests = {}
         self._error = None
         self._closing = False
+        self._cancelled = False
         self._cv = threading.Condition()
         self._threads = [threading.Thread(target=self._run, args=(q,), daemon=True,
                                           name="ltx2blas-digests") for q in self._queues]
@@ -97,7 +98,7 @@ class Hasher:
             with self._cv:
                 while not queue and not self._files and not self._closing:
                     self._cv.wait()
-                if not queue and not self._files:
+                if self._cancelled or (not queue and not self._files):
                     return
                 source = queue if queue else self._files
                 if source is queue:
@@ -120,7 +121,7 @@ class Hasher:
                 if on_done is not None:
                     on_done()
                 with self._cv:
-                    if source is queue:
+                    if source is queue and queue:  # a cancel may have emptied it
                         queue.popleft()
                     self._queued -= _size(data)
                     self._taken_files -= source is self._files
@@ -135,19 +136,27 @@ class Hasher:
             raise self._error
         return self.digests
 
-    def close(self):
-        """Hash what is queued, then end the threads."""
+    def close(self, cancel=False):
+        """Hash what is queued, then end the threads.  ``cancel`` (on the way out of an error or
+        a stop): drop what is queued and wait for no thread, since one may wait for ever on
+        the lock an interrupted main thread left held (they are daemons)."""
         with self._cv:
             self._closing = True
+            if cancel:
+                self._cancelled = True
+                for q in self._queues:
+                    q.clear()
+                self._files.clear()
             self._cv.notify_all()
-        for t in self._threads:
-            t.join()
+        if not cancel:
+            for t in self._threads:
+                t.join()
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        self.close(cancel=exc_type is not None)
 
 
 class _FileRange:

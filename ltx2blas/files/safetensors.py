@@ -30,6 +30,7 @@ import sys
 import threading
 import numpy as np
 
+from .. import _stop
 from ..errors import ArgumentError, FormatError, Ltx2IOError
 from ._header import DuplicateKey, object_pairs, read_entries
 from ._header import TensorInfo  # noqa: F401  (the type of SafetensorsFile.tensors' values)
@@ -485,6 +486,7 @@ class _DirectSink:
         self.lock = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="ltx2blas-writer", daemon=True)
         self.closing = False
+        self.cancelled = False
         self.free[0].acquire()
         self.thread.start()
 
@@ -497,10 +499,10 @@ class _DirectSink:
                     return
                 data, offset, on_done = self.pending.pop(0)
             try:
-                if self.error is None:
+                if self.error is None and not self.cancelled:
                     view = memoryview(data)
                     done = 0
-                    while done < len(view):
+                    while done < len(view) and not self.cancelled:
                         done += os.pwrite(self.fd, view[done:], offset + done)
             except OSError as exc:
                 self.error = exc
@@ -573,6 +575,21 @@ class _DirectSink:
             self.lock.notify()
         self.thread.join()
 
+    def abort(self):
+        """Drop what is queued; True once the background thread is done with the file (then
+        its descriptor may be closed).  The wait is short and bounded: after a stop the thread
+        may wait for ever on a lock the interrupted main thread left held."""
+        self.cancelled = True
+        if self.lock.acquire(timeout=0.1):
+            try:
+                self.closing = True
+                self.pending.clear()
+                self.lock.notify()
+            finally:
+                self.lock.release()
+        self.thread.join(0.25)
+        return not self.thread.is_alive()
+
 
 def _after_both(release):
     """``release``, called on the second of two calls: a buffer both hashed and written is
@@ -626,6 +643,7 @@ class SafetensorsWriter:
         except OSError as exc:
             self._fd = -1
             raise Ltx2IOError(exc.errno, f"cannot create a file in {folder}: {exc.strerror}") from exc
+        _stop.temps.add(self.temp)  # removed by the watchdog where a stop's clean-up hangs
         # From here the temporary file exists: whatever fails before the caller holds the
         # writer (its buffers' allocation, the header's write) must take the file and its
         # descriptor with it, as __exit__ would.
@@ -746,7 +764,9 @@ class SafetensorsWriter:
                                              f"{os.path.dirname(self.path)} to make the new file "
                                              f"durable: {exc.strerror}") from exc
             try:
-                os.replace(self.temp, self.path)
+                # the commit point (README, "Errors and exit codes"): a stop signal before it
+                # leaves the destination as it was; one after it finds the output complete
+                _stop.commit_rename(self.temp, self.path)
             except BaseException:
                 os.close(dir_fd)
                 raise
@@ -760,15 +780,20 @@ class SafetensorsWriter:
             os.close(dir_fd)
 
     def abort(self):
+        """Remove the temporary file.  Waits only briefly for the background writer: where it
+        is not done with the descriptor, the descriptor is left open rather than closed under
+        it (a number reused by another open would take its writes)."""
+        sink_done = True
         if getattr(self, "_sink", None) is not None:
-            self._sink.close()
-        if getattr(self, "_fd", -1) >= 0:
+            sink_done = self._sink.abort() if hasattr(self._sink, "abort") else True
+        if getattr(self, "_fd", -1) >= 0 and sink_done:
             os.close(self._fd)
-            self._fd = -1
+        self._fd = -1
         try:
             os.unlink(self.temp)
         except FileNotFoundError:
             pass
+        _stop.temps.discard(self.temp)
 
     def __enter__(self):
         return self

@@ -13,7 +13,6 @@ Three checks, each as far as what is given allows:
 A file without a record (another tool's, or an older ltx2blas's) is compared tensor by tensor
 with the base and with what ltx2blas makes of the inputs.
 """
-import concurrent.futures
 import inspect
 import os
 import threading
@@ -22,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .. import _stop
 from .._threads import resolve_threads
 from .._validate import progress_arg, strength_f32
 from ..errors import ArgumentTypeError, printable
@@ -254,7 +254,9 @@ def _digest_all(f_entries, workers, on_done=None):
         return name, provenance.tensor_digest(*f_entries[name], local.buffer)
 
     out = {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+    # daemon workers, left to themselves on the way out of an error or a stop: a
+    # ThreadPoolExecutor's exit joins every worker, and after a signal one may never end
+    with _stop.Workers(workers, "ltx2blas-digests") as pool:
         for name, digest in pool.map(one, list(f_entries)):
             out[name] = digest
             if on_done is not None:
@@ -379,7 +381,8 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
     loras = list(zip(options["paths"], options["strengths"]))
     hasher = provenance.Hasher(workers) if has_record else None
     read = []
-    ahead = concurrent.futures.ThreadPoolExecutor(2)
+    ahead = _stop.Workers(2, "ltx2blas-ahead")  # not joined after an error or a stop
+    digests = None
     with Checkpoint(model) as base, ahead:
         sources = []
         try:
@@ -439,7 +442,7 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
             digests = hasher.wait() if hasher is not None else {}
         finally:
             if hasher is not None:
-                hasher.close()
+                hasher.close(cancel=digests is None)  # an error or a stop: waits for no thread
             for s in sources:
                 s.close()
     return {name: digests.get(name) for name in read}
