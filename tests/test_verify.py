@@ -151,13 +151,17 @@ def test_a_changed_copied_tensor_is_named(files):
 
 
 def test_a_changed_base_tensor_is_named(files):
+    """A base tensor fused from differs from its recorded digest: the base is named.  A copied
+    one that differs from the file's, whose record agrees with the file, is the file's tensor
+    named as not the base's: the digests cannot tell a changed base from a file edited with
+    its record, and the file is what is verified (both causes are said)."""
     paths = files[0]
-    for tensor in (M + Q + ".weight", "vae.decoder.conv.weight"):
+    for tensor, what in ((M + Q + ".weight", "base"), ("vae.decoder.conv.weight", "copied")):
         shutil.copy(paths["model"], paths["model"].with_suffix(".orig"))
         flip_byte(paths["model"], tensor)
         report = verify_checkpoint(paths["out"], **inputs(paths))
         assert report.status == "differs"
-        assert ("base", tensor) in whats(report), report.summary()
+        assert (what, tensor) in whats(report), report.summary()
         shutil.copy(paths["model"].with_suffix(".orig"), paths["model"])
     # the file itself is intact
     assert verify_checkpoint(paths["out"]).status == "verified"
@@ -482,9 +486,10 @@ def test_a_sharded_base_verifies_what_its_single_file_made(files, tmp_path):
                                                 **{n: shard2.name for n in names[5:]}}}))
     report = verify_checkpoint(paths["out"], index, [(paths["a1"], 0.8), (paths["a2"], -1.5)])
     assert report.status == "verified", report.summary()
-    flip_byte(shard2, names[7])
+    flip_byte(shard2, names[7])  # a copied tensor: the file's is named as not the base's
     report = verify_checkpoint(paths["out"], index, [(paths["a1"], 0.8), (paths["a2"], -1.5)])
-    assert ("base", names[7]) in whats(report)
+    assert ("copied", names[7]) in whats(report)
+    assert "m.safetensors.index.json is not the base fused" in report.summary()
 
 
 def test_stochastic_fp8_rounding_is_rebuilt_from_its_recorded_seed(tmp_path, rng):

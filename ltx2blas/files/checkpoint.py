@@ -308,13 +308,31 @@ def _hash_all(sources, out, tensors=True):
             out[i] = exc
 
 
-def _fused_history(base):
-    """The fuses an input's metadata records (a list), [] for none or an unreadable entry."""
+def read_history(metadata):
+    """(the fuses a file's metadata records, a list of objects, or None; why there is none:
+    "" for a list, "missing" or why the entry is not read), parsed within the bounds of
+    provenance.load_json: the metadata is the file's to choose."""
+    text = metadata.get(FUSED_KEY)
+    if text is None:
+        return None, "missing"
     try:
-        history = json.loads(base.get(FUSED_KEY, "[]"))
-    except ValueError:
-        return []
-    return history if isinstance(history, list) else []
+        history = provenance.load_json(text, "the entry")
+    except provenance.MetadataJSONError as exc:
+        return None, str(exc)
+    if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+        return None, "the entry is not a list of objects"
+    return history, ""
+
+
+def _fused_history(base, path):
+    """The fuses an input's metadata records (a list, [] for none); FormatError naming ``path``
+    for an entry that is not such a list: appending to it would write a history that is
+    not the file's."""
+    history, why = read_history(base)
+    if history is None and why != "missing":
+        raise FormatError(f"{path}: its {FUSED_KEY} entry is not a history of fuses this "
+                          f"ltx2blas reads ({why})")
+    return history or []
 
 
 #: How many of an adapter's tensors left out of the fuse its record names (it counts them all).
@@ -326,10 +344,12 @@ FP8_OVERFLOW_TEXT = {
 }
 
 
-def _fused_metadata(base, reports, dtypes, plan, options, layout_counts):
-    """The input's metadata, with this fuse appended to the history of fuses it records."""
-    metadata = dict(base)
-    metadata[FUSED_KEY] = json.dumps(_fused_history(base) + [
+def _fused_metadata(base, reports, dtypes, plan, options, layout_counts, path):
+    """The input's metadata, with this fuse appended to the history of fuses it records, and
+    without its provenance record: that names another file's tensors, and this fuse writes
+    its own or none (digests=False)."""
+    metadata = {k: v for k, v in base.items() if k != provenance.RECORD_KEY}
+    metadata[FUSED_KEY] = json.dumps(_fused_history(base, path) + [
         {"file": os.path.basename(r.path), "sha256": r.sha256, "strength": r.strength,
          "pairs": r.pairs_used, "alpha": r.alpha_mode, "alpha_scaled": r.alpha_scaled,
          **({"alpha_source": r.alpha_source} if r.alpha_source else {}),
@@ -726,6 +746,7 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
             raise AlreadyFusedError(f"{model}: its metadata says adapters are already fused into "
                                     f"it ({ckpt.metadata[FUSED_KEY][:200]}); pass force=True to "
                                     "fuse again")
+        _fused_history(ckpt.metadata, model)  # a history that cannot be appended to: refused now
         entries_of = {n: (info.dtype, info.shape) for n, (_, info) in ckpt.entries.items()}
         opts = dict(rule=rule, alpha=alpha, allow_unmatched=allow_unmatched,
                     fp8_rounding=fp8_rounding, fp8_overflow=fp8_overflow,
@@ -774,7 +795,8 @@ class _FusedWriter:
         for r, h in zip(self.plan.reports, hashes):
             r.sha256 = h[0] if h else provenance.PLACEHOLDER
         metadata = _fused_metadata(self.ckpt.metadata, self.plan.reports, self.dtypes,
-                                   self.plan.weights, self.options, _layout_counts(self.layouts))
+                                   self.plan.weights, self.options, _layout_counts(self.layouts),
+                                   self.ckpt.path)
         if self.options.digests:
             metadata[provenance.RECORD_KEY] = json.dumps(self._record(hashes, output_digests),
                                                          separators=(",", ":"))

@@ -7,14 +7,14 @@ base and adapter files to rebuild the output byte for byte, and to check a file 
 """
 import collections
 import hashlib
-import json
 import threading
 
 import numpy as np
 
-from .._validate import FP8_OVERFLOWS, FP8_ROUNDINGS, RULES
+from .._validate import FP8_OVERFLOWS, FP8_ROUNDINGS, RULES, strength_f32
+from ..errors import Ltx2BlasError
 from .adapters import ALPHA_MODES
-from .safetensors import read_into
+from .safetensors import parse_json, read_into
 
 #: The version of the arithmetic contract (docs/arithmetic.md).  It changes whenever a rule
 #: there changes the bytes of some fuse; files fused under another version are not compared.
@@ -223,16 +223,49 @@ def make_record(version, options, base_name, base_read, adapters, output):
     }
 
 
+#: The deepest nesting of the JSON in a metadata entry that is read (a record nests 4 deep, a
+#: history of fuses 3): whatever reads or writes such a value again walks it by recursion.
+MAX_DEPTH = 32
+
+
+class MetadataJSONError(ValueError):
+    """A metadata entry's JSON that is not read: args[0] says why."""
+
+
+def load_json(text, what):
+    """The value of the JSON text ``text`` of a metadata entry (``what`` names it), read as
+    strictly and within the same bounds as a header (no duplicate key, NaN or Infinity, at
+    most MAX_JSON_SEPARATORS separators) and at most MAX_DEPTH levels deep; else
+    MetadataJSONError, never RecursionError (the metadata is the file's to choose)."""
+    def fail(message):
+        raise MetadataJSONError(message)
+
+    if not isinstance(text, str):
+        fail(f"{what} is not a string")
+    value = parse_json(text, fail, what)
+    # the nesting, counted without recursion: a value parsed just under Python's limit would
+    # overflow it later, in whatever walks or writes it again
+    level, depth = [value], 1
+    while level:
+        if depth > MAX_DEPTH:
+            fail(f"{what} nests JSON more than {MAX_DEPTH} deep")
+        level = [v for item in level if isinstance(item, (dict, list))
+                 for v in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(v, (dict, list))]
+        depth += 1
+    return value
+
+
 def read_record(metadata):
     """(record or None, why there is none: "missing" or "unreadable"): the record of a fused
     file's metadata, every field a verification reads checked for its type and, for the
-    options, its values (the metadata is the file's to choose)."""
+    options and strengths, its values (the metadata is the file's to choose)."""
     text = metadata.get(RECORD_KEY)
     if text is None:
         return None, "missing"
     try:
-        record = json.loads(text)
-    except ValueError:
+        record = load_json(text, "the entry")
+    except MetadataJSONError:
         return None, "unreadable"
     return (record, "") if _well_formed(record) else (None, "unreadable")
 
@@ -243,11 +276,20 @@ def _digests(value):
 
 def _well_formed(record):
     def number(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
+        # a strength is fused as f32: one that is not finite there (1e39, a 401-digit
+        # integer) is the record's fault, not the adapter's
+        try:
+            strength_f32(v, "strength")
+        except Ltx2BlasError:
+            return False
+        return True
+
+    def version(v):  # printed in the summary: a small positive int
+        return isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2**31
 
     try:
         options = record["options"]
-        return (isinstance(record["format"], int) and isinstance(record["contract"], int)
+        return (version(record["format"]) and version(record["contract"])
                 and isinstance(record.get("ltx2blas", ""), str)
                 and options.get("rule") in RULES and options.get("alpha") in ALPHA_MODES
                 and isinstance(options.get("allow_unmatched"), bool)

@@ -29,14 +29,16 @@ from ..fuse import fuse_bias
 from . import adapters as plans
 from . import provenance
 from .adapters import Source
-from .checkpoint import (Checkpoint, Progress, _count, _delta_buffer, _delta_view, _fuse_one,
-                         _fused_history, _Options, _path_arg, _prepare, _read_tensor,
-                         fuse_checkpoint)
+from .checkpoint import (FUSED_KEY, Checkpoint, Progress, _count, _delta_buffer, _delta_view,
+                         _fuse_one, _Options, _path_arg, _prepare, _read_tensor, fuse_checkpoint,
+                         read_history)
 
 #: verify's exit codes beside the command's own (2 arguments, 3 a malformed file, 4 I/O)
 EXIT = {"verified": 0, "differs": 1, "unverifiable": 6}
-#: how many tensors that differ a summary names
+#: how many findings of each kind a report keeps (and names); it counts them all
 NAMED = 10
+#: how many characters of a version the file's metadata names the origin shows
+VERSION_SHOWN = 80
 #: the defaults a fuse takes, for a file without a record
 DEFAULT_OPTIONS = {k: inspect.signature(fuse_checkpoint).parameters[k].default
                    for k in provenance.OPTIONS}
@@ -63,13 +65,15 @@ class Finding:
 class VerifyReport:
     """What ``verify_checkpoint`` found: ``status`` "verified", "differs" or "unverifiable"
     (the file holds no record that can be checked, and no inputs settle it), ``origin`` (who
-    made the file, as its metadata says), ``findings``; for a file without a record, how many
+    made the file, as its metadata says), ``findings`` (the first NAMED of each kind) and
+    ``counts`` (how many of each kind, {what: count}); for a file without a record, how many
     fused tensors equal the base, ltx2blas's result, or neither."""
     path: str
     status: str = "verified"
     origin: str = ""
     reasons: list = field(default_factory=list)
     findings: list = field(default_factory=list)
+    counts: dict = field(default_factory=dict)
     tensors_hashed: int = 0
     inputs_hashed: int = 0
     tensors_rebuilt: int = 0
@@ -83,12 +87,20 @@ class VerifyReport:
     def exit_code(self):
         return EXIT[self.status]
 
+    def add(self, what, tensor="", detail="", count=0, first=-1, steps=0):
+        """Count a finding, and keep it if fewer than NAMED of its kind are kept: a record can
+        name a million tensors the file lacks, and the report stays small."""
+        n = self.counts.get(what, 0)
+        self.counts[what] = n + 1
+        if n < NAMED:
+            self.findings.append(Finding(what, tensor, detail, count, first, steps))
+
     def as_dict(self):
         return asdict(self)
 
     def summary(self):
         head = {"verified": "verified", "differs": "DIFFERS", "unverifiable": "cannot verify"}
-        lines = [f"{head[self.status]}: {printable(self.path)} ({self.origin})"]
+        lines = [f"{head[self.status]}: {printable(self.path)} ({printable(self.origin)})"]
         lines += [f"  {printable(r)}" for r in self.reasons]
         done = []
         if self.tensors_hashed:
@@ -102,10 +114,12 @@ class VerifyReport:
             lines.append(f"  of the fused tensors: {self.equal_ltx2blas} equal ltx2blas's result, "
                          f"{self.equal_base} equal the base (no adapter in them), "
                          f"{self.unlike_both} differ from both")
-        for f in self.findings[:NAMED]:
+        for f in self.findings:
             lines.append("  " + _finding_text(f))
-        if len(self.findings) > NAMED:
-            lines.append(f"  ... and {len(self.findings) - NAMED} more")
+        for what, n in self.counts.items():
+            shown = sum(f.what == what for f in self.findings)
+            if n > shown:
+                lines.append(f"  ... {what}: {n - shown} more, {n} in all")
         lines += [f"  {printable(fit)}" for fit in self.fits]
         lines.append(f"  {self.seconds:.1f} s")
         return "\n".join(lines)
@@ -177,7 +191,7 @@ def verify_checkpoint(fused, model=None, loras=None, *, rule=None, alpha=None, t
     report = VerifyReport(fused)
     with Checkpoint(fused) as ckpt:
         record, why = provenance.read_record(ckpt.metadata)
-        history = _fused_history(ckpt.metadata)
+        history, history_why = read_history(ckpt.metadata)
         report.origin = _origin(ckpt.metadata, record, history)
         usable = record is not None and record["format"] <= provenance.RECORD_FORMAT
         current = usable and record["contract"] == provenance.CONTRACT
@@ -187,6 +201,9 @@ def verify_checkpoint(fused, model=None, loras=None, *, rule=None, alpha=None, t
         elif record is None and why == "unreadable":
             report.reasons.append(f"its {provenance.RECORD_KEY} entry is not a record this "
                                   "ltx2blas reads")
+        if history is None and history_why != "missing":
+            report.reasons.append(f"its {FUSED_KEY} entry is not a history of fuses this "
+                                  f"ltx2blas reads ({history_why})")
         # The rebuild first: each tensor it compares byte for byte needs no digest of its own,
         # and the base's tensors it reads are hashed from the page cache as it goes.
         rebuilt = {}
@@ -196,23 +213,23 @@ def verify_checkpoint(fused, model=None, loras=None, *, rule=None, alpha=None, t
                                progress, t0)
         if usable:
             # progress from the step's own start: its ETA is the step's
-            _check_own_digests(ckpt, record, report, workers, progress, time.perf_counter(),
-                               skip=rebuilt)
+            own = _check_own_digests(ckpt, record, report, workers, progress,
+                                     time.perf_counter(), skip=rebuilt)
             if not current:
                 report.reasons.append(
                     f"fused under arithmetic contract {record['contract']} (this ltx2blas "
                     f"follows {provenance.CONTRACT}): its bytes match its record as above, but "
-                    f"only ltx2blas {record.get('ltx2blas', '?')} rebuilds them")
+                    f"only ltx2blas {_version_text(record.get('ltx2blas', '?'))} rebuilds them")
         if current and (model is not None or given):
             _check_inputs(ckpt, record, model, given, rule, alpha, report, workers,
-                          {n: d for n, d in rebuilt.items() if d is not None})
+                          {n: d for n, d in rebuilt.items() if d is not None}, own)
         if record is None and not report.reasons and not rebuilt:
             report.reasons.append(
                 "no provenance record to check it by" + (
                     "; give --model and --lora to compare it with a rebuild"
                     if not (model is not None and given) else ""))
     report.seconds = time.perf_counter() - t0
-    report.status = _status(report, record, current, history, bool(rebuilt))
+    report.status = _status(report, record, current, bool(history), bool(rebuilt))
     return report
 
 
@@ -227,7 +244,7 @@ def _status(report, record, current, history, rebuilt):
                                   "proof of a fault")
             return "unverifiable"
         return "differs" if report.findings else "verified"
-    if any(f.what in ("digest", "missing", "extra") for f in report.findings) or (
+    if any(report.counts.get(what) for what in ("digest", "missing", "extra")) or (
             current and report.findings):
         return "differs"
     return "verified" if current else "unverifiable"
@@ -235,11 +252,19 @@ def _status(report, record, current, history, rebuilt):
 
 def _origin(metadata, record, history):
     if record is not None:
-        return (f"fused by ltx2blas {record.get('ltx2blas', '?')}, contract "
+        return (f"fused by ltx2blas {_version_text(record.get('ltx2blas', '?'))}, contract "
                 f"{record['contract']}, {_count(len(record['adapters']), 'adapter')}")
     if history:
-        return f"fused by ltx2blas {metadata.get('ltx2blas.version', '?')}, without a record"
+        return (f"fused by ltx2blas {_version_text(metadata.get('ltx2blas.version', '?'))}, "
+                "without a record")
     return "no ltx2blas record"
+
+
+def _version_text(version):
+    """A version as the file's metadata gives it, cut short: the text is the file's to choose
+    (the summary also writes it printable)."""
+    version = str(version)
+    return version if len(version) <= VERSION_SHOWN else version[:VERSION_SHOWN] + "..."
 
 
 def _digest_all(f_entries, workers, on_done=None):
@@ -266,7 +291,7 @@ def _digest_all(f_entries, workers, on_done=None):
 
 def _check_own_digests(ckpt, record, report, workers, progress, t0, skip=()):
     """The file's tensors against the record's output digests, but those in ``skip`` (compared
-    with a rebuild instead)."""
+    with a rebuild instead); returns {tensor: its digest in the file} of those hashed."""
     recorded = record["output"]
     total = len(ckpt.entries) - len(skip)
 
@@ -282,28 +307,30 @@ def _check_own_digests(ckpt, record, report, workers, progress, t0, skip=()):
         if name in skip and name in recorded:
             continue
         if name not in recorded:
-            report.findings.append(Finding("extra", name, "in the file but not in its record"))
+            report.add("extra", name, "in the file but not in its record")
         elif got[name] != recorded[name]:
-            report.findings.append(Finding("digest", name, "its bytes are not those the fuse "
-                                                           "wrote (SHA-256 differs)"))
+            report.add("digest", name, "its bytes are not those the fuse wrote (SHA-256 "
+                                       "differs)")
     for name in recorded:
         if name not in ckpt.entries:
-            report.findings.append(Finding("missing", name, "recorded but not in the file"))
+            report.add("missing", name, "recorded but not in the file")
+    return got
 
 
-def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read=None):
+def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read=None, own=None):
     """The inputs against the record: adapters (order, bytes, strengths), options, the base
-    (``read``: the digests of base tensors a rebuild has hashed already)."""
-    read = read or {}
+    (``read``: the digests of base tensors a rebuild has hashed already; ``own``: those of the
+    file's tensors, as hashed against the record)."""
+    read, own = read or {}, own or {}
     for key, value in (("rule", rule), ("alpha", alpha)):
         if value is not None and value != record["options"].get(key):
-            report.findings.append(Finding("option", "", f"{key} {value!r} given, the file was "
-                                                        f"fused with {record['options'].get(key)!r}"))
+            report.add("option", "", f"{key} {value!r} given, the file was fused with "
+                                     f"{record['options'].get(key)!r}")
     recorded = record["adapters"]
     if given:
         if len(given) != len(recorded):
-            report.findings.append(Finding("adapter", "", f"{len(given)} adapters given, the file "
-                                                         f"records {len(recorded)}"))
+            report.add("adapter", "", f"{len(given)} adapters given, the file records "
+                                      f"{len(recorded)}")
         digests = []
         for path, _ in given:
             source = Source(path)
@@ -319,40 +346,51 @@ def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read
             if whole != want["sha256"]:
                 elsewhere = [j for j, r in enumerate(recorded) if r["sha256"] == whole]
                 if elsewhere:
-                    report.findings.append(Finding(
-                        "order", "", f"adapter {i} ({os.path.basename(path)}) was fused as "
-                                     f"adapter {elsewhere[0]}: the adapters are given in another "
-                                     "order"))
+                    report.add("order", "", f"adapter {i} ({os.path.basename(path)}) was fused "
+                                            f"as adapter {elsewhere[0]}: the adapters are given "
+                                            "in another order")
                     continue
                 _compare_digests(tensors, want["tensors"], f"adapter {i}", report,
                                  f"{os.path.basename(path)} against the record's "
                                  f"{want.get('file', '?')}")
             if strength is not None and np.float32(strength) != np.float32(want["strength"]):
-                report.findings.append(Finding("strength", "", f"adapter {i}: strength {strength:g} "
-                                                               f"given, fused at {want['strength']:g}"))
+                report.add("strength", "", f"adapter {i}: strength {strength:g} given, fused at "
+                                           f"{want['strength']:g}")
     if model is not None:
         with Checkpoint(model) as base:
             # a copied tensor's base digest is its output digest
-            want = {n: record["base"]["read"].get(n, d) for n, d in record["output"].items()}
+            computed = record["base"]["read"]
+            want = {n: computed.get(n, d) for n, d in record["output"].items()}
             got = _digest_all({n: e for n, e in base.entries.items()
                                if n in want and n not in read}, workers)
             report.inputs_hashed += len(got)
             got.update(read)
             # a base tensor the record lacks needs no digest to be named
             got.update((n, None) for n in base.entries if n not in want)
-            _compare_digests(got, want, "base", report, os.path.basename(model))
+            name = os.path.basename(model)
+            for n in [n for n in want if n not in computed and n in got and got[n] != want[n]
+                      and own.get(n) == want[n]]:
+                # A copied tensor the file holds as its record says, unlike the base's: the
+                # file is not this base's fuse.  The digests cannot tell whether the base
+                # changed or the file was edited with its record, so the file's tensor is
+                # named (the file is what is verified), and both causes are.
+                report.add("copied", n, f"the file's tensor is not {name}'s, which a fuse "
+                                        "copies unchanged; the file's record agrees with the "
+                                        "file: either both were changed after the fuse, or "
+                                        f"{name} is not the base fused")
+                del want[n], got[n]
+            _compare_digests(got, want, "base", report, name)
 
 
 def _compare_digests(got, want, what, report, where):
     for name, digest in want.items():
         if name not in got:
-            report.findings.append(Finding(what, name, f"recorded, but not in {where}"))
+            report.add(what, name, f"recorded, but not in {where}")
         elif got[name] != digest:
-            report.findings.append(Finding(what, name, f"{where}: its bytes differ from those "
-                                                       "fused (SHA-256)"))
+            report.add(what, name, f"{where}: its bytes differ from those fused (SHA-256)")
     for name in got:
         if name not in want:
-            report.findings.append(Finding(what, name, f"in {where}, but not in the record"))
+            report.add(what, name, f"in {where}, but not in the record")
 
 
 def _options(record, given, rule, alpha):
@@ -462,15 +500,13 @@ def _compare(ckpt, name, rebuilt, original, report, fmt, loaded, stored=None):
     the base."""
     report.tensors_rebuilt += 1
     if name not in ckpt.entries:
-        report.findings.append(Finding("missing", name, "fused from the inputs but not in the "
-                                                        "file"))
+        report.add("missing", name, "fused from the inputs but not in the file")
         return
     f, info = ckpt.entries[name]
     rebuilt = np.ascontiguousarray(rebuilt)
     if info.nbytes != rebuilt.nbytes or list(info.shape) != list(rebuilt.shape):
-        report.findings.append(Finding("rebuilt", name, f"the file's {info.dtype} "
-                                                        f"{list(info.shape)} is not the rebuilt "
-                                                        f"{list(rebuilt.shape)}"))
+        report.add("rebuilt", name, f"the file's {info.dtype} {list(info.shape)} is not the "
+                                    f"rebuilt {list(rebuilt.shape)}")
         return
     stored = (_stored(ckpt, name) if stored is None else stored).view(rebuilt.dtype).reshape(
         rebuilt.shape)
@@ -480,16 +516,13 @@ def _compare(ckpt, name, rebuilt, original, report, fmt, loaded, stored=None):
         return
     if original is not None and _same_bytes(stored, original):
         report.equal_base += 1
-        report.findings.append(Finding("equals the base", name,
-                                       "no adapter in it: the file holds the base's bytes"))
+        report.add("equals the base", name, "no adapter in it: the file holds the base's bytes")
         return
     differ = _elements_differing(stored, rebuilt)
     steps = _steps(stored, rebuilt, fmt) if fmt in ("bf16", "F8_E4M3", "F8_E5M2") else 0
-    finding = Finding("rebuilt" if original is None else "unlike both", name,
-                      "differs from the rebuild" if original is None else
-                      "neither the base nor ltx2blas's result", int(differ.size),
-                      int(differ[0]), steps)
-    report.findings.append(finding)
+    report.add("rebuilt" if original is None else "unlike both", name,
+               "differs from the rebuild" if original is None else
+               "neither the base nor ltx2blas's result", int(differ.size), int(differ[0]), steps)
     if original is not None:
         report.unlike_both += 1
         if fmt == "bf16" and loaded and len(report.fits) < 3:
@@ -569,10 +602,9 @@ def _compare_copied(ckpt, base, changed, report, workers):
         if name in changed:
             continue
         if name not in ckpt.entries:
-            report.findings.append(Finding("missing", name, "in the base but not in the file"))
+            report.add("missing", name, "in the base but not in the file")
         elif name not in mine or mine[name] != theirs[name]:
-            report.findings.append(Finding("copied", name, "differs from the base's, which a "
-                                                           "fuse copies unchanged"))
+            report.add("copied", name, "differs from the base's, which a fuse copies unchanged")
     for name in ckpt.entries:
         if name not in base.entries:
-            report.findings.append(Finding("extra", name, "in the file but not in the base"))
+            report.add("extra", name, "in the file but not in the base")
