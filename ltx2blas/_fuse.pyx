@@ -32,18 +32,22 @@ cdef enum:
 
 RULES = {"one": RULE_ONE, "sum": RULE_SUM, "addmm": RULE_ADDMM}
 KINDS = {"lora": KIND_LORA, "diff": KIND_DIFF, "lokr": KIND_LOKR, "loha_first": KIND_LOHA_FIRST,
-         "loha": KIND_LOHA}
+         "loha": KIND_LOHA, "lokr_scaled": KIND_LOKR_SCALED}
 
 
 # What an AdapterSpec is: a LoRA pair, a full-weight difference, a LoKr (its Kronecker
 # factors, f32), or one of a LoHa's two low-rank pairs -- a LoHa is two specs in a row, the
-# first's product held while the second's is computed, then the two multiplied.
+# first's product held while the second's is computed, then the two multiplied.  A LoKr one
+# of whose factors is a single value is KIND_LOKR_SCALED: its other factor, the weight's
+# shape, taken tile by tile -- a pair's product as a LoHa pair's, or stored whole and widened
+# -- times that value, so that no f32 copy of the whole factor is made.
 cdef enum:
     KIND_LORA = 0
     KIND_DIFF = 1
     KIND_LOKR = 2
     KIND_LOHA_FIRST = 3
     KIND_LOHA = 4
+    KIND_LOKR_SCALED = 5
 
 # Bytes of an element of each FuseJob.fmt: bf16, F8_E4M3, F8_E5M2, the bare bf16 delta, the
 # bare f32 product.
@@ -62,12 +66,15 @@ cdef struct AdapterSpec:
     # One adapter (or a LoHa's pair) as the plan decided to run it.
     int kind                  # KIND_LORA, KIND_DIFF, KIND_LOKR, KIND_LOHA_FIRST or KIND_LOHA
     int adapter               # which adapter it is, in the rule's order
-    bint unscaled             # B widened as stored: a later addmm term's, a LoHa pair's
+    bint unscaled             # B widened as stored: a later addmm term's, a LoHa pair's, a
+                              # one-value LoKr's pair's
     const uint16_t *a         # [rank, cols] bf16, row stride cols; a difference: [rows, cols]
     const uint16_t *b         # [rows, rank] bf16 (NULL for a difference)
     const float *f1           # a LoKr's w1 [m1, n1] and w2 [m2, n2], f32, C order
     const float *f2
     Py_ssize_t n1, m2, n2
+    float value               # KIND_LOKR_SCALED: the single-value factor, f32
+    bint whole                # KIND_LOKR_SCALED: the other factor stored whole, as ``a``
     int rank
     float scale               # s of B * s; a LoKr's or LoHa's scale c (its second spec's)
     int depth[4]              # verified sgemm depth per tile shape class (see fuse_tile)
@@ -303,6 +310,15 @@ cdef void fuse_tile(const FuseJob *job, Py_ssize_t t, TileBuffers *buf,
                                            buf.acc + r * nt, nt)
         elif ad.kind == KIND_LOKR:
             kron_tile(kern, ad, o0, i0, mt, nt, buf.acc)
+        elif ad.kind == KIND_LOKR_SCALED:
+            # the Kronecker product with a [1, 1] factor: each element one f32 product of the
+            # other factor's element and the value, as kron_tile takes it
+            if ad.whole:
+                for r in range(mt):
+                    kern.widen_bf16(ad.a + origin + r * job.cols, buf.acc + r * nt, nt)
+            else:
+                product_tile(job, a, o0, i0, mt, nt, shape, buf, buf.acc)
+            kern.scale_f32(buf.acc, ad.value, buf.acc, <Py_ssize_t>mt * nt)
         elif ad.kind == KIND_LOHA_FIRST:
             product_tile(job, a, o0, i0, mt, nt, shape, buf, buf.held)
             continue  # the rule takes the LoHa at its second spec
@@ -310,7 +326,8 @@ cdef void fuse_tile(const FuseJob *job, Py_ssize_t t, TileBuffers *buf,
             product_tile(job, a, o0, i0, mt, nt, shape, buf, buf.acc)
             if ad.kind == KIND_LOHA:
                 kern.multiply_f32(buf.held, buf.acc, buf.acc, <Py_ssize_t>mt * nt)
-        if (ad.kind == KIND_LOKR or ad.kind == KIND_LOHA) and not later:
+        if (ad.kind == KIND_LOKR or ad.kind == KIND_LOKR_SCALED or ad.kind == KIND_LOHA) \
+                and not later:
             kern.scale_f32(buf.acc, ad.scale, buf.acc, <Py_ssize_t>mt * nt)
         if job.rule == RULE_SUM:
             kern.accumulate_rounded(buf.acc, buf.total, <Py_ssize_t>mt * nt)
@@ -408,7 +425,10 @@ cdef class FusePlan:
     with A [rank, cols] and B [rows, rank]; KIND_DIFF with the difference [rows, cols] as ``a``
     and ``b`` None (its delta ``bf16(s * diff)``, a later addmm term ``f32(s * diff)``);
     KIND_LOKR with its f32 factors w1 [m1, n1] and w2 [m2, n2] as ``a`` and ``b`` (m1 m2 = rows,
-    n1 n2 = cols; its term ``f32(c * f32(w1 (x) w2))``); a LoHa as KIND_LOHA_FIRST then
+    n1 n2 = cols; its term ``f32(c * f32(w1 (x) w2))``); KIND_LOKR_SCALED, a LoKr with a
+    [1, 1] factor v, its other factor as a pair like a LoRA's taken unscaled, or stored whole
+    [rows, cols] as ``a`` with ``b`` None, and v as an eighth item (its term
+    ``f32(c * f32(v * w))``, the same); a LoHa as KIND_LOHA_FIRST then
     KIND_LOHA, each a pair like a LoRA's, taken unscaled (its term ``f32(c * f32(m1 * m2))``,
     ``c`` the second spec's scale); ``adapter``: the adapter's index in the rule's order, the
     same for a LoHa's two specs (a later addmm term adds ``f32(c * its product)``, unrounded);
@@ -477,11 +497,14 @@ cdef class FusePlan:
             raise MemoryError()
         self.job.ad = self.ad
         for a in range(count):
-            kind, lora_a, lora_b, scale, depths, pairs, adapter = adapters[a]
+            kind, lora_a, lora_b, scale, depths, pairs, adapter = adapters[a][:7]
             ad = &self.ad[a]
             ad.kind, ad.adapter, ad.scale = kind, adapter, scale
             ad.unscaled = (kind == KIND_LOHA_FIRST or kind == KIND_LOHA or fmt == 4
-                           or (rule == RULE_ADDMM and adapter > 0))
+                           or kind == KIND_LOKR_SCALED or (rule == RULE_ADDMM and adapter > 0))
+            ad.value, ad.whole = 0.0, False
+            if kind == KIND_LOKR_SCALED:
+                ad.value, ad.whole = adapters[a][7], lora_b is None
             held = held or kind == KIND_LOHA_FIRST
             for s in range(4):
                 ad.depth[s] = depths[s]
@@ -501,7 +524,7 @@ cdef class FusePlan:
             view = lora_a
             keep.append(view)
             ad.a = &view[0, 0] if view.size else NULL
-            if kind == KIND_DIFF:
+            if kind == KIND_DIFF or ad.whole:
                 continue
             ad.rank = <int>view.shape[0]
             rank_sum += min(view.shape[0], PASS_DEPTH_C)
@@ -618,7 +641,7 @@ cdef class FusePlan:
             ad = &self.ad[a]
             if ad.kind == KIND_DIFF:
                 out.append("difference")
-            elif ad.kind == KIND_LOKR:
+            elif ad.kind == KIND_LOKR or (ad.kind == KIND_LOKR_SCALED and ad.whole):
                 out.append("Kronecker")
             elif ad.pairs:
                 out.append("dot-product")

@@ -366,17 +366,29 @@ _FORMAT_LIMIT = {"bf16": _BF16_FINITE_LIMIT, **{k: f.largest for k, f in FP8.ite
 def _specs(prepared):
     """The tile driver's specs of the adapters, in order: (kind, a, b, scale, adapter), the
     kind a _fuse.KINDS name and adapter the adapter's place in the rule's order.  A LoHa is
-    two specs, its pairs, the second carrying its scale; a LoKr carries its f32 factors."""
+    two specs, its pairs, the second carrying its scale; a LoKr carries its f32 factors, or,
+    with a [1, 1] factor ("lokr_scaled"), its other factor as stored -- A and B of a pair,
+    or the whole bits and None -- and, a sixth item, the value (_lokr_factors)."""
     specs = []
     for n, ad in enumerate(prepared):
         if ad.kind == "loha":
             (a1, b1), (a2, b2) = ad.pairs
             specs += [("loha_first", a1, b1, 1.0, n), ("loha", a2, b2, ad.s, n)]
+        elif ad.kind == "lokr" and ad.value is not None:
+            other = ad.other
+            specs.append(("lokr_scaled", other[1], other[2] if other[0] == "pair" else None,
+                          ad.s, n, float(ad.value)))
         elif ad.kind == "lokr":
             specs.append(("lokr", ad.f1, ad.f2, ad.s, n))
         else:
             specs.append((ad.kind, ad.a, ad.b, ad.s, n))
     return specs
+
+
+def _is_pair(spec):
+    """Whether a spec's product is a low-rank pair's, which the pair kernels take."""
+    return spec[0] in ("lora", "loha_first", "loha") or (spec[0] == "lokr_scaled" and
+                                                         spec[2] is not None)
 
 
 class _Route:
@@ -405,7 +417,7 @@ class _Route:
         self.fmt = fmt
         self.fma, self.blas, self.bound = True, True, 0.0
         self.specs = _specs(prepared)
-        self.pairs = [spec[0] in ("lora", "loha_first", "loha") for spec in self.specs]
+        self.pairs = [_is_pair(spec) for spec in self.specs]
 
     @property
     def fused_pairs(self):
@@ -439,10 +451,25 @@ def _choose_route(prepared, fmt, rule, check_finite):
             route.bound += abs(float(ad.s)) * ad.magnitudes(ad.a).max * 1.01
             spec += 1
             continue
+        if ad.kind == "lokr" and ad.value is not None:
+            # one factor a single value; the other's product taken unscaled, as a LoHa pair's
+            other = ad.other
+            value = abs(float(ad.value))
+            if other[0] == "whole":
+                bound = ad.magnitudes(other[1]).max * 1.01
+            else:
+                bmag = ad.magnitudes(other[2])
+                bound, exact = _pair_route(route, other[1].shape[0], ad.magnitudes(other[1]),
+                                           bmag, bmag.max, bmag.min)
+                route.pairs[spec] = route.pairs[spec] and exact
+            with np.errstate(invalid="ignore", over="ignore"):
+                route.bound += abs(float(ad.s)) * float(np.float64(value) * bound) * 1.01
+            spec += 1
+            continue
         if ad.kind == "lokr":
             # the factors are f32 (_lokr_factors); their element products are one rounding each
             with np.errstate(invalid="ignore", over="ignore"):
-                largest = float(np.max(np.abs(ad.f1))) * float(np.max(np.abs(ad.f2)))
+                largest = _largest(ad.f1) * _largest(ad.f2)
             route.bound += abs(float(ad.s)) * largest * 1.01
             spec += 1
             continue
@@ -483,6 +510,13 @@ def _choose_route(prepared, fmt, rule, check_finite):
     return route
 
 
+def _largest(array):
+    """max |x| of an f32 array (NaN where it holds one), without an array of |x| as large."""
+    if array.size == 0:
+        return 0.0
+    return max(float(np.max(array)), -float(np.min(array)))
+
+
 def _first_bf16_overflow(bits, s):
     """Index of the first element of bf16(B * s) that is inf or NaN, or -1."""
     with np.errstate(over="ignore", invalid="ignore"):
@@ -501,7 +535,7 @@ def _probe_depths(route, shape, tile):
     last_rows = rows - (rows - 1) // tile.rows * tile.rows  # the edge tiles' sizes
     last_cols = cols - (cols - 1) // tile.cols * tile.cols
     for i, (kind, a, *_) in enumerate(route.specs):
-        if kind not in ("lora", "loha_first", "loha") or route.pairs[i]:
+        if not _is_pair(route.specs[i]) or route.pairs[i]:
             continue  # no pair, or the dot-product kernel, which calls no sgemm
         depth = min(a.shape[0], _fuse.PASS_DEPTH)  # the first pass's, as the tile runs it
         for row_edge, m in ((0, tile.rows), (1, last_rows)):
@@ -555,13 +589,32 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
 def _lokr_factors(prepared, threads):
     """Each LoKr's two factors in f32 (``f1``, ``f2``): a whole one widened, a low-rank one
     the f32 product of its pair in §1's order, once a call (each has the weight's elements
-    over the other's).  Non-finite factors are refused, where asked, with the other adapters'
+    over the other's).  Where one factor is [1, 1], the other has the weight's every element,
+    and an f32 copy of it would take twice a bf16 weight's memory: ``value`` is then that
+    factor's f32 value and ``other`` the other as stored, which the tiles widen or multiply
+    as they need it (KIND_LOKR_SCALED), the same products in the same order -- w1 (x) w2
+    with w1 = [[v]] is v * w2, and with w2 = [[v]] w1 * v, one f32 product an element either
+    way.  Non-finite factors are refused, where asked, with the other adapters'
     (_choose_route), before anything is written."""
     for ad in prepared:
         if ad.kind != "lokr":
             continue
-        ad.f1, ad.f2 = (bf16_to_f32(f[1]) if f[0] == "whole" else pair_product(f[1], f[2], threads)
-                        for f in ad.factors)
+        shapes = [f[1].shape if f[0] == "whole" else (f[2].shape[0], f[1].shape[1])
+                  for f in ad.factors]
+        ad.value = ad.other = None
+        for one, other in ((0, 1), (1, 0)):
+            if tuple(shapes[one]) == (1, 1) and tuple(shapes[other]) != (1, 1):
+                ad.value = _lokr_f32(ad.factors[one], threads).reshape(-1)[0]
+                ad.other = ad.factors[other]
+                break
+        else:
+            ad.f1, ad.f2 = (_lokr_f32(f, threads) for f in ad.factors)
+
+
+def _lokr_f32(factor, threads):
+    """A LoKr factor in f32: ("whole", bits) widened, ("pair", A, B) the product B @ A."""
+    return bf16_to_f32(factor[1]) if factor[0] == "whole" else pair_product(factor[1], factor[2],
+                                                                            threads)
 
 
 def pair_product(a, b, threads=None):
@@ -587,8 +640,8 @@ def _plan(w, result, fmt, prepared, route, tile, threads, stochastic_key=None, d
     """The tile driver's plan of a fuse of ``prepared`` adapters by ``route``: each adapter's
     spec with its verified sgemm depths, and the buffers."""
     depths = _probe_depths(route, w.shape, tile)
-    specs = [(_fuse.KINDS[kind], a, b, float(scale), list(depths[i]), route.pairs[i], adapter)
-             for i, (kind, a, b, scale, adapter) in enumerate(route.specs)]
+    specs = [(_fuse.KINDS[kind], a, b, float(scale), list(depths[i]), route.pairs[i], adapter,
+              *value) for i, (kind, a, b, scale, adapter, *value) in enumerate(route.specs)]
     return _fuse.FusePlan(
         w.view(np.uint8), result.view(np.uint8), _FORMAT_CODES[fmt], specs, tile.rows, tile.cols,
         max(1, min(threads, tile.count(*w.shape))), route.fma, _fuse.RULES[route.rule],
