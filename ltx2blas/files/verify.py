@@ -49,10 +49,10 @@ class Finding:
     """One thing that is not as the record or the rebuild says.  ``what``: "digest" (the
     file's bytes against its record), "base" or "adapter N" (an input against the record),
     "strength", "option", "order", "rebuilt" (a tensor fused again differs), "missing",
-    "extra" (tensors the record or the base has and the file has not, or the reverse);
-    for a file without a record "equals the base" (no adapter in it), "unlike both" (neither
-    the base nor ltx2blas's result) and "copied" (a tensor no adapter touches, not the
-    base's)."""
+    "extra" (tensors the record or the base has and the file has not, or the reverse),
+    "copied" (a tensor no adapter touches, not the base's: with a record, where the file's
+    agrees with the record and the base's does not); for a file without a record "equals the
+    base" (no adapter in it) and "unlike both" (neither the base nor ltx2blas's result)."""
     what: str
     tensor: str = ""
     detail: str = ""
