@@ -81,3 +81,15 @@ def printable(text):
     if text.isprintable():
         return text
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
+def counted(n, one, many=None):
+    """``n`` and the noun, singular for one ("1 module", "2 modules", "3 biases"): the one
+    rule every message that counts follows."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+def listed(items):
+    """Items as a sentence lists them: "a", "a and b", "a, b and c"."""
+    items = list(items)
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else "".join(items)

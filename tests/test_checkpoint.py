@@ -183,7 +183,7 @@ def test_unmatched_pairs_are_an_error_unless_allowed(files, tmp_path, rng):
     text = str(err.value)
     assert "2 adapter modules match no weight" in text and "diffusion_model.elsewhere" in text
     assert "lora_te_text_model_layer_0_q_proj (text encoder)" in text
-    assert "1 keys are not tensors of any adapter kind ltx2blas knows" in text
+    assert "1 key is not a tensor of any adapter kind ltx2blas knows" in text
     assert "'notes'" in text and "nothing was written" in text
     assert not paths["out"].exists()
     report = ltx2blas.fuse_checkpoint(paths["model"], [(path, 1.0)], paths["out"],
@@ -488,7 +488,7 @@ def test_keys_that_are_no_adapter_tensor_say_so(files, tmp_path):
     with pytest.raises(errors.KeyMatchError) as err:
         ltx2blas.fuse_checkpoint(paths["model"], [(path, 1.0)], paths["out"])
     text = str(err.value)
-    assert text.startswith(str(path) + ": 1 keys are not tensors of any adapter kind")
+    assert text.startswith(str(path) + ": 1 key is not a tensor of any adapter kind")
     assert "'diffusion_model.transformer_blocks.0.attn1.to_q.weight'" in text
     assert "match no weight" not in text and ": ;" not in text
 

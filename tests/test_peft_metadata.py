@@ -154,7 +154,7 @@ def test_alpha_ignore_reads_no_metadata(tmp_path, rng):
                                 alpha="ignore")
     m = "transformer_blocks.0.attn1.to_q"
     assert np.array_equal(out[M + m + ".weight"], expected(base, ad, m, 0.5))
-    assert "alpha of 4 not applied (alpha='ignore')" in report.summary()
+    assert "alpha not applied to 4 modules (alpha='ignore')" in report.summary()
 
 
 @pytest.mark.parametrize("case, match", [

@@ -15,7 +15,7 @@ import numpy as np
 from .._validate import (BLAS_INT_MAX, FP8_BY_NAME, LoHa, LoKr, bf16_to_f32, choice,
                          first_nonfinite, is_bf16, ml_fp8_format, round_up, strength_f32, where)
 from ..errors import (ArgumentError, DTypeError, FormatError, KeyMatchError, NonFiniteInputError,
-                      ShapeError)
+                      ShapeError, counted, listed)
 from . import keys as keymatch
 from . import peft
 from .safetensors import SafetensorsFile, read_into
@@ -39,6 +39,8 @@ class AdapterReport:
     alpha_mode: str = "scale"
     alpha_scaled: int = 0                                  # pairs scaled by alpha/rank
     alpha_ignored: int = 0                                 # pairs whose alpha was not applied
+    alpha_ignored_why: dict = field(default_factory=dict)  # why not applied -> pairs
+    alpha_ignored_values: list = field(default_factory=list)  # those alphas' values, each once
     alpha_source: str = ""                                 # where the applied alphas came from
     alpha_rslora: int = 0                                  # of those, scaled by alpha/sqrt(rank)
     metadata_ignored: list = field(default_factory=list)   # PEFT metadata components not read
@@ -186,18 +188,24 @@ def _check(source, key, shape, dtypes, what):
 def _unmatched_error(source, matched):
     parts = []
     if matched.unmatched:
-        named = [p.module + (f" ({p.component})" if p.component else "")
-                 for p in matched.unmatched[:5]]
-        text = (f"{len(matched.unmatched)} adapter modules match no weight of the model: "
-                f"{', '.join(named)}{', ...' if len(matched.unmatched) > 5 else ''}")
         components = sorted({p.component for p in matched.unmatched if p.component})
+        # each module's component named beside it only where they are not all of one
+        several = len(components) > 1 or any(not p.component for p in matched.unmatched)
+        named = [p.module + (f" ({p.component})" if p.component and several else "")
+                 for p in matched.unmatched[:5]]
+        n = len(matched.unmatched)
+        text = (f"{counted(n, 'adapter module')} {'matches' if n == 1 else 'match'} no weight "
+                f"of the model: {', '.join(named)}{', ...' if n > 5 else ''}")
         if components:
-            text += (f" (the names point to the {' and '.join(components)}, which this "
-                     "checkpoint does not hold)")
+            text += (f"; {'its name points' if n == 1 else 'their names point'} to "
+                     f"{listed('the ' + c for c in components)}, which this checkpoint does "
+                     "not hold")
         parts.append(text)
     if matched.unused:
         shown = ", ".join(repr(k) for k in matched.unused[:3])
-        parts.append(f"{len(matched.unused)} keys are not tensors of any adapter kind ltx2blas "
+        n = len(matched.unused)
+        parts.append(f"{counted(n, 'key')} {'is' if n == 1 else 'are'} not "
+                     f"{'a tensor' if n == 1 else 'tensors'} of any adapter kind ltx2blas "
                      "knows (LoRA factors, alpha, DoRA magnitudes, bias terms, differences): "
                      f"{shown}{', ...' if len(matched.unused) > 3 else ''}")
     return KeyMatchError(f"{source.name}: {'; and '.join(parts)}; nothing was written "
@@ -315,10 +323,14 @@ def _plan_pair(plan, index, source, strength, pair, layout_of, model_entries, re
     rank = None
     if pair.kind == "lora":
         a_shape, b_shape = source.shape(pair.a), source.shape(pair.b)
+        if len(a_shape) == 2 and len(b_shape) == 2 and a_shape[0] != b_shape[1]:
+            raise ShapeError(f"{source.name}: {pair.module}: lora_A {pair.a!r} {list(a_shape)} "
+                             f"has rank {a_shape[0]} but lora_B {pair.b!r} {list(b_shape)} has "
+                             f"rank {b_shape[1]}; the two factors of a pair share one rank")
         if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != in_f or \
-                b_shape[0] != out_f or a_shape[0] != b_shape[1]:
-            raise ShapeError(f"{source.name}: {pair.module}: lora_A {a_shape} and lora_B "
-                             f"{b_shape} do not fit {where}")
+                b_shape[0] != out_f:
+            raise ShapeError(f"{source.name}: {pair.module}: lora_A {list(a_shape)} and lora_B "
+                             f"{list(b_shape)} do not fit {where}")
         rank = a_shape[0]
         if rank > BLAS_INT_MAX:
             raise ShapeError(f"{source.name}: {pair.module}: rank {rank} exceeds the BLAS "
@@ -433,7 +445,11 @@ def _lycoris_dim(source, pair, shape, where):
         shapes = {role: two_d(role) for role in keymatch.LOHA_ROLES}
         for n in ("1", "2"):
             a, b = shapes[f"hada_w{n}_a"], shapes[f"hada_w{n}_b"]
-            if a[0] != out_f or b[1] != in_f or a[1] != b[0] or a[1] == 0:
+            if a[1] != b[0]:
+                raise ShapeError(f"{source.name}: {pair.module}: hada_w{n}_a {list(a)} has rank "
+                                 f"{a[1]} but hada_w{n}_b {list(b)} has rank {b[0]}; the two "
+                                 "factors of a pair share one rank")
+            if a[0] != out_f or b[1] != in_f or a[1] == 0:
                 raise ShapeError(f"{source.name}: {pair.module}: hada_w{n}_a {list(a)} and "
                                  f"hada_w{n}_b {list(b)} do not fit {where}")
         return shapes["hada_w1_b"][0]
@@ -468,7 +484,8 @@ def _lycoris_scale(source, pair, dim, alpha, strength, report):
     if pair.alpha is None:
         return strength
     if alpha != "scale" or dim is None:
-        report.alpha_ignored += 1
+        _alpha_ignored(report, source, pair.alpha, "alpha='ignore'" if alpha != "scale" else
+                       "a LoKr of two whole factors has no rank to divide it by")
         return strength
     report.alpha_scaled += 1
     _alpha_source(report, "its .alpha tensors")
@@ -484,7 +501,9 @@ def _scale_rule(configs, source, pair, rank, alpha, report):
     if config is None:
         said = pair.alpha is not None or peft.METADATA_KEY in source.metadata
         if alpha != "scale" or not rank or pair.alpha is None:
-            report.alpha_ignored += said
+            if said:
+                _alpha_ignored(report, source, pair.alpha, "alpha='ignore'" if alpha != "scale"
+                               else "a pair of rank 0 has none to divide it by")
             return lambda w: w
         lora_scale = _alpha_value(source, pair.alpha) / rank
         report.alpha_scaled += 1
@@ -510,6 +529,22 @@ def _scale_rule(configs, source, pair, rank, alpha, report):
     report.alpha_rslora += config.use_rslora
     _alpha_source(report, f"its {peft.METADATA_KEY} ({config.describe()})")
     return lambda w: config.scale(w, rank, alpha_m)
+
+
+def _alpha_ignored(report, source, key, why):
+    """Count a pair whose alpha is not applied, why, and the alpha's value where its .alpha
+    tensor holds one readable number (the summary names it; a tensor that is not one is not
+    read, as an alpha not applied never was)."""
+    report.alpha_ignored += 1
+    report.alpha_ignored_why[why] = report.alpha_ignored_why.get(why, 0) + 1
+    if key is None or math.prod(source.shape(key)) != 1:
+        return
+    try:
+        value = _alpha_value(source, key)
+    except (ShapeError, DTypeError, NonFiniteInputError):
+        return
+    if value not in report.alpha_ignored_values:
+        report.alpha_ignored_values.append(value)
 
 
 def _alpha_source(report, text):

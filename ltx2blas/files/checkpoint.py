@@ -26,6 +26,8 @@ from ..errors import (
     LayoutError,
     Ltx2IOError,
     NumericsError,
+    counted,
+    listed,
     printable,
 )
 from .._threads import resolve_threads
@@ -131,8 +133,7 @@ def _adapter_line(i, a, in_file=True):
             how = "alpha / rank"
         text += f"; {a.alpha_scaled} scaled by {how} from {a.alpha_source or 'the file'}"
     if a.alpha_ignored:
-        text += (f"; alpha of {a.alpha_ignored} not applied" +
-                 (" (alpha='ignore')" if a.alpha_mode == "ignore" else ""))
+        text += "; " + _alpha_ignored_text(a)
     if a.metadata_ignored:
         text += (f"; its lora_adapter_metadata's {', '.join(map(printable, a.metadata_ignored))} "
                  "fields not read (diffusers reads them for that component alone)")
@@ -160,9 +161,22 @@ def _adapter_line(i, a, in_file=True):
     return text
 
 
-def _count(n, one, many=None):
-    """``n`` and the noun, singular for one."""
-    return f"{n} {one if n == 1 else (many or one + 's')}"
+_count = counted   # the short name the summaries here and verify's use
+_listed = listed
+
+
+def _alpha_ignored_text(a):
+    """How many of an adapter's modules keep their alpha unapplied, why, and the alphas the
+    file gives them: "alpha not applied to 8 modules (alpha='ignore'; the file's alpha is 16)"."""
+    whys = a.alpha_ignored_why or {"alpha='ignore'" if a.alpha_mode == "ignore" else "": 0}
+    why = "; ".join(w if len(whys) == 1 else f"{n}: {w}" for w, n in whys.items() if w)
+    values = sorted(a.alpha_ignored_values)
+    if values:
+        why += ("; " if why else "") + (
+            f"the file's alpha is {values[0]:g}" if len(values) == 1 else
+            f"the file's alphas are {_listed(f'{v:g}' for v in values)}")
+    return f"alpha not applied to {_count(a.alpha_ignored, 'module')}" + (
+        f" ({why})" if why else "")
 
 
 def format_gflop(value):
@@ -322,6 +336,33 @@ def read_history(metadata):
     if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
         return None, "the entry is not a list of objects"
     return history, ""
+
+
+#: How many earlier fuses' adapters a refusal names.
+FUSES_NAMED = 4
+
+
+def _already_fused_text(metadata):
+    """What a checkpoint's history of fuses says, as a sentence: the adapters each fuse
+    fused, by file and strength, or why the history cannot be read (never its raw text)."""
+    history, why = read_history(metadata)
+    if history is None:
+        return (f"its metadata says adapters are already fused into it (its {FUSED_KEY} entry "
+                f"cannot be read: {why})")
+    if not history:
+        return f"its metadata marks it as already fused (an empty {FUSED_KEY} history)"
+    named = []
+    for entry in history[:FUSES_NAMED]:
+        name, strength = entry.get("file"), entry.get("strength")
+        text = (printable(name if len(name) <= 100 else name[:100] + "...")
+                if isinstance(name, str) else "an adapter of no recorded name")
+        if isinstance(strength, (int, float)) and not isinstance(strength, bool):
+            text += f" at strength {strength:g}"
+        named.append(text)
+    if len(history) > FUSES_NAMED:
+        named.append(f"{len(history) - FUSES_NAMED} more")
+    return (f"its metadata says ltx2blas already fused {_count(len(history), 'adapter')} into "
+            f"it ({_listed(named)})")
 
 
 def _fused_history(base, path):
@@ -743,9 +784,8 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
         for path, _ in loras:
             sources.append(Source(path))
         if FUSED_KEY in ckpt.metadata and not force:
-            raise AlreadyFusedError(f"{model}: its metadata says adapters are already fused into "
-                                    f"it ({ckpt.metadata[FUSED_KEY][:200]}); pass force=True to "
-                                    "fuse again")
+            raise AlreadyFusedError(f"{model}: {_already_fused_text(ckpt.metadata)}; pass "
+                                    "force=True to fuse again")
         _fused_history(ckpt.metadata, model)  # a history that cannot be appended to: refused now
         entries_of = {n: (info.dtype, info.shape) for n, (_, info) in ckpt.entries.items()}
         opts = dict(rule=rule, alpha=alpha, allow_unmatched=allow_unmatched,

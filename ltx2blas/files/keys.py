@@ -53,16 +53,18 @@ ROLES = {
 LOHA_ROLES = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
 LOKR_ROLES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
 #: suffix -> the adapter kind it belongs to, for the kinds that are refused
+#: (each with its article, so that a message reads "belongs to an OFT/BOFT adapter")
 REFUSED = {
-    ".lora_mid.weight": "LoCon with a Tucker core (lora_mid)",
+    ".lora_mid.weight": "a LoCon with a Tucker core (lora_mid)",
     # LyCORIS writes Tucker cores for convolutions only; LTX-2's adapted weights are Linears
-    ".hada_t1": "LoHa with a Tucker core (hada_t1, a convolution's form)",
-    ".hada_t2": "LoHa with a Tucker core (hada_t2, a convolution's form)",
-    ".lokr_t1": "LoKr with a Tucker core (lokr_t1, a convolution's form)",
-    ".lokr_t2": "LoKr with a Tucker core (lokr_t2, a convolution's form)",
-    ".a1.weight": "GLoRA", ".a2.weight": "GLoRA", ".b1.weight": "GLoRA", ".b2.weight": "GLoRA",
-    ".oft_blocks": "OFT/BOFT", ".rescale": "OFT/BOFT",
-    ".set_weight": "a weight replacement (set_weight)",
+    ".hada_t1": "a LoHa with a Tucker core (hada_t1, a convolution's form)",
+    ".hada_t2": "a LoHa with a Tucker core (hada_t2, a convolution's form)",
+    ".lokr_t1": "a LoKr with a Tucker core (lokr_t1, a convolution's form)",
+    ".lokr_t2": "a LoKr with a Tucker core (lokr_t2, a convolution's form)",
+    ".a1.weight": "a GLoRA", ".a2.weight": "a GLoRA", ".b1.weight": "a GLoRA",
+    ".b2.weight": "a GLoRA",
+    ".oft_blocks": "an OFT/BOFT", ".rescale": "an OFT/BOFT",
+    ".set_weight": "a weight-replacing (set_weight)",
     ".reshape_weight": "a reshaping LoRA (reshape_weight)",
     ".w_norm": "a norm-layer difference (w_norm)", ".b_norm": "a norm-layer difference (b_norm)",
 }
@@ -303,7 +305,7 @@ def match(adapter_keys, model_keys, adapter_name="adapter"):
             unused.append(key)
             continue
         if suffix in REFUSED:
-            raise KeyMatchError(f"{adapter_name}: {key!r} belongs to a {REFUSED[suffix]} "
+            raise KeyMatchError(f"{adapter_name}: {key!r} belongs to {REFUSED[suffix]} "
                                 "adapter, which ltx2blas does not fuse")
         role = ROLES[suffix]
         pair = modules.setdefault(module, Pair(module=module))
