@@ -19,7 +19,7 @@ import numpy as np
 
 from .._validate import FP8, bf16_bits, bf16_to_f32, choice
 from ..errors import (ArgumentError, DTypeError, KeyMatchError, Ltx2IOError, NumericsError,
-                      ShapeError, printable)
+                      ShapeError, counted, printable)
 from ..extract import (DTYPES, OVERSAMPLE, POWER_ITERATIONS, check_counts, extract_lora_weight,
                        range_width)
 from ..quantized import DEQUANTIZED_TO_BF16, dequantized
@@ -43,6 +43,7 @@ class ExtractReport:
     output: str
     rank: object                 # the fixed rank, or None (energy mode)
     energy: object               # the energy fraction, or None
+    max_rank: object = None      # energy mode: the largest rank a weight is given
     weights_extracted: int = 0
     weights_equal: int = 0
     other_differing: list = field(default_factory=list)   # names of other tensors that differ
@@ -53,17 +54,33 @@ class ExtractReport:
     seconds: float = 0.0
     bytes_written: int = 0
 
+    def short_of_energy(self):
+        """Energy mode: the weights (name, fraction kept) that max_rank held short of the
+        energy asked for, in file order.  The fraction is taken to the six digits the
+        metadata records, so that the metadata counts the same weights."""
+        if self.energy is None:
+            return []
+        return [(n, k) for n, (_, k) in self.ranks.items() if round(k, 6) < self.energy]
+
     def summary(self):
         kept = [k for _, k in self.ranks.values()]
         ranks = [r for r, _ in self.ranks.values()]
         mode = f"rank {self.rank}" if self.rank is not None else \
             f"energy {self.energy:g} (ranks {min(ranks, default=0)}-{max(ranks, default=0)})"
-        lines = [f"extracted {self.weights_extracted} weights at {mode} into "
+        lines = [f"extracted {counted(self.weights_extracted, 'weight')} at {mode} into "
                  f"{printable(self.output)} ({self.bytes_written / 2**20:.1f} MiB); "
-                 f"{self.weights_equal} equal weights skipped"]
+                 f"{counted(self.weights_equal, 'equal weight')} skipped"]
         if kept:
             lines.append(f"fraction of each difference's Frobenius norm kept: least "
                          f"{min(kept):.4f}, median {float(np.median(kept)):.4f}")
+        short = self.short_of_energy()
+        if short:
+            name, least = min(short, key=lambda item: item[1])
+            lines.append(f"{len(short)} of {counted(len(kept), 'weight')} missed the energy "
+                         f"target {self.energy:g} at max rank {self.max_rank} (least fraction "
+                         f"kept {least:.4f}, by {printable(name)}); a larger max rank keeps more")
+        elif kept and self.energy is not None:
+            lines.append(f"every weight reached the energy target {self.energy:g}")
         if self.other_differing:
             shown = ", ".join(map(printable, self.other_differing[:3]))
             more = ", ..." if len(self.other_differing) > 3 else ""
@@ -75,8 +92,9 @@ class ExtractReport:
                 what = f"{self.full_diffs} written as full differences" + (
                     f", {listed} listed only (the fuse adds differences to 1-D weights and "
                     "biases only)" if listed else "")
-            lines.append(f"{len(self.other_differing)} other tensors differ ({shown}{more}): "
-                         + what)
+            n = len(self.other_differing)
+            lines.append(f"{counted(n, 'other tensor')} {'differs' if n == 1 else 'differ'} "
+                         f"({shown}{more}): " + what)
         lines.append(f"{self.seconds:.1f} s, {format_gflop(self.gflop)} GFLOP")
         return "\n".join(lines)
 
@@ -249,6 +267,7 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
              oversample, power_iterations, threads, progress, t0):
     linear, other = _plan(tuned, base)
     report = ExtractReport(output=os.fspath(output), rank=rank, energy=energy,
+                           max_rank=max_rank if energy is not None else None,
                            full_diff=bool(full_diff))
     total = len(linear) + len(other)
     entries, places, per_weight = [], [], {}
@@ -285,7 +304,10 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
                         oversample=oversample, power_iterations=power_iterations, seed=seed,
                         name=name, dtype=dtype, threads=threads)
                 except (NumericsError, ShapeError) as exc:
-                    raise type(exc)(f"{printable(name)}: {exc}") from None
+                    # the weight's own messages begin with its name (raw): named once, escaped
+                    text = str(exc)
+                    text = text[len(name) + 2:] if text.startswith(name + ": ") else text
+                    raise type(exc)(f"{printable(name)}: {text}") from None
             if low is None or low.rank == 0:   # equal values (stored alike or not)
                 report.weights_equal += 1
             else:
@@ -343,6 +365,9 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
             "rank": rank, "energy": energy, "max_rank": max_rank if energy else None,
             "dtype": dtype, "keys": keys, "seed": seed, "oversample": oversample,
             "power_iterations": power_iterations, "weights": per_weight,
+            **({"energy_missed": len(report.short_of_energy()),
+                "least_kept": min((w["kept"] for w in per_weight.values()), default=None)}
+               if energy is not None else {}),
             "other_differing": report.other_differing}, separators=(",", ":"))}
         spill.flush()
         with SafetensorsWriter(output, entries, metadata) as writer:
