@@ -276,7 +276,7 @@ def test_the_command(checkpoints, capsys):
     code = main(["extract", str(paths["tuned"]), "--base", str(paths["base"]), "-o",
                  str(paths["out"]), "--rank", "4", "-q"])
     out = capsys.readouterr().out
-    assert code == 0 and "extracted 3 weights at rank 4" in out and "1 other tensors differ" in out
+    assert code == 0 and "extracted 3 weights at rank 4" in out and "1 other tensor differs" in out
     assert main(["extract", str(paths["tuned"]), "--base", str(paths["base"]), "-o",
                  str(paths["out"]), "--rank", "4", "--energy", "0.9"]) == 2
 
