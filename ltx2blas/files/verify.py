@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import _stop
 from .._threads import resolve_threads
-from .._validate import progress_arg, strength_f32
+from .._validate import progress_arg, strength_f32, where
 from ..errors import ArgumentTypeError, printable
 from ..fuse import fuse_bias
 from . import adapters as plans
@@ -58,6 +58,7 @@ class Finding:
     detail: str = ""
     count: int = 0      # elements that differ
     first: int = -1     # the first that differs, as a flat index
+    at: tuple = ()      # the same as (row, column) (a vector's: its index alone)
     steps: int = 0      # the largest difference, in steps of the tensor's format
 
 
@@ -87,13 +88,14 @@ class VerifyReport:
     def exit_code(self):
         return EXIT[self.status]
 
-    def add(self, what, tensor="", detail="", count=0, first=-1, steps=0):
+    def add(self, what, tensor="", detail="", count=0, first=-1, steps=0, at=()):
         """Count a finding, and keep it if fewer than NAMED of its kind are kept: a record can
         name a million tensors the file lacks, and the report stays small."""
         n = self.counts.get(what, 0)
         self.counts[what] = n + 1
         if n < NAMED:
-            self.findings.append(Finding(what, tensor, detail, count, first, steps))
+            self.findings.append(Finding(what, tensor, detail, count, first, at=tuple(at),
+                                         steps=steps))
 
     def as_dict(self):
         return asdict(self)
@@ -129,7 +131,9 @@ def _finding_text(f):
     where = f"{printable(f.tensor)}: " if f.tensor else ""
     text = f"{f.what}: {where}{printable(f.detail)}"
     if f.count:
-        text += f" ({f.count} elements differ, the first at {f.first}"
+        at = f"({', '.join(map(str, f.at))})" if len(f.at) > 1 else (f.at or (f.first,))[0]
+        text += (f" ({_count(f.count, 'element')} {'differs' if f.count == 1 else 'differ'}, "
+                 f"the first at {at}")
         text += f", at most {f.steps} steps)" if f.steps else ")"
     return text
 
@@ -522,7 +526,8 @@ def _compare(ckpt, name, rebuilt, original, report, fmt, loaded, stored=None):
     steps = _steps(stored, rebuilt, fmt) if fmt in ("bf16", "F8_E4M3", "F8_E5M2") else 0
     report.add("rebuilt" if original is None else "unlike both", name,
                "differs from the rebuild" if original is None else
-               "neither the base nor ltx2blas's result", int(differ.size), int(differ[0]), steps)
+               "neither the base nor ltx2blas's result", int(differ.size), int(differ[0]), steps,
+               where(int(differ[0]), rebuilt.shape))
     if original is not None:
         report.unlike_both += 1
         if fmt == "bf16" and loaded and len(report.fits) < 3:
