@@ -1,7 +1,7 @@
 """``ltx2blas demo``: fuse an LTX-2-shaped adapter in memory and report the speed as a fraction
 of the sgemm rate measured in the same run (the best of several timings of each, taken in
-turns, so that a busy host's moments weigh on both alike), checking that sampled rows come out the same bytes
-when fused again on one thread with other tiles; then the same through files: a small
+turns, so that a busy host's moments weigh on both alike), checking that sampled rows come out
+the same bytes when fused again on one thread with other tiles; then the same through files: a small
 LTX-2-shaped checkpoint and adapter written to a temporary folder, fused by
 ``fuse_checkpoint``, checked against the in-memory fuse, and removed.  (Exactness against the
 textbook loop is the test suite's to show, not the demo's.)"""
