@@ -13,6 +13,7 @@ Three checks, each as far as what is given allows:
 A file without a record (another tool's, or an older ltx2blas's) is compared tensor by tensor
 with the base and with what ltx2blas makes of the inputs.
 """
+import hashlib
 import inspect
 import os
 import threading
@@ -21,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .. import _stop
+from .. import _stop, reference
 from .._threads import resolve_threads
 from .._validate import progress_arg, strength_f32, where
 from ..errors import ArgumentTypeError, printable
@@ -32,6 +33,7 @@ from .adapters import Source
 from .checkpoint import (FUSED_KEY, Checkpoint, Progress, _count, _delta_buffer, _delta_view,
                          _fuse_one, _Options, _path_arg, _prepare, _read_tensor, fuse_checkpoint,
                          read_history)
+from .keys import LOKR_ROLES
 
 #: verify's exit codes beside the command's own (2 arguments, 3 a malformed file, 4 I/O)
 EXIT = {"verified": 0, "differs": 1, "unverifiable": 6}
@@ -59,7 +61,17 @@ class Finding:
     count: int = 0      # elements that differ
     first: int = -1     # the first that differs, as a flat index
     at: tuple = ()      # the same as (row, column) (a vector's: its index alone)
-    steps: int = 0      # the largest difference, in steps of the tensor's format
+    steps: int = 0      # the largest difference, in steps of the tensor's format (codes apart)
+    # a bf16 weight that differs from its rebuild: the largest difference in bf16 steps of
+    # |W| + |delta| (None: not measured, or a non-finite value on one side), the class
+    # ("rounding": the same inputs under another rounding; "different inputs"; "changed after
+    # the fuse": with a record, bytes that are not those the fuse wrote), the rule that
+    # reproduces the file's sampled rows, and the multiple of the delta that fits its change
+    scaled_steps: float = None
+    steps_over: str = ""  # what scaled_steps is the largest of: "every element", "sampled rows"
+    cls: str = ""
+    rule: str = ""
+    multiple: float = None
 
 
 @dataclass
@@ -81,29 +93,55 @@ class VerifyReport:
     equal_base: int = 0
     equal_ltx2blas: int = 0
     unlike_both: int = 0
-    fits: list = field(default_factory=list)   # what explains another tool's file better
+    cause: str = ""        # what is wrong, in one line (the summary's first line ends with it)
+    cause_class: str = ""  # its class: a kind of input finding ("order", "adapter", ...),
+    #                        "file" (not as its record says), or a tensor class (CLASSES)
+    classes: dict = field(default_factory=dict)  # {tensor class: how many tensors}
+    fits: list = field(default_factory=list)  # every differing bf16 weight fitted (FIT_ROWS)
     seconds: float = 0.0
 
     @property
     def exit_code(self):
         return EXIT[self.status]
 
-    def add(self, what, tensor="", detail="", count=0, first=-1, steps=0, at=()):
+    def add(self, what, tensor="", detail="", count=0, first=-1, steps=0, at=(), **more):
         """Count a finding, and keep it if fewer than NAMED of its kind are kept: a record can
         name a million tensors the file lacks, and the report stays small."""
         n = self.counts.get(what, 0)
         self.counts[what] = n + 1
         if n < NAMED:
             self.findings.append(Finding(what, tensor, detail, count, first, at=tuple(at),
-                                         steps=steps))
+                                         steps=steps, **more))
 
     def as_dict(self):
-        return asdict(self)
+        out = asdict(self)
+        for f in out["findings"]:
+            f["class"] = f.pop("cls")
+        return out
 
     def summary(self):
         head = {"verified": "verified", "differs": "DIFFERS", "unverifiable": "cannot verify"}
-        lines = [f"{head[self.status]}: {printable(self.path)} ({printable(self.origin)})"]
+        first = f"{head[self.status]}: {printable(self.path)} ({printable(self.origin)})"
+        if self.cause:
+            first += f": {printable(self.cause)}"
+        lines = [first]
         lines += [f"  {printable(r)}" for r in self.reasons]
+        # what is wrong first: the inputs, then the file against its record, then each
+        # class's count of tensors, then a few of those tensors (EXAMPLES of each kind and
+        # class; the JSON keeps NAMED)
+        for group in range(3):
+            for f in self.findings:
+                if _group(f.what) == group and (group < 2 or _shown(self.findings, f)):
+                    lines.append("  " + _finding_text(f))
+            if group == 1:
+                lines += self._class_lines()
+            for what in [w for w in self.counts if _group(w) == group]:
+                shown = sum(f.what == what and (group < 2 or _shown(self.findings, f))
+                            for f in self.findings)
+                if self.counts[what] > shown:
+                    lines.append(f"  ... {what}: {self.counts[what] - shown} more, "
+                                 f"{self.counts[what]} in all")
+        lines += self._fit_lines()
         done = []
         if self.tensors_hashed:
             done.append(f"{_count(self.tensors_hashed, 'tensor')} against the record")
@@ -112,19 +150,65 @@ class VerifyReport:
         if self.tensors_rebuilt:
             done.append(f"{_count(self.tensors_rebuilt, 'tensor')} rebuilt from the inputs")
         lines.append("  checked " + (", ".join(done) or "nothing"))
+        lines.append(f"  {self.seconds:.1f} s")
+        return "\n".join(lines)
+
+    def _class_lines(self):
+        lines = []
         if self.equal_base or self.equal_ltx2blas or self.unlike_both:
             lines.append(f"  of the fused tensors: {self.equal_ltx2blas} equal ltx2blas's result, "
                          f"{self.equal_base} equal the base (no adapter in them), "
                          f"{self.unlike_both} differ from both")
-        for f in self.findings:
-            lines.append("  " + _finding_text(f))
-        for what, n in self.counts.items():
-            shown = sum(f.what == what for f in self.findings)
-            if n > shown:
-                lines.append(f"  ... {what}: {n - shown} more, {n} in all")
-        lines += [f"  {printable(fit)}" for fit in self.fits]
-        lines.append(f"  {self.seconds:.1f} s")
-        return "\n".join(lines)
+        if self.classes:
+            lines.append("  of the tensors that differ: " + ", ".join(
+                f"{n} {CLASSES.get(c, c)}" for c, n in self.classes.items()))
+        return lines
+
+    def _fit_lines(self):
+        """The fits in a few lines: how the multiples spread, and what the alpha / rank factor
+        explains where it does."""
+        fitted = [f for f in self.fits if f["multiple"] is not None]
+        if not fitted:
+            return []
+        cs = sorted(f["multiple"] for f in fitted)
+        spread = (f"{cs[0]:.4g}" if cs[-1] - cs[0] <= 0.0005 * max(abs(cs[-1]), 1e-30)
+                  else f"{cs[0]:.4g} to {cs[-1]:.4g}, median {cs[len(cs) // 2]:.4g}")
+        lines = [f"  fit: the change of {_count(len(fitted), 'differing weight')} is {spread} x "
+                 f"ltx2blas's delta (least squares on up to {FIT_ROWS} sampled rows of each)"]
+        notes = {}
+        for f in fitted:
+            if f["explains"]:
+                notes[f["explains"]] = notes.get(f["explains"], 0) + 1
+        return lines + [f"  fit: {_count(n, 'weight')} at {printable(text)}"
+                        for text, n in sorted(notes.items(), key=lambda t: -t[1])[:3]]
+
+
+#: the classes of a fused tensor that differs, as the summary words them
+CLASSES = {"rounding": "the same inputs under another rounding",
+           "different inputs": "different inputs (or options)",
+           "changed after the fuse": "changed after the fuse (not the bytes it wrote)",
+           "not classed": "not classed (not a bf16 weight)",
+           "no adapter": "the base's bytes (no adapter in them)"}
+#: the finding kinds about the inputs, and about the file against its record
+_INPUTS = ("order", "adapter", "strength", "option", "base")
+_FILE = ("digest", "missing", "extra", "copied")
+#: tensor findings the text names of each kind and class (the JSON keeps NAMED)
+EXAMPLES = 3
+
+
+def _group(what):
+    """0: a finding about the inputs; 1: about the file against its record; 2: a tensor
+    rebuilt."""
+    if what in _INPUTS or what.startswith("adapter "):
+        return 0
+    return 1 if what in _FILE else 2
+
+
+def _shown(findings, f):
+    """Whether the text names tensor finding ``f``: the first EXAMPLES of its kind and
+    class."""
+    same = [g for g in findings if g.what == f.what and g.cls == f.cls]
+    return next(i for i, g in enumerate(same) if g is f) < EXAMPLES
 
 
 def _finding_text(f):
@@ -134,7 +218,18 @@ def _finding_text(f):
         at = f"({', '.join(map(str, f.at))})" if len(f.at) > 1 else (f.at or (f.first,))[0]
         text += (f" ({_count(f.count, 'element')} {'differs' if f.count == 1 else 'differ'}, "
                  f"the first at {at}")
-        text += f", at most {f.steps} steps)" if f.steps else ")"
+        if f.scaled_steps is not None:
+            text += f", at most {f.scaled_steps:.3g} bf16 steps of |W| + |delta|" + (
+                " on the sampled rows" if f.steps_over == "sampled rows" else "")
+        elif f.steps:
+            text += f", at most {f.steps} steps"
+        if f.multiple is not None:
+            text += f"; the change fits {f.multiple:.4g} x the delta"
+        text += ")"
+    if f.cls:
+        text += f": {CLASSES.get(f.cls, f.cls)}"
+        if f.rule:
+            text += f", as {f.rule} makes it"
     return text
 
 
@@ -234,7 +329,43 @@ def verify_checkpoint(fused, model=None, loras=None, *, rule=None, alpha=None, t
                     if not (model is not None and given) else ""))
     report.seconds = time.perf_counter() - t0
     report.status = _status(report, record, current, bool(history), bool(rebuilt))
+    _name_cause(report)
     return report
+
+
+def _name_cause(report):
+    """Findings in the order that tells the cause: about the inputs first (the adapters' order,
+    files, strengths, options, the base), then the file against its record, then the tensors;
+    and ``cause``, the first line's words for what is wrong."""
+    report.findings.sort(key=lambda f: _group(f.what))
+    if report.status == "verified" or not report.findings:
+        return
+    first = report.findings[0]
+    group = _group(first.what)
+    if group == 0:
+        report.cause_class = "adapter" if first.what.startswith("adapter") else first.what
+        report.cause = first.detail if not first.tensor else _finding_text(first)
+    elif group == 1:
+        report.cause_class = "file"
+        report.cause = "the file is not as its record says: " + _finding_text(first)
+    elif report.classes:
+        # the worst class present names the cause
+        for cls in ("changed after the fuse", "no adapter", "different inputs", "not classed",
+                    "rounding"):
+            if cls in report.classes:
+                break
+        report.cause_class = cls
+        n, total = report.classes[cls], sum(report.classes.values())
+        report.cause = f"{CLASSES[cls]} in {n} of the {_count(total, 'tensor')} that differ"
+        rules = {f.rule for f in report.findings if f.cls == cls}
+        if cls == "rounding" and len(rules) == 1 and "" not in rules:
+            report.cause += f" ({rules.pop()} makes them)"
+    else:
+        report.cause_class = "no adapter" if first.what == "equals the base" else first.what
+        report.cause = _finding_text(first)
+    more = len([f for f in report.findings if _group(f.what) == group]) - 1
+    if group < 2 and more > 0:
+        report.cause += f"; {more} more below"
 
 
 def _status(report, record, current, history, rebuilt):
@@ -354,6 +485,14 @@ def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read
                                             f"as adapter {elsewhere[0]}: the adapters are given "
                                             "in another order")
                     continue
+                # one line for the file, then its tensors: a wrong file names every one
+                theirs = want["tensors"]
+                differ = sum(tensors.get(n) != d for n, d in theirs.items())
+                extra = sum(n not in theirs for n in tensors)
+                report.add("adapter", "", f"adapter {i} ({os.path.basename(path)}) is not the "
+                                          f"file fused (the record's {want.get('file', '?')}): "
+                                          f"{differ} of its {len(theirs)} tensors differ" + (
+                                              f", {extra} not in the record" if extra else ""))
                 _compare_digests(tensors, want["tensors"], f"adapter {i}", report,
                                  f"{os.path.basename(path)} against the record's "
                                  f"{want.get('file', '?')}")
@@ -467,7 +606,9 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
                     _fuse_one(weight, loaded, layout, name, run, scales,
                               _delta_view(delta, layout), base.path, sources)
                     _compare(ckpt, name, weight, original, report, layout.fmt, loaded,
-                             stored.result())
+                             stored.result(),
+                             base=(lambda n=name: _read_tensor(base, n)) if has_record else None,
+                             recorded=record["output"].get(name) if has_record else None)
                     for c, s in zip(layout.rewritten, scales):
                         _compare(ckpt, c, s, None, report, None, None)
                     done_gflop += plans.gflop(layout.shape, plan.weights[name], sources)
@@ -498,10 +639,13 @@ def _stored(ckpt, name):
     return f.read(name, np.empty(info.nbytes, np.uint8))
 
 
-def _compare(ckpt, name, rebuilt, original, report, fmt, loaded, stored=None):
+def _compare(ckpt, name, rebuilt, original, report, fmt, loaded, stored=None, base=None,
+             recorded=None):
     """The file's tensor ``name`` (``stored``, its bytes, when read already) against the
     ``rebuilt`` one; without a record (``original``, the base's tensor, given) also against
-    the base."""
+    the base.  A bf16 weight that differs is measured against the base's (``base()`` reads it
+    again, with a record), fitted (_fit) and classed (CLASSES); with a record, ``recorded`` is
+    the digest the fuse wrote for it."""
     report.tensors_rebuilt += 1
     if name not in ckpt.entries:
         report.add("missing", name, "fused from the inputs but not in the file")
@@ -520,20 +664,45 @@ def _compare(ckpt, name, rebuilt, original, report, fmt, loaded, stored=None):
         return
     if original is not None and _same_bytes(stored, original):
         report.equal_base += 1
+        report.classes["no adapter"] = report.classes.get("no adapter", 0) + 1
         report.add("equals the base", name, "no adapter in it: the file holds the base's bytes")
         return
-    differ = _elements_differing(stored, rebuilt)
-    steps = _steps(stored, rebuilt, fmt) if fmt in ("bf16", "F8_E4M3", "F8_E5M2") else 0
-    report.add("rebuilt" if original is None else "unlike both", name,
-               "differs from the rebuild" if original is None else
-               "neither the base nor ltx2blas's result", int(differ.size), int(differ[0]), steps,
-               where(int(differ[0]), rebuilt.shape))
-    if original is not None:
+    other_tool = original is not None  # a file without a record: compared with the base too
+    weight = fmt == "bf16" and rebuilt.ndim == 2 and bool(loaded)
+    if weight and original is None and base is not None:
+        original = base()  # only for a weight that differs: the rebuild fused the base in place
+    count, first, steps, rows = _measure(stored, rebuilt, fmt)
+    fit = _fit(name, stored, rebuilt, original, loaded, rows) if weight and \
+        original is not None else None
+    scaled = fit["steps"] if fit else None
+    if scaled is not None and scaled <= ROUNDING_STEPS and (
+            fit["multiple"] is None or abs(fit["multiple"] - 1) < 0.01):
+        # another rounding on the sampled rows: every element is measured to say so
+        scaled = fit["steps"] = _steps_everywhere(stored, rebuilt, original,
+                                                  _magnitude(loaded, rebuilt.shape))
+        fit["steps_over"] = "every element"
+    if recorded is not None and hashlib.sha256(stored.reshape(-1).view(np.uint8)).hexdigest() \
+            != recorded:
+        cls = "changed after the fuse"
+    elif fit is None or scaled is None and fit["multiple"] is None:
+        cls = "not classed"
+    elif scaled is not None and scaled <= ROUNDING_STEPS and (
+            fit["multiple"] is None or abs(fit["multiple"] - 1) < 0.01):
+        cls = "rounding"
+    else:
+        cls = "different inputs"
+    report.classes[cls] = report.classes.get(cls, 0) + 1
+    report.add("unlike both" if other_tool else "rebuilt", name,
+               "neither the base nor ltx2blas's result" if other_tool else
+               "differs from the rebuild", count, first, steps,
+               where(first, rebuilt.shape), scaled_steps=scaled,
+               steps_over=fit["steps_over"] if scaled is not None else "", cls=cls,
+               rule=fit["rule"] if fit and cls == "rounding" else "",
+               multiple=fit["multiple"] if fit else None)
+    if fit is not None:
+        report.fits.append(fit)
+    if other_tool:
         report.unlike_both += 1
-        if fmt == "bf16" and loaded and len(report.fits) < 3:
-            fit = _fitted_strength(stored, original, loaded)
-            if fit:
-                report.fits.append(f"{name}: {fit}")
 
 
 def _same_bytes(a, b):
@@ -547,11 +716,82 @@ def _same_bytes(a, b):
     return bool(np.array_equal(a, b))
 
 
-def _elements_differing(a, b):
-    a, b = a.reshape(-1), b.reshape(-1)
+#: elements a pass of _measure takes at a time (its f64 copies stay a few MB)
+CHUNK = 1 << 18
+#: rows of a weight _fit samples: evenly spaced, and a quarter of them among rows that differ
+FIT_ROWS = 64
+#: the largest difference, in bf16 steps of |W| + |delta|, of "another rounding"
+ROUNDING_STEPS = 2.0
+
+
+def _measure(stored, rebuilt, fmt):
+    """(count, first, steps, rows) of two tensors that differ: the elements that differ, the
+    first as a flat index, the largest difference in codes of the format (_steps), and for a
+    2-D tensor which rows differ.  Taken about CHUNK elements at a time: no copy of the
+    tensor."""
+    a, b = stored.reshape(-1), rebuilt.reshape(-1)
+    cols = rebuilt.shape[-1] if rebuilt.ndim == 2 and rebuilt.shape[-1] else 1
+    rows = np.zeros(a.size // cols, bool)
     width = a.dtype.itemsize
-    return np.flatnonzero(np.any(a.view(np.uint8).reshape(-1, width)
-                                 != b.view(np.uint8).reshape(-1, width), axis=1))
+    step = max(1, CHUNK // cols) * cols
+    count, first, steps = 0, -1, 0
+    for lo in range(0, a.size, step):
+        x, y = a[lo:lo + step], b[lo:lo + step]
+        d = np.any(x.view(np.uint8).reshape(-1, width) != y.view(np.uint8).reshape(-1, width),
+                   axis=1)
+        n = int(np.count_nonzero(d))
+        if not n:
+            continue
+        if first < 0:
+            first = lo + int(np.argmax(d))
+        count += n
+        rows[lo // cols:(lo + x.size) // cols] |= d.reshape(-1, cols).any(axis=1)
+        if fmt in ("bf16", "F8_E4M3", "F8_E5M2"):
+            steps = max(steps, _steps(x[d], y[d], fmt))
+    return count, first, steps, rows
+
+
+def _ordered(bits):
+    """bf16 codes as integers in the order of their values (adjacent values 1 apart)."""
+    x = bits.astype(np.int64)
+    return np.where(x & 0x8000, -(x & 0x7FFF), x)
+
+
+def _scaled_steps(stored, rebuilt, original, at, magnitude):
+    """The largest of |stored - rebuilt| / (bf16's step at |W| + sum |scale| |factors|) over
+    the elements ``at`` (flat indices); None where a value is not finite."""
+    if not at.size:
+        return 0.0
+    i, j = np.divmod(at, rebuilt.shape[1])
+    x, y, w = (_f64(t.reshape(-1)[at]) for t in (stored, rebuilt, original))
+    with np.errstate(all="ignore"):
+        size = np.abs(w) + magnitude(i, j)
+        # bf16's step at a magnitude in [2^(e-1), 2^e): 2^(e - 8); the subnormals' 2^-133
+        ulp = np.maximum(np.ldexp(1.0, np.frexp(size)[1] - 8), 2.0**-133)
+        ratio = np.abs(x - y) / ulp
+    return float(ratio.max()) if np.all(np.isfinite(ratio)) else None
+
+
+def _steps_everywhere(stored, rebuilt, original, magnitude):
+    """_scaled_steps over every element of a bf16 weight that differs: those one code apart
+    count as one step (they are within a step of the magnitude by construction), those
+    further apart are measured, CHUNK elements at a time."""
+    a, b = stored.reshape(-1), rebuilt.reshape(-1)
+    largest = 0.0
+    for lo in range(0, a.size, CHUNK):
+        apart = np.abs(_ordered(a[lo:lo + CHUNK]) - _ordered(b[lo:lo + CHUNK]))
+        if np.any(apart == 1):
+            largest = max(largest, 1.0)
+        far = _scaled_steps(stored, rebuilt, original, lo + np.flatnonzero(apart > 1),
+                            magnitude)
+        if far is None:
+            return None
+        largest = max(largest, far)
+    return largest
+
+
+def _f64(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
 def _steps(a, b, fmt):
@@ -566,34 +806,173 @@ def _steps(a, b, fmt):
     return int(np.max(np.abs(ordered(a) - ordered(b)))) if a.size else 0
 
 
-def _fitted_strength(stored, original, loaded):
-    """For another tool's bf16 weight: the multiple ``c`` of ltx2blas's delta that fits the
-    file's change best (least squares, in f64); named where it is not 1, with alpha / rank
-    where that explains it."""
-    if any(ld.item.kind != "lora" for ld in loaded):
-        return ""
-    def f64(bits):
-        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+def _delta_rows(ld, rows, shape):
+    """One adapter's unscaled delta on ``rows`` of a weight of ``shape``, in f64 from its bf16
+    factors: a LoRA's B @ A, a difference, a LoHa's (w1_a @ w1_b) * (w2_a @ w2_b), a LoKr's
+    Kronecker product; None for DoRA (its weight is normalised: no multiple of a delta)."""
+    kind, arrays = ld.item.kind, ld.arrays
+    wide = _f64
+    if kind == "lora":
+        d = wide(arrays[1][rows]) @ wide(arrays[0])
+    elif kind == "diff":
+        d = wide(arrays[0].reshape(shape)[rows])
+    elif kind == "loha":
+        d = (wide(arrays[0][rows]) @ wide(arrays[1])) * (wide(arrays[2][rows]) @ wide(arrays[3]))
+    elif kind == "lokr":
+        # the rows of each factor that the sampled rows take, each made from its pair alone
+        # (a factor as large as the weight is never made whole)
+        by = _lokr_roles(ld)
 
-    delta = np.zeros(stored.shape)
-    for ld in loaded:
-        a, b = ld.arrays
-        delta += (f64(b) @ f64(a)) * ld.item.scale
-    change = f64(stored) - f64(original)
-    norm = float(np.sum(delta * delta))
-    if not norm or not np.isfinite(norm):
-        return ""
-    c = float(np.sum(change * delta)) / norm
-    if abs(c - 1.0) < 0.01:
-        return ""
-    text = f"the file's change fits {c:.3g} x ltx2blas's delta (the strengths x {c:.3g})"
-    factors = {ld.item.scale / ld.item.strength for ld in loaded if ld.item.strength}
-    for k in factors:
-        if k != 1 and abs(c * k - 1) < 0.01:
-            text += f"; so would the alpha / rank factor {k:g} left out (--alpha ignore)"
-        elif k != 1 and abs(c - k) < 0.01 * k:
-            text += f"; so would alpha / rank ({k:g}) applied twice"
-    return text
+        def factor(n, at):
+            return wide(by[n][at]) if n in by else wide(by[n + "_a"][at]) @ wide(by[n + "_b"])
+        m2 = (by["lokr_w2"] if "lokr_w2" in by else by["lokr_w2_a"]).shape[0]
+        rows = np.arange(shape[0])[rows]
+        w1, w2 = factor("lokr_w1", rows // m2), factor("lokr_w2", rows % m2)
+        d = (w1[:, :, None] * w2[:, None, :]).reshape(len(rows), -1)
+    else:
+        return None
+    return d if d.shape == (len(d), shape[1]) else None
+
+
+def _magnitude(loaded, shape):
+    """(i, j) -> sum over the adapters of |scale| x the delta of the factors' magnitudes at
+    elements (i, j): |B| @ |A|, |diff|, (|w1_a| @ |w1_b|) (|w2_a| @ |w2_b|), a LoKr's |w1|
+    (x) |w2|; with |W|, the size of what a fuse adds, against which any order of the sums
+    rounds.  None for DoRA."""
+    if any(ld.item.kind not in ("lora", "diff", "loha", "lokr") for ld in loaded):
+        return None
+
+    absolute = {}  # the factors' magnitudes in f32, the right ones transposed: made once
+
+    def factor(key, bits, transpose=False):
+        if key not in absolute:
+            v = np.abs(reference.bf16_widen(bits))
+            absolute[key] = np.ascontiguousarray(v.T) if transpose else v
+        return absolute[key]
+
+    def dots(k, left, right, i, j):
+        """sum_r |left[i, r]| |right[r, j]| for each pair (i, j)."""
+        return np.einsum("nr,nr->n", factor((k, 0), left)[i],
+                         factor((k, 1), right, True)[j]).astype(np.float64)
+
+    def lokr(k, ld, i, j):
+        by = _lokr_roles(ld)
+        w2 = by["lokr_w2"] if "lokr_w2" in by else None
+        m2 = (w2 if w2 is not None else by["lokr_w2_a"]).shape[0]
+        n2 = shape[1] // (by["lokr_w1"].shape[1] if "lokr_w1" in by else by["lokr_w1_b"].shape[1])
+        out = 1.0
+        for n, p, q in (("lokr_w1", i // m2, j // n2), ("lokr_w2", i % m2, j % n2)):
+            out = out * (np.abs(_f64(by[n][p, q])) if n in by else
+                         dots((k, n), by[n + "_a"], by[n + "_b"], p, q))
+        return out
+
+    def of(i, j):
+        total = np.zeros(i.size)
+        for k, ld in enumerate(loaded):
+            kind, arrays = ld.item.kind, ld.arrays
+            for lo in range(0, i.size, 4096):
+                n, m = i[lo:lo + 4096], j[lo:lo + 4096]
+                if kind == "lora":
+                    d = dots(k, arrays[1], arrays[0], n, m)
+                elif kind == "diff":
+                    d = np.abs(_f64(arrays[0].reshape(shape)[n, m]))
+                elif kind == "loha":
+                    d = dots(k, arrays[0], arrays[1], n, m) * dots(k + 0.5, arrays[2],
+                                                                   arrays[3], n, m)
+                else:
+                    d = lokr(k, ld, n, m)
+                total[lo:lo + 4096] += abs(float(np.float32(ld.item.scale))) * d
+        return total
+    return of
+
+
+def _lokr_roles(ld):
+    """A LoKr's factors by role (lokr_w1 or lokr_w1_a and _b, the same of w2)."""
+    return dict(zip([r for r in LOKR_ROLES if r in ld.item.pair.keys], ld.arrays))
+
+
+def _rules(loaded):
+    """{name: rule(W rows, unscaled deltas) -> bf16 bits}: other tools' arithmetic that the
+    same inputs may have been fused by, each a plain restatement on sampled rows."""
+    scales = [np.float32(ld.item.scale) for ld in loaded]
+
+    def comfyui(w, deltas):
+        # the weight in f32, each adapter's product f32(strength x alpha / rank) x its f32
+        # product added in f32, rounded to bf16 once at the end
+        acc = reference.bf16_widen(w)
+        for d, s in zip(deltas, scales):
+            acc = acc + s * d.astype(np.float32)
+        return reference.bf16_round(acc)
+
+    def peft(w, deltas):
+        # PEFT's merge on a CPU: the f32 product times its scaling, rounded to bf16, added to
+        # the bf16 weight
+        for d, s in zip(deltas, scales):
+            w = reference.bf16_round(reference.bf16_widen(w) + reference.bf16_widen(
+                reference.bf16_round(d.astype(np.float32) * s)))
+        return w
+
+    rules = {"ComfyUI's f32 add": comfyui}
+    if all(ld.item.kind == "lora" for ld in loaded):
+        rules["PEFT's scaled product"] = peft
+    return rules
+
+
+def _fit(name, stored, rebuilt, original, loaded, differing):
+    """How one bf16 weight's change (the file's less the base's) relates to ltx2blas's delta,
+    on up to FIT_ROWS rows (evenly spaced, and among those that differ): the multiple of the
+    delta that fits it best (least squares, in f64; each adapter's own where there are
+    several), how much of the change it leaves, and the other tool's rule (_rules) that makes
+    the sampled rows where one does.  A dict of numbers, for the report's ``fits``."""
+    n_rows, shape = stored.shape[0], stored.shape
+    even = np.linspace(0, n_rows - 1, min(n_rows, FIT_ROWS - FIT_ROWS // 4)).astype(np.int64)
+    where_differ = np.flatnonzero(differing)
+    some = where_differ[np.linspace(0, where_differ.size - 1,
+                                    min(where_differ.size, FIT_ROWS // 4)).astype(np.int64)]
+    rows = np.union1d(even, some)
+    out = {"tensor": name, "rows": int(rows.size), "multiple": None, "multiples": None,
+           "residual": None, "rule": "", "explains": "", "steps": None,
+           "steps_over": "sampled rows"}
+    magnitude = _magnitude(loaded, shape)
+    if magnitude is not None:
+        at = (rows[:, None] * shape[1] + np.arange(shape[1])).reshape(-1)
+        at = at[stored.reshape(-1)[at] != rebuilt.reshape(-1)[at]]
+        out["steps"] = _scaled_steps(stored, rebuilt, original, at, magnitude)
+    deltas = [_delta_rows(ld, rows, shape) for ld in loaded]
+    if any(d is None for d in deltas):
+        return out
+    w, s, r = original[rows], stored[rows], rebuilt[rows]
+    change = _f64(s) - _f64(w)
+    terms = [d * ld.item.scale for d, ld in zip(deltas, loaded)]
+    total = sum(terms)
+    with np.errstate(all="ignore"):
+        norm = float(np.sum(total * total))
+        if not norm or not np.isfinite(norm) or not np.all(np.isfinite(change)):
+            return out
+        c = float(np.sum(change * total)) / norm
+        rest = float(np.linalg.norm(change - c * total))
+        size = float(np.linalg.norm(change))
+    out["multiple"] = c
+    out["residual"] = rest / size if size else 0.0
+    if len(terms) > 1:
+        columns = np.stack([t.reshape(-1) for t in terms], axis=1)
+        out["multiples"] = [float(v) for v in np.linalg.lstsq(columns, change.reshape(-1),
+                                                              rcond=None)[0]]
+    theirs = int(np.count_nonzero(s != r))
+    for rule, make in _rules(loaded).items():
+        if theirs and np.count_nonzero(make(w, deltas) != s) * 10 <= theirs:
+            out["rule"] = rule
+            break
+    if abs(c - 1) >= 0.01 and out["residual"] < 0.1:
+        text = f"{c:.2g} x the delta: the strengths x {c:.2g}"
+        for k in sorted({ld.item.scale / ld.item.strength for ld in loaded if ld.item.strength}):
+            if k != 1 and abs(c * k - 1) < 0.01:
+                text += f"; or the alpha / rank factor {k:.4g} left out (--alpha ignore)"
+            elif k != 1 and abs(c - k) < 0.01 * abs(k):
+                text += (f"; or alpha / rank ({k:.4g}) applied twice, as LyCORIS' merge_to "
+                         "applies it")
+        out["explains"] = text
+    return out
 
 
 def _compare_copied(ckpt, base, changed, report, workers):
