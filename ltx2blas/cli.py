@@ -96,7 +96,9 @@ def _strength(tail, text):
 
 class _ProgressPrinter:
     """A progress bar on a terminal (tensors, GFLOP, rate, ETA); a log line every 10 % or
-    30 s otherwise."""
+    30 s otherwise.  The share done and the ETA are of the work (Progress.fraction: bytes read
+    and written, and arithmetic); the rate is in GB/s where copying dominates, in GFLOP/s
+    where arithmetic does."""
 
     def __init__(self, stream=sys.stderr):
         self.stream = stream
@@ -116,19 +118,24 @@ class _ProgressPrinter:
     def _show(self, p):
         from .files.checkpoint import format_gflop
 
-        rate = p.gflop_done / p.elapsed if p.elapsed > 0 else 0.0
+        copy_bound = getattr(p, "copy_bound", False)  # a Progress of an older caller
         fraction = p.fraction
         eta = (p.elapsed / fraction - p.elapsed) if fraction > 0 else float("nan")
         text = f"{p.tensors_done}/{p.tensors_total} tensors  "
-        if p.gflop_total > 0:  # a step without arithmetic (verify's hashing) counts tensors
-            text += (f"{format_gflop(p.gflop_done)}/{format_gflop(p.gflop_total)} GFLOP  "
-                     f"{rate:,.1f} GFLOP/s  ")
+        if p.gflop_total > 0:  # a step without arithmetic (verify's hashing) counts no GFLOP
+            text += f"{format_gflop(p.gflop_done)}/{format_gflop(p.gflop_total)} GFLOP  "
+        if copy_bound:
+            rate = p.bytes_done / 1e9 / p.elapsed if p.elapsed > 0 else 0.0
+            text += f"{rate:,.2f} GB/s  "
+        elif p.gflop_total > 0:
+            rate = p.gflop_done / p.elapsed if p.elapsed > 0 else 0.0
+            text += f"{rate:,.1f} GFLOP/s  "
         text += f"ETA {_duration(eta)}"
         if self.tty:
             width = 28
             done = int(width * fraction)
-            print(f"\r[{'#' * done}{'.' * (width - done)}] {fraction:5.1%} {text}", end="",
-                  file=self.stream, flush=True)
+            print(f"\r[{'#' * done}{'.' * (width - done)}] {_percent(fraction, 1):>5}% {text}",
+                  end="", file=self.stream, flush=True)
             if p.tensors_done == p.tensors_total:
                 print(file=self.stream)
             return
@@ -136,8 +143,16 @@ class _ProgressPrinter:
             self.last_fraction = -1.0
         if (fraction - self.last_fraction >= 0.1 or p.elapsed - self.last_time >= 30
               or p.tensors_done == p.tensors_total):
-            print(f"ltx2blas: {fraction:.0%} {text}", file=self.stream, flush=True)
+            print(f"ltx2blas: {_percent(fraction, 0)}% {text}", file=self.stream, flush=True)
             self.last_fraction, self.last_time = fraction, p.elapsed
+
+
+def _percent(fraction, digits):
+    """A share as a percentage rounded down: 100 only when all is done, not when the tensors
+    left are a few small ones."""
+    scale = 10 ** digits
+    value = int(fraction * 100 * scale + 1e-6) / scale  # 0.29 * 100 is 28.999...
+    return f"{value:.{digits}f}"
 
 
 def _duration(seconds):
@@ -165,12 +180,15 @@ def _cmd_fuse(args):
     report = fuse_checkpoint(
         args.model, loras, args.output, rule=args.rule, alpha=args.alpha,
         allow_unmatched=args.allow_unmatched, threads=args.threads,
-        progress=None if (args.dry_run or args.quiet) else _ProgressPrinter(),
+        progress=None if (args.dry_run or args.quiet or args.json) else _ProgressPrinter(),
         check_finite=args.check_finite, force=args.force, fp8_rounding=args.fp8_rounding,
         seed=args.seed or 0, dry_run=args.dry_run, fp8_overflow=args.fp8_overflow,
         digests=not args.no_digests, allow_repeated=args.allow_repeated)
     # The output is in place (or this was a dry run): a signal from here on does not
     # interrupt (the handler sees the commit, _stop.commit_rename) and is reported by main().
+    if args.json:
+        _print(_json(report.as_dict()))
+        return 0
     lines = [_cli_words(report.summary())]
     if args.verbose:
         lines += [f"  {printable(name)}  <- adapters {adapters} "
@@ -193,18 +211,54 @@ def _cmd_verify(args):
 
 
 def _cmd_extract(args):
+    from .errors import printable
     from .files.extract import extract_lora
 
     if args.rank is not None and args.energy is not None:
         raise _argument_error("give --rank or --energy, not both")
+    if args.output is None and not args.dry_run:
+        raise _argument_error("-o/--output is required (unless --dry-run)")
+    if args.output is not None and not args.output:
+        raise _argument_error("-o/--output is empty; name the file to write")
+    if args.output is not None and _is_stdout(args.output):
+        raise _argument_error(f"-o {args.output} is this command's standard output, where its "
+                              "summary goes; name a file")
     rank = 64 if args.rank is None and args.energy is None else args.rank
     report = extract_lora(
         args.tuned, args.base, args.output, rank=rank, energy=args.energy,
         max_rank=args.max_rank, keys=args.keys, dtype=args.dtype, full_diff=args.full_diff,
         seed=args.seed, power_iterations=args.power_iterations, threads=args.threads,
-        progress=None if args.quiet else _ProgressPrinter())
-    _print(report.summary())
+        progress=None if (args.quiet or args.json or args.dry_run) else _ProgressPrinter(),
+        dry_run=args.dry_run)
+    if args.json:
+        _print(_json(report.as_dict()))
+        return 0
+    lines = [report.summary()]
+    if args.verbose and args.dry_run:
+        lines += [f"  {printable(name)}  {list(shape)}  rank {'<= ' if rank is None else ''}{r}"
+                  for name, (shape, r) in report.planned.items()]
+    elif args.verbose:
+        lines += [f"  {printable(name)}  rank {r}, kept {kept:.4f}"
+                  for name, (r, kept) in report.ranks.items()]
+    _print("\n".join(lines))
     return 0
+
+
+def _json(data):
+    """A report as JSON on stdout, alone there: names from files as they are (JSON escapes
+    what a terminal must not see), a non-finite number as null."""
+    return json.dumps(_finite(data), indent=2)
+
+
+def _finite(value):
+    """``value`` with every float that is not finite made None: JSON has no inf or NaN."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _fraction(text):
@@ -363,14 +417,17 @@ def build_parser():
     p.add_argument("--fp8-rounding", choices=("nearest", "stochastic"), default="nearest",
                    help="rounding into fp8 weights (default nearest-even, upstream's CPU rule)")
     p.add_argument("--fp8-overflow", choices=("saturate", "nan"), default="saturate",
-                   help="what a plain F8_E4M3 value rounded past 448 becomes: +-448, as torch "
-                        "casts from 2.13 (the default), or NaN, as torch cast up to 2.12")
+                   help="what a plain F8_E4M3 value rounded past 448 becomes: saturate, +-448, "
+                        "as torch casts from 2.13 (the default), or nan, as torch cast up to "
+                        "2.12")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of --fp8-rounding stochastic (default 0; bits differ per tensor "
                         "name)")
     p.add_argument("--no-digests", action="store_true",
                    help="record no SHA-256 of the inputs and outputs in the metadata (faster on "
                         "few cores; ltx2blas verify then needs the inputs)")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as JSON (and no progress)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="list every weight fused (or, with --dry-run, to be fused) and its "
@@ -409,7 +466,8 @@ def build_parser():
     p.add_argument("tuned", help="the fine-tuned checkpoint (.safetensors file, sharded index or "
                                  "diffusers model folder)")
     p.add_argument("--base", required=True, help="the checkpoint it was tuned from")
-    p.add_argument("-o", "--output", required=True, help="the LoRA .safetensors file to write")
+    p.add_argument("-o", "--output",
+                   help="the LoRA .safetensors file to write (not needed with --dry-run)")
     p.add_argument("--rank", type=_positive_int, default=None,
                    help="every weight at this rank (the default, 64, without --energy)")
     p.add_argument("--energy", type=_fraction, default=None,
@@ -426,14 +484,24 @@ def build_parser():
                    help="write the 1-D weights and biases that differ (norms, biases) as "
                         "full differences (.diff, .diff_b), which the fuse adds back; every "
                         "tensor that differs and is no Linear weight is listed either way")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random test matrix")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random test matrix (default 0)")
     p.add_argument("--power-iterations", type=_power_iterations, default=2,
                    help="power iterations of the range finder, 0 to 16 (default 2): each "
                         "costs two more passes over every weight, and two already keep the "
                         "error within 2%% of the optimum")
     p.add_argument("--threads", type=_thread_count, default=None,
                    help="threads (default: every CPU this process may use)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="read the headers only and plan: the weights, their ranks (with "
+                        "--energy the largest each may get) and the output's size at most; "
+                        "write nothing")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as JSON (and no progress)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="list every weight extracted and its rank and fraction kept (with "
+                        "--dry-run, every weight planned and its rank)")
     p.set_defaults(func=_cmd_extract)
 
     p = sub.add_parser("demo", help="fuse an LTX-2-shaped adapter in memory, check it, time it",
@@ -496,6 +564,9 @@ def _quiet_stop(unraisable):
     signal stays recorded and stops the command at its next check."""
     if isinstance(unraisable.exc_value, (KeyboardInterrupt, _stop.Terminated)):
         return
+    if isinstance(unraisable.exc_value, OSError) and "ignored due to race condition" in str(
+            unraisable.exc_value):
+        return  # a signal that came as main() set it ignored on its way out
     sys.__unraisablehook__(unraisable)
 
 
@@ -507,16 +578,28 @@ def _stopped(signum):
     return _stop.report(128 + signum, _stop.stop_line(signum), sys.stderr)
 
 
+def _interrupt_handled():
+    """CPython ends the process by SIGINT at exit where it believes a KeyboardInterrupt went
+    unhandled, and a nested evaluation that the interrupt passed on its way here can leave it
+    believing so (seen under ``python -m``): the exit must be the code main() returns."""
+    try:
+        import ctypes
+
+        ctypes.c_int.in_dll(ctypes.pythonapi, "_Py_UnhandledKeyboardInterrupt").value = 0
+    except (ImportError, AttributeError, ValueError, OSError):
+        pass
+
+
 def main(argv=None):
     """Runs the command line; returns the exit code.
 
     A stop signal (SIGINT, SIGTERM, SIGHUP) ends a command with 128 + n before its output is
     renamed into place, nothing changed; after the rename it is reported as coming after the
-    complete output, exit 0.  Later signals are ignored, and the handlers stay in place after
-    the return where a signal came or where this is the command line itself (``argv`` None):
-    the process is on its way out, and a signal then must neither kill it nor print a
-    traceback.  Called with ``argv`` (from Python), the previous handlers are restored after
-    a command that no signal reached."""
+    complete output, exit 0.  Later signals are ignored, and so are signals after the return
+    where a signal came or where this is the command line itself (``argv`` None): the process
+    is on its way out, and a signal then must neither kill it nor print a traceback.  Called
+    with ``argv`` (from Python), the previous handlers are restored after a command that no
+    signal reached."""
     _stop.reset()
     previous, wakeup = _handle_signals()
     hook, sys.unraisablehook = sys.unraisablehook, _quiet_stop
@@ -559,7 +642,14 @@ def main(argv=None):
         if _stop.state.exit_code is None:  # an exception on its way out (or SystemExit)
             _stop.state.exit_code = 2 if code is None else code
         stopped = _stop.state.signum is not None
-        if not (keep or stopped):
+        if stopped:
+            _interrupt_handled()
+        if keep:
+            # Python's finalization puts back the default action of a signal with a Python
+            # handler (a signal then would kill the process), but leaves SIG_IGN alone
+            for sig in previous:
+                signal.signal(sig, signal.SIG_IGN)
+        elif not stopped:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             sys.unraisablehook = hook
