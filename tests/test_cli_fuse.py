@@ -30,7 +30,9 @@ def test_fuse_writes_and_summarises(paths):
     r = run("fuse", model, "--lora", f"{lora}:0.75", "-o", out, "--threads", "2")
     assert r.returncode == 0, r.stderr
     assert out.exists()
-    assert "fused 1 module " in r.stdout and "GFLOP/s" in r.stdout and "peak memory" in r.stdout
+    assert "fused 1 module " in r.stdout and "peak memory" in r.stdout
+    # a small weight among other tensors: copying is most of the work, its rate in GB/s
+    assert "GB/s read and written" in r.stdout and "GFLOP/s" not in r.stdout
     assert "x 0.75" in r.stdout
     # not a terminal: plain log lines, ending at 100 %
     assert r.stderr.strip().splitlines()[-1].startswith("ltx2blas: 100%")

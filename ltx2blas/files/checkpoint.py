@@ -13,7 +13,7 @@ import os
 import resource
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -78,10 +78,42 @@ class FuseReport:
     # plain fp8 weights with values rounded past the format's largest finite value: name ->
     # how many, in output order
     fp8_overflows: dict = field(default_factory=dict)
+    # bytes of the base's tensors read and of the output's written (in place: the tensors
+    # rewritten in memory, each read and written)
+    bytes_read: int = 0
+    bytes_written: int = 0
 
     @property
     def gflops(self):
         return self.gflop / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def gbs(self):
+        """GB read and written per second."""
+        moved = self.bytes_read + self.bytes_written
+        return moved / 1e9 / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def copy_bound(self):
+        """Whether moving bytes was most of the work, by the work model of
+        :attr:`Progress.fraction` (the summary then gives GB/s, not GFLOP/s)."""
+        return Progress(0, 0, 0.0, self.gflop, 0.0, "", 0,
+                        self.bytes_read + self.bytes_written).copy_bound
+
+    def as_dict(self):
+        """The report as plain data (``ltx2blas fuse --json``): every field but the output's
+        metadata (the record of digests, which the output holds), each fused weight as
+        {name, adapters, kinds}, and the rate by the work that dominated."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "metadata"}
+        out["adapters"] = [asdict(a) for a in self.adapters]
+        out["fused"] = [{"name": name, "adapters": list(adapters),
+                         "kinds": list(self.fused_kinds.get(name, []))}
+                        for name, adapters in self.fused]
+        del out["fused_kinds"]
+        out["gflop_per_s"] = self.gflops
+        out["gb_per_s"] = self.gbs
+        out["copy_bound"] = self.copy_bound
+        return out
 
     def summary(self):
         """What the command prints: every name read from a file escaped (printable)."""
@@ -96,7 +128,10 @@ class FuseReport:
                  f" {_count(self.tensors_copied, 'other tensor')} ({self.tensors_total} in "
                  f"all); {format_gflop(self.gflop)} GFLOP"]
         if not self.dry_run:
-            lines.append(f"{self.seconds:.1f} s, {self.gflops:.1f} GFLOP/s, peak memory "
+            # a rate of the work that dominated: GB/s where copying did
+            rate = (f"{self.gbs:,.2f} GB/s read and written" if self.copy_bound else
+                    f"{self.gflops:.1f} GFLOP/s")
+            lines.append(f"{self.seconds:.1f} s, {rate}, peak memory "
                          f"{self.peak_rss_mib:.0f} MiB -> {printable(self.output)}")
         if self.fp8_overflows:
             first, count = next(iter(self.fp8_overflows.items()))
@@ -199,24 +234,51 @@ def _modules_text(keys, shown=3):
     return ", ".join(map(printable, kept[:shown])) + (", ..." if len(kept) > shown else "")
 
 
+#: The work model of :attr:`Progress.fraction`: bytes moved and arithmetic, each converted to
+#: seconds at a fixed nominal rate.  A fuse or an extract moves bytes at a few GB/s and computes
+#: at a hundred GFLOP/s or more, so that a copied tensor counts by its size and a fused one by
+#: its size and its arithmetic, whichever dominates.
+NOMINAL_BYTES_PER_S = 1e9
+NOMINAL_GFLOP_PER_S = 100.0
+
+
 @dataclass
 class Progress:
-    """What a progress callback is told after each tensor."""
+    """What a progress callback is told after each tensor: tensors, GFLOP and bytes (read and
+    written) done of the step's total, the seconds since it began and the tensor's name."""
     tensors_done: int
     tensors_total: int
     gflop_done: float
     gflop_total: float
     elapsed: float
     name: str
+    bytes_done: int = 0
+    bytes_total: int = 0
+
+    @staticmethod
+    def work(nbytes, gflop):
+        """Nominal seconds of ``nbytes`` moved and ``gflop`` computed (the work model)."""
+        return nbytes / NOMINAL_BYTES_PER_S + gflop / NOMINAL_GFLOP_PER_S
 
     @property
     def fraction(self):
-        """The share of the fuse's arithmetic done (of the tensors, where there is none): a
-        copied tensor adds no arithmetic, so the fraction stays put while tensors are copied
-        and tensors_done moves on."""
-        if self.gflop_total > 0:
-            return self.gflop_done / self.gflop_total
+        """The share of the step's work done, in [0, 1], 1.0 exactly at its last tensor: bytes
+        read and written plus arithmetic, each at its nominal rate (:meth:`work`), so that a
+        fuse copying most of a checkpoint's bytes is not done when its last weight is fused;
+        of the tensors where neither is counted."""
+        if self.tensors_total > 0 and self.tensors_done >= self.tensors_total:
+            return 1.0
+        total = self.work(self.bytes_total, self.gflop_total)
+        if total > 0:
+            return min(1.0, self.work(self.bytes_done, self.gflop_done) / total)
         return self.tensors_done / max(1, self.tensors_total)
+
+    @property
+    def copy_bound(self):
+        """Whether moving bytes is most of the step's work (its rate is then told in GB/s, in
+        GFLOP/s otherwise)."""
+        return self.bytes_total > 0 and (self.bytes_total / NOMINAL_BYTES_PER_S
+                                         >= self.gflop_total / NOMINAL_GFLOP_PER_S)
 
 
 class Checkpoint:
@@ -875,6 +937,9 @@ class _FusedWriter:
         entries = [(n, ckpt.entries[n][1].dtype, ckpt.entries[n][1].shape,
                     ckpt.entries[n][1].nbytes) for n in order]
         done_gflop = 0.0
+        # every output tensor is a base tensor of the same size, read and written once
+        sizes = {n: ckpt.entries[n][1].nbytes for n in order}
+        bytes_total = 2 * sum(sizes.values())
         # hashing threads as many as the fuse's: on many cores the digests keep up
         with (provenance.Hasher(resolve_threads(self.options.threads)) if self.options.digests
               else contextlib.nullcontext()) as digests, \
@@ -889,9 +954,13 @@ class _FusedWriter:
             try:
                 for count, name in enumerate(order, 1):
                     done_gflop += self._write_one(name, writer, reader, report)
+                    report.bytes_read += sizes[name]
+                    report.bytes_written += sizes[name]
                     if progress is not None:
                         progress(Progress(count, len(order), done_gflop, report.gflop,
-                                          time.perf_counter() - t0, name))
+                                          time.perf_counter() - t0, name,
+                                          report.bytes_read + report.bytes_written,
+                                          bytes_total))
                 adapter_hashing.join()
                 for r, h in zip(plan.reports, hashes):
                     if isinstance(h, BaseException):
@@ -1005,6 +1074,8 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
         options = _Options(rule, threads, check_finite, fp8_rounding, seed, fp8_overflow)
         delta = _delta_buffer(layouts)
         done_gflop = 0.0
+        # in place: each weight read and written in memory
+        bytes_total = 2 * sum(views[name].nbytes for name, _ in report.fused)
         for count, (name, _) in enumerate(report.fused, 1):
             layout = layouts[name]
             weight = _plain(views[name])
@@ -1015,9 +1086,12 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
             if overflows:
                 report.fp8_overflows[name] = overflows
             done_gflop += plans.gflop(layout.shape, plan.weights[name], sources)
+            report.bytes_read += views[name].nbytes
+            report.bytes_written += views[name].nbytes
             if progress is not None:
                 progress(Progress(count, report.modules_fused, done_gflop, report.gflop,
-                                  time.perf_counter() - t0, name))
+                                  time.perf_counter() - t0, name,
+                                  report.bytes_read + report.bytes_written, bytes_total))
         for name, items in plan.biases.items():
             bias = _plain(views[name])
             fuse_bias(bias, plans.bias_terms(items, sources), out=bias)

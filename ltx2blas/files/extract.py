@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -53,6 +53,24 @@ class ExtractReport:
     gflop: float = 0.0
     seconds: float = 0.0
     bytes_written: int = 0
+    bytes_read: int = 0           # of both checkpoints' tensors
+    dry_run: bool = False
+    # a dry run's plan: each Linear weight -> its shape and the rank it would be given (in
+    # energy mode the largest, max_rank or its smaller side: the rank itself needs the SVD)
+    planned: dict = field(default_factory=dict)
+    too_small: list = field(default_factory=list)   # weights smaller than the fixed rank
+    other_tensors: int = 0        # tensors that are no Linear weight, compared when run
+    bytes_planned: int = 0        # a dry run: the factors' bytes at most (all weights differ)
+
+    def as_dict(self):
+        """The report as plain data (``ltx2blas extract --json``): each weight's rank and
+        fraction kept as {"rank", "kept"}; a dry run's plan as {"shape", "rank"}."""
+        out = asdict(self)
+        out["ranks"] = {n: {"rank": r, "kept": k} for n, (r, k) in self.ranks.items()}
+        out["planned"] = {n: {"shape": list(shape), "rank": r}
+                          for n, (shape, r) in self.planned.items()}
+        out["short_of_energy"] = [n for n, _ in self.short_of_energy()]
+        return out
 
     def short_of_energy(self):
         """Energy mode: the weights (name, fraction kept) that max_rank held short of the
@@ -63,6 +81,8 @@ class ExtractReport:
         return [(n, k) for n, (_, k) in self.ranks.items() if round(k, 6) < self.energy]
 
     def summary(self):
+        if self.dry_run:
+            return self._plan_summary()
         kept = [k for _, k in self.ranks.values()]
         ranks = [r for r, _ in self.ranks.values()]
         mode = f"rank {self.rank}" if self.rank is not None else \
@@ -95,7 +115,46 @@ class ExtractReport:
             n = len(self.other_differing)
             lines.append(f"{counted(n, 'other tensor')} {'differs' if n == 1 else 'differ'} "
                          f"({shown}{more}): " + what)
-        lines.append(f"{self.seconds:.1f} s, {format_gflop(self.gflop)} GFLOP")
+        # the rate of the work that dominated (Progress.fraction's model): GB/s where reading
+        # the two checkpoints did
+        if Progress(0, 0, 0.0, self.gflop, 0.0, "", 0, self.bytes_read).copy_bound:
+            rate = self.bytes_read / 1e9 / self.seconds if self.seconds > 0 else 0.0
+            rate = f", {rate:,.2f} GB/s read"
+        else:
+            rate = self.gflop / self.seconds if self.seconds > 0 else 0.0
+            rate = f", {rate:,.1f} GFLOP/s"
+        lines.append(f"{self.seconds:.1f} s, {format_gflop(self.gflop)} GFLOP{rate}")
+        return "\n".join(lines)
+
+    def _plan_summary(self):
+        """A dry run's plan: what would be extracted, at which ranks, into how many bytes."""
+        n = len(self.planned)
+        ranks = [r for _, r in self.planned.values()]
+        where = f" into {printable(self.output)}" if self.output else ""
+        if self.rank is not None:
+            mode = f"at rank {self.rank}"
+        else:
+            mode = (f"at energy {self.energy:g}, each at the least rank that keeps it, up to "
+                    f"{max(ranks, default=self.max_rank)} (max rank {self.max_rank}; the ranks "
+                    "are known only once the SVD has run)")
+        lines = [f"would extract up to {counted(n, 'Linear weight')} {mode}{where}; a weight "
+                 "found equal to its base is skipped"]
+        size = (f"{self.bytes_planned / 2**20:.1f} MiB" if self.bytes_planned >= 2**20 else
+                f"{self.bytes_planned / 2**10:.1f} KiB")
+        lines.append(f"output at most {size} of factors (every weight differing"
+                     + (", each at its largest rank" if self.rank is None else "")
+                     + f"), plus its header; at most {format_gflop(self.gflop)} GFLOP")
+        if self.too_small:
+            name, shape = self.too_small[0], self.planned[self.too_small[0]][0]
+            lines.append(f"{counted(len(self.too_small), 'weight')} smaller than rank "
+                         f"{self.rank} (e.g. {printable(name)} {list(shape)}): the extract "
+                         "stops there unless it is equal to its base")
+        if self.other_tensors:
+            lines.append(f"{counted(self.other_tensors, 'other tensor')} compared when run, "
+                         + ("those of 1-D weights and biases that differ written as full "
+                            "differences (counted in the size above)" if self.full_diff else
+                            "listed where they differ"))
+        lines.append("nothing read but the headers, nothing written")
         return "\n".join(lines)
 
 
@@ -134,13 +193,21 @@ class _Side:
     def read(self, name):
         return self.ckpt.entries[name][0].read(name)
 
-    def values(self, name, layout):
-        """The weight as extract reads it: bf16 bits, or f32 values (fp8 codes widened, times
-        the layout's one scale where it has one)."""
+    def check_readable(self, name, layout):
+        """DTypeError for a weight stored in a layout extract does not read."""
         if layout.kind not in READABLE:
             raise DTypeError(f"{self.what} {printable(self.ckpt.path)}: weight {printable(name)} "
                              f"is stored as {layout.kind}; extract reads BF16, F16, F32, fp8, "
                              "scaled fp8 and upstream's blockwise fp8/fp6 and NVFP4 weights")
+
+    def nbytes(self, name):
+        """The bytes of tensor ``name`` in the file."""
+        return self.ckpt.entries[name][1].nbytes
+
+    def values(self, name, layout):
+        """The weight as extract reads it: bf16 bits, or f32 values (fp8 codes widened, times
+        the layout's one scale where it has one)."""
+        self.check_readable(name, layout)
         array = self.read(name)
         if layout.kind in DEQUANTIZED_TO_BF16:
             scale_2 = self.read(layout.scale_2) if layout.scale_2 else None
@@ -170,7 +237,8 @@ def _float_values(array, dtype):
 
 def extract_lora(tuned, base, output, *, rank=None, energy=None, max_rank=256, keys="ltx",
                  dtype="bf16", full_diff=False, seed=0, oversample=OVERSAMPLE,
-                 power_iterations=POWER_ITERATIONS, threads=None, progress=None):
+                 power_iterations=POWER_ITERATIONS, threads=None, progress=None,
+                 dry_run=False):
     """Extract a LoRA of ``tuned - base`` into a safetensors file (see the module docstring).
 
     Parameters
@@ -192,7 +260,13 @@ def extract_lora(tuned, base, output, *, rank=None, energy=None, max_rank=256, k
     seed, oversample, power_iterations, threads
         As for :func:`ltx2blas.extract.extract_lora_weight`.
     progress : callable, optional
-        Called with a :class:`~ltx2blas.files.checkpoint.Progress` after each tensor.
+        Called with a :class:`~ltx2blas.files.checkpoint.Progress` after each tensor; its
+        work is the bytes read from both checkpoints and the range finder's arithmetic (the
+        total at first as if every weight differed, less each weight found equal).
+    dry_run : bool
+        Read the two checkpoints' headers only and plan: the Linear weights paired, the rank
+        each would get (in energy mode the largest it may get), the factors' bytes at most;
+        nothing else is read and nothing is written (``output`` may be None).
 
     Returns
     -------
@@ -203,14 +277,19 @@ def extract_lora(tuned, base, output, *, rank=None, energy=None, max_rank=256, k
     if (rank is None) == (energy is None):
         raise ArgumentError("give rank or energy, one of them")
     check_counts(oversample, power_iterations)
-    output_path(output)  # a missing folder, a folder or a device: refused by name, first
+    if output is not None or not dry_run:
+        output_path(output)  # a missing folder, a folder or a device: refused by name, first
     t0 = time.perf_counter()
     sides = []
     try:
         sides.append(_Side(tuned, "tuned"))
         sides.append(_Side(base, "base"))
-        check_output_is_not_an_input(os.fspath(output), [p for side in sides
-                                                          for p in side.ckpt.paths()])
+        if output is not None:
+            check_output_is_not_an_input(os.fspath(output), [p for side in sides
+                                                              for p in side.ckpt.paths()])
+        if dry_run:
+            return _plan_only(*sides, output, rank, energy, max_rank, dtype, full_diff,
+                              oversample, power_iterations, t0)
         return _extract(*sides, output, rank, energy, max_rank, keys, dtype, full_diff, seed,
                         oversample, power_iterations, threads, progress, t0)
     finally:
@@ -263,6 +342,48 @@ def _plan(tuned, base):
     return linear, other
 
 
+def _gflop(shape, rank, max_rank, oversample, power_iterations):
+    """The range finder's GFLOP on a weight of ``shape`` (the same whatever rank energy mode
+    then keeps): 2 rows cols width per product, 2 power_iterations + 2 products."""
+    rows, cols = shape
+    width = range_width(rank or max_rank, oversample, min(rows, cols))
+    return 2.0 * rows * cols * width * (2 * power_iterations + 2) / 1e9
+
+
+def _diff_written(name, tuned, base):
+    """Whether full_diff writes this tensor's difference when it differs: a 1-D float .weight
+    (added back as a bias term) or .bias; a scalar's is listed only."""
+    t_dtype, b_dtype = tuned.entries[name][0], base.entries[name][0]
+    return t_dtype in ("BF16", "F16", "F32") and b_dtype in ("BF16", "F16", "F32") and \
+        name.endswith((".weight", ".bias")) and len(tuned.entries[name][1]) == 1
+
+
+def _plan_only(tuned, base, output, rank, energy, max_rank, dtype, full_diff, oversample,
+               power_iterations, t0):
+    """A dry run: the plan from the headers alone, every Linear weight taken to differ."""
+    linear, other = _plan(tuned, base)
+    report = ExtractReport(output="" if output is None else os.fspath(output), rank=rank,
+                           energy=energy, max_rank=max_rank if energy is not None else None,
+                           full_diff=bool(full_diff), dry_run=True, other_tensors=len(other))
+    size = 2 if dtype == "bf16" else 4
+    for name, (t_layout, b_layout) in linear:
+        tuned.check_readable(name, t_layout)
+        base.check_readable(name, b_layout)
+        rows, cols = t_layout.shape
+        largest = min(rows, cols)
+        if rank is not None and rank > largest:
+            report.too_small.append(name)
+        wanted = min(rank if rank is not None else max_rank, largest)
+        report.planned[name] = ((rows, cols), wanted)
+        report.bytes_planned += wanted * (rows + cols) * size + 4   # A, B and the F32 alpha
+        report.gflop += _gflop((rows, cols), rank, max_rank, oversample, power_iterations)
+    if full_diff:
+        report.bytes_planned += sum(4 * tuned.entries[n][1][0] for n in other
+                                    if _diff_written(n, tuned, base))
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
 def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff, seed,
              oversample, power_iterations, threads, progress, t0):
     linear, other = _plan(tuned, base)
@@ -270,6 +391,13 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
                            max_rank=max_rank if energy is not None else None,
                            full_diff=bool(full_diff))
     total = len(linear) + len(other)
+    # the work: both sides' bytes read, and the arithmetic of every weight but those found
+    # equal (taken off the total as they are found, so that the share done only grows)
+    sizes = {n: tuned.nbytes(n) + base.nbytes(n) for n in [n for n, _ in linear] + other}
+    bytes_total = sum(sizes.values())
+    planned = {n: _gflop(layouts[0].shape, rank, max_rank, oversample, power_iterations)
+               for n, layouts in linear}
+    gflop_total = sum(planned.values())
     entries, places, per_weight = [], [], {}
     shown = printable(os.fspath(output))
     folder = os.path.dirname(output_path(output))   # beside the file the output names
@@ -308,12 +436,12 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
                     text = str(exc)
                     text = text[len(name) + 2:] if text.startswith(name + ": ") else text
                     raise type(exc)(f"{printable(name)}: {text}") from None
+            report.bytes_read += sizes[name]
             if low is None or low.rank == 0:   # equal values (stored alike or not)
                 report.weights_equal += 1
+                gflop_total -= planned[name]
             else:
-                rows, cols = t_layout.shape
-                width = range_width(rank or max_rank, oversample, min(rows, cols))
-                report.gflop += 2.0 * rows * cols * width * (2 * power_iterations + 2) / 1e9
+                report.gflop += planned[name]
                 a_key, b_key, alpha_key = _names(keymatch.model_module(name), keys)
                 put(a_key, low.lora_a, store)
                 put(b_key, low.lora_b, store)
@@ -322,11 +450,14 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
                 report.ranks[name] = (low.rank, low.kept)
                 per_weight[name] = {"rank": low.rank, "kept": round(low.kept, 6)}
             if progress is not None:
-                progress(Progress(done, total, 0.0, 0.0, time.perf_counter() - t0, name))
+                progress(Progress(done, total, report.gflop, gflop_total,
+                                  time.perf_counter() - t0, name, report.bytes_read,
+                                  bytes_total))
         for name in other:
             t_dtype, b_dtype = tuned.entries[name][0], base.entries[name][0]
             t_raw, b_raw = tuned.read(name), base.read(name)
             done += 1
+            report.bytes_read += sizes[name]
             # compared as bytes, flattened first: numpy views no 0-d array (a scalar such
             # as a logit scale) as bytes of another size
             if t_dtype == b_dtype and np.array_equal(
@@ -337,9 +468,7 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
                 report.other_differing.append(name)
                 # a difference is written where the fuse adds it back: to a 1-D .weight (as a
                 # bias term) or .bias; a scalar's is listed only
-                if full_diff and t_dtype in ("BF16", "F16", "F32") and b_dtype in (
-                        "BF16", "F16", "F32") and name.endswith((".weight", ".bias")) and \
-                        len(tuned.entries[name][1]) == 1:
+                if full_diff and _diff_written(name, tuned, base):
                     diff = _float_values(t_raw, t_dtype) - _float_values(b_raw, b_dtype)
                     if not np.all(np.isfinite(diff)):
                         raise NumericsError(f"{printable(name)}: the difference is not finite")
@@ -349,7 +478,9 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
                     put(stem + (".diff" if name.endswith(".weight") else ".diff_b"), diff, "F32")
                     report.full_diffs += 1
             if progress is not None:
-                progress(Progress(done, total, 0.0, 0.0, time.perf_counter() - t0, name))
+                progress(Progress(done, total, report.gflop, gflop_total,
+                                  time.perf_counter() - t0, name, report.bytes_read,
+                                  bytes_total))
         if not entries and report.other_differing:
             names = ", ".join(map(printable, report.other_differing[:3]))
             raise ArgumentError(
