@@ -429,15 +429,20 @@ def _check_own_digests(ckpt, record, report, workers, progress, t0, skip=()):
     with a rebuild instead); returns {tensor: its digest in the file} of those hashed."""
     recorded = record["output"]
     total = len(ckpt.entries) - len(skip)
+    hashed = {n: e for n, e in ckpt.entries.items() if n in recorded and n not in skip}
+    # the work is the bytes hashed
+    bytes_total = sum(info.nbytes for _, info in hashed.values())
+    bytes_done = 0
 
     def tick(name):
+        nonlocal bytes_done
         report.tensors_hashed += 1
+        bytes_done += hashed[name][1].nbytes
         if progress is not None:
             progress(Progress(report.tensors_hashed, total, 0.0, 0.0,
-                              time.perf_counter() - t0, name))
+                              time.perf_counter() - t0, name, bytes_done, bytes_total))
 
-    got = _digest_all({n: e for n, e in ckpt.entries.items() if n in recorded and n not in skip},
-                      workers, tick)
+    got = _digest_all(hashed, workers, tick)
     for name in ckpt.entries:
         if name in skip and name in recorded:
             continue
@@ -589,6 +594,10 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
             total_gflop = sum(plans.gflop(layouts[n].shape, plan.weights[n], sources)
                               for n in plan.weights)
             done_gflop = 0.0
+            # the work: each tensor read from the base and from the file, and the fuse's
+            # arithmetic
+            sizes = {n: 2 * base.entries[n][1].nbytes for n in names}
+            bytes_total, bytes_done = sum(sizes.values()), 0
             base_ahead = {}
             for count, name in enumerate(names, 1):
                 if name in plan.weights:
@@ -617,9 +626,11 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
                     _compare(ckpt, name, fuse_bias(bias, plans.bias_terms(plan.biases[name],
                                                                           sources)),
                              None if has_record else bias, report, None, None)
+                bytes_done += sizes[name]
                 if progress is not None:
                     progress(Progress(count, len(names), done_gflop, total_gflop,
-                                      time.perf_counter() - t0, name))
+                                      time.perf_counter() - t0, name, bytes_done,
+                                      bytes_total))
             if not has_record:
                 _compare_copied(ckpt, base, set(read), report, workers)
             digests = hasher.wait() if hasher is not None else {}
