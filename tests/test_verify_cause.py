@@ -250,14 +250,15 @@ def test_a_wrong_strength_is_different_inputs_with_its_multiple(files):
     r = run_cli("verify", paths["half"], *inputs(paths))
     assert r.returncode == 1
     lines = r.stdout.splitlines()
-    assert "different inputs (or options) in 3 of the 3 tensors that differ" in lines[0], \
-        r.stdout
+    assert lines[0].endswith("different inputs (or options) in 3 of the 3 tensors that differ; "
+                             "the change fits 0.5 x ltx2blas's delta in 3"), r.stdout
     assert any(line.startswith("  fit: ") and "at 0.5 x the delta: the strengths x 0.5" in line
                for line in lines), r.stdout
     code, js = verify_json(paths["half"], inputs(paths))
     assert js["cause_class"] == "different inputs"
     assert len(js["fits"]) == 3
     for fit in js["fits"]:
+        assert fit["class"] == "different inputs" and fit["steps_over"] == "sampled rows"
         assert isinstance(fit["multiple"], float) and abs(fit["multiple"] - 0.5) < 0.005
         assert fit["residual"] < 0.05 and 0 < fit["rows"] <= 64
     q = next(fit for fit in js["fits"] if fit["tensor"] == M + Q + ".weight")
@@ -304,7 +305,8 @@ def test_lokr_loha_and_full_differences_are_fitted(tmp_path, rng):
     adapter, merged = lycoris_files(rng, tmp_path, model)
     r = run_cli("verify", merged, "--model", base, "--lora", adapter)
     assert r.returncode == 1, r.stderr
-    assert "different inputs" in r.stdout.splitlines()[0], r.stdout
+    assert r.stdout.splitlines()[0].endswith(
+        "the change fits 0.25 x ltx2blas's delta in 2, 0.5 x in 1"), r.stdout
     assert "alpha / rank (0.25) applied twice, as LyCORIS' merge_to applies it" in r.stdout
     code, js = verify_json(merged, ["--model", base, "--lora", adapter])
     fits = {fit["tensor"]: fit for fit in js["fits"]}

@@ -219,7 +219,8 @@ def _finding_text(f):
         text += (f" ({_count(f.count, 'element')} {'differs' if f.count == 1 else 'differ'}, "
                  f"the first at {at}")
         if f.scaled_steps is not None:
-            text += f", at most {f.scaled_steps:.3g} bf16 steps of |W| + |delta|" + (
+            text += (f", at most {f.scaled_steps:.3g} bf16 "
+                     f"{'step' if f.scaled_steps == 1 else 'steps'} of |W| + |delta|") + (
                 " on the sampled rows" if f.steps_over == "sampled rows" else "")
         elif f.steps:
             text += f", at most {f.steps} steps"
@@ -360,6 +361,17 @@ def _name_cause(report):
         rules = {f.rule for f in report.findings if f.cls == cls}
         if cls == "rounding" and len(rules) == 1 and "" not in rules:
             report.cause += f" ({rules.pop()} makes them)"
+        # the multiples that fit them well, the commonest first
+        multiples = {}
+        for fit in report.fits:
+            if fit["class"] == cls and fit["residual"] is not None and fit["residual"] < 0.1:
+                key = f"{fit['multiple']:.2g}"
+                multiples[key] = multiples.get(key, 0) + 1
+        if cls == "different inputs" and multiples:
+            ranked = sorted(multiples.items(), key=lambda t: -t[1])[:2]
+            report.cause += "; the change fits " + ", ".join(
+                f"{c} x ltx2blas's delta in {k}" if i == 0 else f"{c} x in {k}"
+                for i, (c, k) in enumerate(ranked))
     else:
         report.cause_class = "no adapter" if first.what == "equals the base" else first.what
         report.cause = _finding_text(first)
@@ -711,6 +723,7 @@ def _compare(ckpt, name, rebuilt, original, report, fmt, loaded, stored=None, ba
                rule=fit["rule"] if fit and cls == "rounding" else "",
                multiple=fit["multiple"] if fit else None)
     if fit is not None:
+        fit["class"] = cls
         report.fits.append(fit)
     if other_tool:
         report.unlike_both += 1
