@@ -330,3 +330,25 @@ def test_every_differing_weight_is_fitted(tmp_path, rng):
     report = verify_checkpoint(half, base, [adapter])
     assert report.classes == {"different inputs": 4}
     assert [fit["multiple"] for fit in report.fits] == pytest.approx([0.5] * 4, abs=0.005)
+
+
+def test_a_dora_weight_that_differs_is_not_classed(tmp_path, rng):
+    """DoRA normalises its weight: no multiple of a delta fits it, and no step of |W| + |delta|
+    bounds its rounding; the tensor is counted as not classed, its fit holds no multiple."""
+    model = ck.model(rng)
+    base = ck.write(tmp_path / "model.safetensors", model)
+    a, b = random_bf16(rng, (4, 48), 0.05), random_bf16(rng, (64, 4), 0.05)
+    w = model[M + Q + ".weight"][1]
+    m = np.sqrt((f32(w).astype(np.float64) ** 2).sum(axis=1)).astype(np.float32) * 1.05
+    adapter = ck.write(tmp_path / "dora.safetensors", {
+        Q + ".lora_down.weight": ("BF16", a), Q + ".lora_up.weight": ("BF16", b),
+        Q + ".alpha": ("F32", np.array(2.0, np.float32)), Q + ".lora_magnitude_vector": ("F32", m)})
+    tensors = dict(model)
+    tensors[M + Q + ".weight"] = ("BF16", reference.fuse_dora(w, a, b, m, 2.0 / 4, 0.3, "peft"))
+    other = ck.write(tmp_path / "other.safetensors", tensors)
+    report = verify_checkpoint(other, base, [(adapter, 0.6)])
+    assert report.classes == {"not classed": 1} and report.cause_class == "not classed"
+    assert report.summary().splitlines()[0].endswith(
+        "not classed (not a bf16 weight, or a DoRA one) in 1 of the 1 tensor that differs")
+    assert [(f["multiple"], f["steps"], f["class"]) for f in report.fits] == [
+        (None, None, "not classed")]

@@ -187,7 +187,7 @@ class VerifyReport:
 CLASSES = {"rounding": "the same inputs under another rounding",
            "different inputs": "different inputs (or options)",
            "changed after the fuse": "changed after the fuse (not the bytes it wrote)",
-           "not classed": "not classed (not a bf16 weight)",
+           "not classed": "not classed (not a bf16 weight, or a DoRA one)",
            "no adapter": "the base's bytes (no adapter in them)"}
 #: the finding kinds about the inputs, and about the file against its record
 _INPUTS = ("order", "adapter", "strength", "option", "base")
@@ -357,7 +357,8 @@ def _name_cause(report):
                 break
         report.cause_class = cls
         n, total = report.classes[cls], sum(report.classes.values())
-        report.cause = f"{CLASSES[cls]} in {n} of the {_count(total, 'tensor')} that differ"
+        report.cause = (f"{CLASSES[cls]} in {n} of the {_count(total, 'tensor')} that "
+                        f"{'differs' if total == 1 else 'differ'}")
         rules = {f.rule for f in report.findings if f.cls == cls}
         if cls == "rounding" and len(rules) == 1 and "" not in rules:
             report.cause += f" ({rules.pop()} makes them)"
