@@ -476,8 +476,8 @@ def build_parser():
     p.add_argument("--max-rank", type=_positive_int, default=256,
                    help="the largest rank --energy may choose (default 256)")
     p.add_argument("--keys", choices=("ltx", "diffusers", "comfy"), default="ltx",
-                   help="key spelling: upstream LTX-2's trainer (the default), diffusers', or "
-                        "ComfyUI's and kohya's (lora_down / lora_up)")
+                   help="key spelling: ltx, upstream LTX-2's trainer's (the default); "
+                        "diffusers; or comfy, ComfyUI's and kohya's (lora_down / lora_up)")
     p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16",
                    help="the factors' storage (default bf16)")
     p.add_argument("--full-diff", action="store_true",
