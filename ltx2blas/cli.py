@@ -493,9 +493,9 @@ def build_parser():
     p.add_argument("--threads", type=_thread_count, default=None,
                    help="threads (default: every CPU this process may use)")
     p.add_argument("--dry-run", action="store_true",
-                   help="read the headers only and plan: the weights, their ranks (with "
-                        "--energy the largest each may get) and the output's size at most; "
-                        "write nothing")
+                   help="plan from the headers, reading no weight: the weights, their ranks "
+                        "(with --energy the largest each may get) and the output's size at "
+                        "most; write nothing")
     p.add_argument("--json", action="store_true",
                    help="print the report as JSON (and no progress)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")

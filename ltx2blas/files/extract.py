@@ -154,7 +154,7 @@ class ExtractReport:
                          + ("those of 1-D weights and biases that differ written as full "
                             "differences (counted in the size above)" if self.full_diff else
                             "listed where they differ"))
-        lines.append("nothing read but the headers, nothing written")
+        lines.append("no weight read, nothing written")
         return "\n".join(lines)
 
 
@@ -264,9 +264,9 @@ def extract_lora(tuned, base, output, *, rank=None, energy=None, max_rank=256, k
         work is the bytes read from both checkpoints and the range finder's arithmetic (the
         total at first as if every weight differed, less each weight found equal).
     dry_run : bool
-        Read the two checkpoints' headers only and plan: the Linear weights paired, the rank
+        Read the two checkpoints' headers and plan: the Linear weights paired, the rank
         each would get (in energy mode the largest it may get), the factors' bytes at most;
-        nothing else is read and nothing is written (``output`` may be None).
+        no weight is read and nothing is written (``output`` may be None).
 
     Returns
     -------
