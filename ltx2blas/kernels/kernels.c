@@ -16,8 +16,11 @@
 #if defined(LTX_VARIANT_AVX512)
 #include "fp8_avx512.h"
 #endif
-#if defined(LTX_ARM_BF16)
+#if defined(LTX_ARM_BF16) || defined(__aarch64__)
 #include <arm_neon.h>
+#endif
+#if defined(__SSE2__) && !defined(LTX_VARIANT_AVX512) && !defined(LTX_VARIANT_AVX2)
+#include <emmintrin.h>
 #endif
 
 /* The register tile: VW floats a vector, MR rows by NRV vectors of columns. */
@@ -41,6 +44,7 @@
 
 #define NR (VW * NRV)
 _Static_assert(MR >= 4 && MR <= 8, "the fuse walk has a block for every last-row count below MR");
+_Static_assert(NRV <= 4, "fuse_vecs holds up to 4 vectors");
 /* Depth of one pass over k: keeps the y strip (KC x NR floats) in L1 between row blocks.
  * Splitting k here is harmless: c is stored exactly between passes. */
 #define KC 128
@@ -277,6 +281,21 @@ static inline int any_lane(vu32 v)
 #endif
 }
 
+/* Whether any lane of a mask (each lane all ones or zero) is set: one instruction where the
+ * vector unit has a lane-sign gather or an across-lanes maximum. */
+static inline int any_mask(vu32 mask)
+{
+#if defined(LTX_VARIANT_AVX512) || defined(LTX_VARIANT_AVX2)
+    return any_lane(mask);
+#elif defined(__SSE2__) && VW == 4
+    return _mm_movemask_ps((__m128)mask) != 0;
+#elif defined(__aarch64__) && VW == 4
+    return vmaxvq_u32((uint32x4_t)mask) != 0;
+#else
+    return any_lane(mask);
+#endif
+}
+
 /* The overflow count's exact test of VW results h (ltx_bf16_high bits), wide the widened
  * weight, w where it lies. */
 static inline void note_overflow_vec(overflow_count *oc, const uint16_t *w, vf wide, vu32 h)
@@ -286,14 +305,32 @@ static inline void note_overflow_vec(overflow_count *oc, const uint16_t *w, vf w
         note_overflow(oc, w + l, wbits[l] >> 16, h[l] >> 16);
 }
 
+/* out[i] = bf16(f32(w[i]) + f32(bf16(acc[v][i]))) for NV vectors of VW elements, vector v at
+ * w + v VW and out + v VW; out may equal w: every vector is loaded before any is stored. The
+ * overflow test is one branch for the NV vectors. */
+static inline __attribute__((always_inline)) void
+fuse_vecs(const int NV, const vf *acc, const uint16_t *w, uint16_t *out, overflow_count *oc)
+{
+    vf wide[4];
+    vu32 h[4], special = {0};
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        wide[v] = widen_vec(w + v * VW);
+        h[v] = bf16_high_vec(wide[v] + (vf)bf16_high_vec(acc[v]));
+        special |= (vu32)((h[v] & 0x7F800000u) == 0x7F800000u);
+    }
+    if (__builtin_expect(any_mask(special), 0))
+        for (int v = 0; v < NV; v++)
+            note_overflow_vec(oc, w + v * VW, wide[v], h[v]);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++)
+        store_low16(out + v * VW, h[v] >> 16);
+}
+
 /* out[i] = bf16(f32(w[i]) + f32(bf16(acc[i]))) for VW elements; out may equal w. */
 static inline void fuse_vec(vf acc, const uint16_t *w, uint16_t *out, overflow_count *oc)
 {
-    const vf wide = widen_vec(w);
-    const vu32 h = bf16_high_vec(wide + (vf)bf16_high_vec(acc));
-    if (__builtin_expect(any_lane((vu32)((h & 0x7F800000u) == 0x7F800000u)), 0))
-        note_overflow_vec(oc, w, wide, h);
-    store_low16(out, h >> 16);
+    fuse_vecs(1, &acc, w, out, oc);
 }
 
 #if defined(LTX_BF16_CONVERT)
@@ -522,10 +559,12 @@ static ltx_idx store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uin
             fuse_row_unpacked(lo, hi, w + r * ldw + i, out + r * ldo + i, oc);
         }
 #else
-        for (ltx_idx i = 0; i < full; i += NR)
+        for (ltx_idx i = 0; i < full; i += NR) {
+            vf sums[NRV];
             for (int v = 0; v < NRV; v++)
-                fuse_vec(LOADV(a + i + v * VW), w + r * ldw + i + v * VW,
-                         out + r * ldo + i + v * VW, oc);
+                sums[v] = LOADV(a + i + v * VW);
+            fuse_vecs(NRV, sums, w + r * ldw + i, out + r * ldo + i, oc);
+        }
 #endif
         store_fused_row(a + full, w + r * ldw + full, out + r * ldo + full, cols - full, oc);
     }
@@ -586,9 +625,7 @@ store_block_fused(const int R, vf acc[MR][NRV], const uint16_t *w, ltx_idx ldw, 
 #else
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int v = 0; v < NRV; v++)
-            fuse_vec(acc[r][v], w + r * ldw + v * VW, out + r * ldo + v * VW, oc);
+        fuse_vecs(NRV, acc[r], w + r * ldw, out + r * ldo, oc);
 #endif
 }
 
