@@ -13,8 +13,7 @@ from . import _fuse, _gemm, _probe, _quant
 from ._validate import (FP8, FP8_OVERFLOWS, RULES, WEIGHT_FORMATS, Adapter, LoHa, LoKr,
                         adapter_items, adapters_for, refuse_nonfinite_adapter, as_kind, bf16_bits, bf16_to_f32, bias_f32,
                         choice, contiguous,
-                        Magnitudes, finite_weight_largest, fuse_output, fuse_weight, is_bf16,
-                        ndarray, output,
+                        finite_weight_largest, fuse_output, fuse_weight, is_bf16, ndarray, output,
                         strength_f32, tile_arg, where)
 from ._threads import blas_single_threaded, resolve_threads
 from .errors import (
@@ -40,6 +39,10 @@ _BF16_FINITE_LIMIT = 3.0e38  # below bf16's largest finite value (3.39e38), with
 # f32 magnitudes from this one up round to bf16 inf: halfway between bf16's largest finite
 # value, 2^128 - 2^120, and 2^128 (a tie rounds up, to the even inf)
 _BF16_ROUNDS_TO_INF = np.float32(2.0**128 - 2.0**119)
+# A bound on |delta| below this rules a bf16 overflow out whatever the finite weight: bf16's
+# largest, 2**128 - 2**120, plus a rounded delta below 2**118 stays short of 2**128 - 2**119
+# (the f32 sum's rounding, at most 2**103 there, cannot close the gap).
+_NO_BF16_OVERFLOW = 2.0**117
 
 
 def fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None,
@@ -91,9 +94,9 @@ def fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None,
     allow_overflow : bool
         True (default, upstream's behaviour): a bf16 result that overflows to +-inf is stored
         as +-inf. False: :class:`~ltx2blas.errors.NonFiniteResultError` naming the first
-        overflow's (row, column) and the count, before anything is written to ``out`` (in
-        place, a dry run first where the weight's and the delta's magnitudes do not rule
-        overflow out); inf/NaN already in the inputs are left to ``check_finite``.
+        overflow's (row, column) and the count, before anything is written to ``out`` (a dry
+        run first where the adapters' magnitudes do not rule overflow out, a delta of 2**117
+        or more); inf/NaN already in the inputs are left to ``check_finite``.
 
     Returns
     -------
@@ -553,11 +556,7 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
     tile = default_tile(*w.shape) if tile is None else Tile(*tile_arg(tile))
     result, given_out = fuse_output(out, w, fmt, prepared)
     w_largest = finite_weight_largest(w, fmt) if check_finite else 0.0
-    # A bf16 overflow refused: nothing written to a given out, so a dry run counts first
-    # unless the weight's largest finite magnitude and the delta's bound rule overflow out.
     refuse = not allow_overflow and fmt == "bf16"
-    if refuse and not check_finite and given_out:
-        w_largest = Magnitudes(w).max
     if not prepared or w.size == 0:  # nothing to add: no probe, no buffer
         if fmt == "delta":
             result.fill(0)
@@ -568,8 +567,11 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
     route = _choose_route(prepared, fmt, rule, check_finite)
     # In place with the overflow check on and a bound that does not rule overflow out: a dry
     # run finds any overflow before a byte is written.
-    dry_run = ((check_finite or refuse) and given_out
-               and not (route.bound + w_largest < _FORMAT_LIMIT[fmt]))
+    # A bf16 overflow refused: nothing written to a given out either, so a dry run counts first
+    # unless the delta's bound rules overflow out whatever the weight holds (no scan of it).
+    dry_run = given_out and (
+        (check_finite and not (route.bound + w_largest < _FORMAT_LIMIT[fmt]))
+        or (refuse and not route.bound < _NO_BF16_OVERFLOW))
     stochastic_key = (_quant.stochastic_key(int(seed), str(name))
                       if fp8_rounding == "stochastic" else None)
     plan = _plan(w, result, fmt, prepared, route, tile, threads, stochastic_key, dry_run,
