@@ -236,7 +236,11 @@ cdef void kron_tile(const ltx_kernels *kern, const AdapterSpec *ad, Py_ssize_t o
 
 
 cdef void fuse_tile(const FuseJob *job, Py_ssize_t t, TileBuffers *buf,
-                    int64_t *bad, int64_t *overflows) noexcept nogil:
+                    int64_t *bad, int64_t *overflows, int64_t *firsts) noexcept nogil:
+    """Tile t into the output (or a dry run's scratch); overflows[t] and firsts[t]: how many
+    results overflowed (bf16: +-inf from a finite weight element; fp8: past the format's
+    largest finite value from a finite sum) and the flat index of the first, else left as
+    they are (0, -1)."""
     cdef Py_ssize_t ti = t // job.tiles_n, tj = t % job.tiles_n
     cdef Py_ssize_t o0 = ti * job.tile_rows, i0 = tj * job.tile_cols
     cdef int mt = <int>min(<Py_ssize_t>job.tile_rows, job.rows - o0)
@@ -279,16 +283,17 @@ cdef void fuse_tile(const FuseJob *job, Py_ssize_t t, TileBuffers *buf,
         # only, and goes the way of passes below whatever its depth.
         rank = ad.rank
         if job.fused_pairs:
-            exact_product_fused_pairs(kern, mt, nt, (rank + 1) // 2,
-                                      buf.bs_pairs + ad.pairs_offset, (rank + 1) // 2,
-                                      a_pairs_block(ad, i0),
-                                      <const uint16_t *>(job.w + origin * esize), job.cols,
-                                      <uint16_t *>dst, ldo)
+            overflows[t] = exact_product_fused_pairs(
+                kern, mt, nt, (rank + 1) // 2, buf.bs_pairs + ad.pairs_offset, (rank + 1) // 2,
+                a_pairs_block(ad, i0), <const uint16_t *>(job.w + origin * esize), job.cols,
+                <uint16_t *>dst, ldo, &q)
         else:
             kern.pack_fuse_panel(ad.a + i0, job.cols, buf.panels, rank, nt)
-            exact_product_fused(kern, mt, nt, rank, buf.bs, rank, buf.panels,
-                                <const uint16_t *>(job.w + origin * esize), job.cols,
-                                <uint16_t *>dst, ldo)
+            overflows[t] = exact_product_fused(kern, mt, nt, rank, buf.bs, rank, buf.panels,
+                                               <const uint16_t *>(job.w + origin * esize),
+                                               job.cols, <uint16_t *>dst, ldo, &q)
+        if q >= 0:  # the kernels' offsets are from the tile's weight, row stride job.cols
+            firsts[t] = origin + q
         finish_bf16_tile(job, <uint16_t *>dst, ldo, mt, nt, origin, &bad[t])
         return
 
@@ -342,8 +347,10 @@ cdef void fuse_tile(const FuseJob *job, Py_ssize_t t, TileBuffers *buf,
         for r in range(mt):
             memcpy(<float *>dst + r * ldo, result + r * nt, <size_t>nt * sizeof(float))
     elif job.fmt == 0:
-        kern.store_fused(result, <const uint16_t *>(job.w + origin * esize), job.cols,
-                         <uint16_t *>dst, ldo, mt, nt)
+        overflows[t] = kern.store_fused(result, <const uint16_t *>(job.w + origin * esize),
+                                        job.cols, <uint16_t *>dst, ldo, mt, nt, &q)
+        if q >= 0:
+            firsts[t] = origin + q
         finish_bf16_tile(job, <uint16_t *>dst, ldo, mt, nt, origin, &bad[t])
     elif job.fmt == 3:
         kern.store_rounded(result, <uint16_t *>dst, ldo, mt, nt)
@@ -351,8 +358,10 @@ cdef void fuse_tile(const FuseJob *job, Py_ssize_t t, TileBuffers *buf,
         overflows[t] = kern.store_fused_fp8(result, job.w + origin, job.cols, dst, ldo, mt, nt,
                                             job.fp8_kind, job.stochastic, job.key, origin,
                                             job.cols, &q)
-        if job.check and q >= 0:
-            bad[t] = origin + q
+        if q >= 0:
+            firsts[t] = origin + q
+            if job.check:
+                bad[t] = origin + q
 
 
 cdef (size_t, size_t, size_t, size_t, size_t, size_t) buffer_layout(
@@ -451,7 +460,8 @@ cdef class FusePlan:
     cdef bint scratch              # the buffers hold a dry run's scratch tile
     cdef int threads
     cdef readonly Py_ssize_t tiles
-    cdef readonly Py_ssize_t overflows  # fp8: values the last run() rounded past the largest
+    cdef readonly Py_ssize_t overflows  # values the last run() made overflow (run's docstring)
+    cdef readonly Py_ssize_t first_overflow  # the flat index of the first of them, or -1
     cdef object keep
 
     def __init__(self, const uint8_t[:, ::1] weight, uint8_t[:, ::1] out, int fmt, list adapters,
@@ -576,15 +586,17 @@ cdef class FusePlan:
     def run(self, bint check=False, bint dry_run=False):
         """Every tile, in parallel; with ``dry_run`` each is computed and checked but nothing
         is written (the plan must have been made with dry_run).  Returns the flat index of the
-        first non-finite (bf16) or overflowing (fp8) output, or -1, when ``check`` is set; an
-        fp8 weight's count of finite sums that rounded past its largest finite value is left
-        in ``overflows``."""
+        first non-finite (bf16) or overflowing (fp8) output, or -1, when ``check`` is set.  The
+        count of results that overflowed is left in ``overflows`` -- a bf16 weight's results
+        that are +-inf where its element was finite (kernels.h, LTX_BF16_OVERFLOW), an fp8
+        weight's finite sums rounded past its largest finite value -- and the flat index of
+        the first in ``first_overflow`` (-1 for none); the bare delta and product count none."""
         cdef Py_ssize_t t, tj
         cdef int s
         cdef int threads = <int>min(<Py_ssize_t>self.threads, self.tiles)
         if dry_run and not self.scratch:
             raise ValueError("a dry run needs a plan made for one (its scratch tiles)")
-        self.overflows = 0
+        self.overflows, self.first_overflow = 0, -1
         if self.tiles == 0 or self.job.count == 0 or threads < 1:
             return -1
         self.job.check, self.job.dry_run = check or dry_run, dry_run
@@ -594,6 +606,8 @@ cdef class FusePlan:
         cdef int64_t[::1] bad = bad_array
         over_array = np.zeros(self.tiles, dtype=np.int64)
         cdef int64_t[::1] over = over_array
+        first_array = np.full(self.tiles, -1, dtype=np.int64)
+        cdef int64_t[::1] first = first_array
         if self.shared != NULL and not self.a_packed:
             # a region of its own: every block is packed before any tile reads it
             with nogil, parallel(num_threads=threads):
@@ -606,8 +620,10 @@ cdef class FusePlan:
         with nogil, parallel(num_threads=threads):
             for t in prange(self.tiles, schedule="guided"):
                 fuse_tile(&self.job, t, &self.per_thread[omp_get_thread_num()], &bad[0],
-                          &over[0])
+                          &over[0], &first[0])
         self.overflows = int(over_array.sum())
+        firsts = first_array[first_array >= 0]
+        self.first_overflow = int(firsts.min()) if firsts.size else -1
         hits = bad_array[bad_array >= 0]
         return int(hits.min()) if hits.size else -1
 

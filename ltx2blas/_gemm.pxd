@@ -88,14 +88,15 @@ cdef void pack_x_pairs(const ltx_kernels *kern, Py_ssize_t mt, Py_ssize_t kt,
                        const uint16_t *x, Py_ssize_t ldx, uint32_t *xs,
                        Py_ssize_t lds) noexcept nogil
 
-cdef void exact_product_fused(const ltx_kernels *kern, int m, int n, int k, const float *x,
-                              int ldx, const float *y, const uint16_t *w, Py_ssize_t ldw,
-                              uint16_t *out, Py_ssize_t ldo) noexcept nogil
+cdef Py_ssize_t exact_product_fused(const ltx_kernels *kern, int m, int n, int k,
+                                    const float *x, int ldx, const float *y, const uint16_t *w,
+                                    Py_ssize_t ldw, uint16_t *out, Py_ssize_t ldo,
+                                    Py_ssize_t *first_over) noexcept nogil
 
-cdef void exact_product_fused_pairs(const ltx_kernels *kern, int m, int n, int kp,
-                                    const uint32_t *xp, int ldxp, const uint32_t *yp,
-                                    const uint16_t *w, Py_ssize_t ldw, uint16_t *out,
-                                    Py_ssize_t ldo) noexcept nogil
+cdef Py_ssize_t exact_product_fused_pairs(const ltx_kernels *kern, int m, int n, int kp,
+                                          const uint32_t *xp, int ldxp, const uint32_t *yp,
+                                          const uint16_t *w, Py_ssize_t ldw, uint16_t *out,
+                                          Py_ssize_t ldo, Py_ssize_t *first_over) noexcept nogil
 
 cdef void exact_product_pairs(const ltx_kernels *kern, int m, int n, int kp, const uint32_t *xp,
                               int ldxp, const uint32_t *yp, float *c) noexcept nogil

@@ -200,27 +200,33 @@ cdef void pack_x_pairs(const ltx_kernels *kern, Py_ssize_t mt, Py_ssize_t kt,
         kern.pack_x_pairs(x, ldx, mt, kt, xs, lds)
 
 
-cdef void exact_product_fused(const ltx_kernels *kern, int m, int n, int k, const float *x,
-                              int ldx, const float *y, const uint16_t *w, Py_ssize_t ldw,
-                              uint16_t *out, Py_ssize_t ldo) noexcept nogil:
+cdef Py_ssize_t exact_product_fused(const ltx_kernels *kern, int m, int n, int k,
+                                    const float *x, int ldx, const float *y, const uint16_t *w,
+                                    Py_ssize_t ldw, uint16_t *out, Py_ssize_t ldo,
+                                    Py_ssize_t *first_over) noexcept nogil:
     """out[m, n] = bf16(w + bf16(textbook x @ y)), w and out bf16 with row strides ldw and ldo
     (out may be w), x row-major with row stride ldx and y the table's fuse panel
     (``kern.pack_fuse_panel``): the fuse of one adapter, product and rounding in one pass, for a
-    product that sgemm is not used for."""
+    product that sgemm is not used for. Returns how many results overflowed to +-inf from a
+    finite weight element, the least offset among them (r * ldw + i) in *first_over, or -1."""
+    first_over[0] = -1
     if m > 0 and n > 0:
-        kern.seq_fuse_bf16(m, n, k, x, ldx, y, n, w, ldw, out, ldo)
+        return kern.seq_fuse_bf16(m, n, k, x, ldx, y, n, w, ldw, out, ldo, first_over)
+    return 0
 
 
-cdef void exact_product_fused_pairs(const ltx_kernels *kern, int m, int n, int kp,
-                                    const uint32_t *xp, int ldxp, const uint32_t *yp,
-                                    const uint16_t *w, Py_ssize_t ldw, uint16_t *out,
-                                    Py_ssize_t ldo) noexcept nogil:
+cdef Py_ssize_t exact_product_fused_pairs(const ltx_kernels *kern, int m, int n, int kp,
+                                          const uint32_t *xp, int ldxp, const uint32_t *yp,
+                                          const uint16_t *w, Py_ssize_t ldw, uint16_t *out,
+                                          Py_ssize_t ldo, Py_ssize_t *first_over) noexcept nogil:
     """As :func:`exact_product_fused`, from bf16 operands packed in pairs of terms (xp [m, kp]
     with row stride ldxp, yp [kp, n] packed), by the table's dot-product kernel, which must
     exist. The caller has ruled out inf, NaN and subnormal inputs, products and partial sums
     (see ``fuse._pairs_exact``)."""
+    first_over[0] = -1
     if m > 0 and n > 0:
-        kern.dot_fuse_bf16(m, n, kp, xp, ldxp, yp, n, w, ldw, out, ldo)
+        return kern.dot_fuse_bf16(m, n, kp, xp, ldxp, yp, n, w, ldw, out, ldo, first_over)
+    return 0
 
 
 cdef void exact_product_pairs(const ltx_kernels *kern, int m, int n, int kp, const uint32_t *xp,
@@ -354,6 +360,7 @@ def fuse_rates():
         kern.pack_pairs_cols(&x[0, 0], k, &xp[0, 0], kp, m, k)
     best = [float("inf"), float("inf")]
     cdef int which, calls = RATE_CALLS
+    cdef Py_ssize_t first
     for _ in range(RATE_ROUNDS):
         for which in range(0 if has_dot else 1, 2):
             t0 = time.perf_counter()
@@ -361,10 +368,10 @@ def fuse_rates():
                 for i in range(calls):
                     if which == 0:
                         kern.dot_fuse_bf16(m, n, kp, &xp[0, 0], kp, &yp[0, 0], n, &w[0, 0], n,
-                                           &out[0, 0], n)
+                                           &out[0, 0], n, &first)
                     else:
                         kern.seq_fuse_bf16(m, n, k, &x[0, 0], k, &panel[0], n, &w[0, 0], n,
-                                           &out[0, 0], n)
+                                           &out[0, 0], n, &first)
             best[which] = min(best[which], time.perf_counter() - t0)
     flops = 2.0 * m * n * k * RATE_CALLS / 1e9
     rates = (flops / best[0] if has_dot else 0.0, flops / best[1])

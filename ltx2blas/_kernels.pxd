@@ -65,8 +65,9 @@ cdef extern from "kernels.h" nogil:
                          const float *y, ltx_idx ldy, float *c, ltx_idx ldc) noexcept nogil
         void (*widen_bf16)(const uint16_t *src, float *dst, ltx_idx n) noexcept nogil
         void (*scale_round_widen)(const uint16_t *src, float s, float *dst, ltx_idx n) noexcept nogil
-        void (*store_fused)(const float *acc, const uint16_t *w, ltx_idx ldw, uint16_t *out,
-                            ltx_idx ldo, ltx_idx rows, ltx_idx cols) noexcept nogil
+        ltx_idx (*store_fused)(const float *acc, const uint16_t *w, ltx_idx ldw,
+                               uint16_t *out, ltx_idx ldo, ltx_idx rows, ltx_idx cols,
+                               ltx_idx *first_over) noexcept nogil
         void (*accumulate_rounded)(const float *acc, float *total, ltx_idx n) noexcept nogil
         ltx_idx (*first_nonfinite_bf16)(const uint16_t *src, ltx_idx n) noexcept nogil
         ltx_idx (*scan_bf16)(const uint16_t *src, ltx_idx n, uint16_t *max_mag,
@@ -95,16 +96,18 @@ cdef extern from "kernels.h" nogil:
                                    uint8_t *out, ltx_idx ldo, ltx_idx rows, ltx_idx cols,
                                    int kind, int stochastic, uint64_t key, ltx_idx index0,
                                    ltx_idx stride, ltx_idx *first_over) noexcept nogil
-        void (*seq_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
-                              const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
-                              uint16_t *out, ltx_idx ldo) noexcept nogil
+        ltx_idx (*seq_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x,
+                                 ltx_idx ldx, const float *y, ltx_idx ldy, const uint16_t *w,
+                                 ltx_idx ldw, uint16_t *out, ltx_idx ldo,
+                                 ltx_idx *first_over) noexcept nogil
         void (*pack_fuse_panel)(const uint16_t *src, ltx_idx lds, float *dst, ltx_idx k,
                                 ltx_idx n) noexcept nogil
         void (*seq_product_panel)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
                                   const float *y, float *c, ltx_idx ldc) noexcept nogil
-        void (*dot_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp,
-                              ltx_idx ldxp, const uint32_t *yp, ltx_idx ldyp, const uint16_t *w,
-                              ltx_idx ldw, uint16_t *out, ltx_idx ldo) noexcept nogil
+        ltx_idx (*dot_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp,
+                                 ltx_idx ldxp, const uint32_t *yp, ltx_idx ldyp,
+                                 const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo,
+                                 ltx_idx *first_over) noexcept nogil
         void (*dot_product_bf16)(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp,
                                  ltx_idx ldxp, const uint32_t *yp, ltx_idx ldyp, float *c,
                                  ltx_idx ldc) noexcept nogil

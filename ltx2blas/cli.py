@@ -25,7 +25,8 @@ _FLAGS = (("force=True", "--force"), ("allow_unmatched=True", "--allow-unmatched
           ("alpha='scale'", "--alpha scale"), ("fp8_rounding='stochastic'",
                                                 "--fp8-rounding stochastic"),
           ("fp8_overflow='saturate'", "--fp8-overflow saturate"),
-          ("fp8_overflow='nan'", "--fp8-overflow nan"))
+          ("fp8_overflow='nan'", "--fp8-overflow nan"),
+          ("allow_overflow=True", "--allow-overflow"))
 
 
 def _cmd_info(args):
@@ -183,7 +184,8 @@ def _cmd_fuse(args):
         progress=None if (args.dry_run or args.quiet or args.json) else _ProgressPrinter(),
         check_finite=args.check_finite, force=args.force, fp8_rounding=args.fp8_rounding,
         seed=args.seed or 0, dry_run=args.dry_run, fp8_overflow=args.fp8_overflow,
-        digests=not args.no_digests, allow_repeated=args.allow_repeated)
+        digests=not args.no_digests, allow_repeated=args.allow_repeated,
+        allow_overflow=args.allow_overflow)
     # The output is in place (or this was a dry run): a signal from here on does not
     # interrupt (the handler sees the commit, _stop.commit_rename) and is reported by main().
     if args.json:
@@ -412,6 +414,10 @@ def build_parser():
                    help="validate and match, report what would be fused, write nothing")
     p.add_argument("--check-finite", action="store_true",
                    help="refuse inf/NaN in adapters or weights, and results that overflow")
+    p.add_argument("--allow-overflow", action="store_true",
+                   help="store a bf16 value that the fuse takes past bf16's largest to +-inf "
+                        "(upstream's behaviour), counted in the summary; by default that is an "
+                        "error (exit 5) naming the tensor and position, and nothing is written")
     p.add_argument("--force", action="store_true",
                    help="fuse even into a checkpoint whose metadata says it already holds a fused adapter")
     p.add_argument("--fp8-rounding", choices=("nearest", "stochastic"), default="nearest",

@@ -23,6 +23,7 @@ from .errors import (
 )
 
 __all__ = ["fuse_lora", "fuse_loras", "fuse_dora", "fuse_bias", "aggregate_delta", "LoKr", "LoHa",
+           "Overflows",
            "buffer_bytes", "default_tile", "DEFAULT_TILE", "MIN_TILES", "SMALLEST_TILE"]
 
 #: The largest output tile (rows, cols) a thread computes at a time: its f32 accumulator
@@ -38,11 +39,16 @@ _BF16_FINITE_LIMIT = 3.0e38  # below bf16's largest finite value (3.39e38), with
 # f32 magnitudes from this one up round to bf16 inf: halfway between bf16's largest finite
 # value, 2^128 - 2^120, and 2^128 (a tie rounds up, to the even inf)
 _BF16_ROUNDS_TO_INF = np.float32(2.0**128 - 2.0**119)
+# A bound on |delta| below this rules a bf16 overflow out whatever the finite weight: bf16's
+# largest, 2**128 - 2**120, plus a rounded delta below 2**118 stays short of 2**128 - 2**119
+# (the f32 sum's rounding, at most 2**103 there, cannot close the gap).
+_NO_BF16_OVERFLOW = 2.0**117
 
 
 def fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None,
               check_finite=False, tile=None, weight_format=None, fp8_rounding="nearest",
-              seed=0, name="", fp8_overflow="saturate", return_overflows=False):
+              seed=0, name="", fp8_overflow="saturate", return_overflows=False,
+              allow_overflow=True):
     """Fold one LoRA adapter into a bf16 weight: ``W' = bf16(W + bf16(bf16(B * s) @ A))``.
 
     Parameters
@@ -79,26 +85,37 @@ def fuse_lora(weight, lora_a, lora_b, strength=1.0, *, threads=None, out=None,
         are unaffected (F8_E5M2 overflows to inf under both); the stochastic rounding takes
         "saturate" alone.
     return_overflows : bool
-        Also return how many values of an fp8 weight rounded past its largest finite value
-        (0 for bf16).
+        Also return how many results overflowed: of a bf16 weight, the results that are +-inf
+        where the weight's element was finite (the product, its rounding or the sum reached
+        inf; an inf already in the weight, or a NaN, is not counted); of an fp8 weight, the
+        finite sums that rounded past its largest finite value. Counted by the rounding store
+        as it writes, at no measurable cost; the fuse is upstream's either way (check_finite
+        refuses them).
+    allow_overflow : bool
+        True (default, upstream's behaviour): a bf16 result that overflows to +-inf is stored
+        as +-inf. False: :class:`~ltx2blas.errors.NonFiniteResultError` naming the first
+        overflow's (row, column) and the count, before anything is written to ``out`` (a dry
+        run first where the adapters' magnitudes do not rule overflow out, a delta of 2**117
+        or more); inf/NaN already in the inputs are left to ``check_finite``.
 
     Returns
     -------
     The fused weight, the same kind as ``weight`` (or ``out`` when given), and with
-    ``return_overflows`` the count, as a tuple. Byte-identical to
+    ``return_overflows`` the count (an :class:`Overflows`, an int whose ``first`` names the
+    first overflow's (row, column), None for none), as a tuple. Byte-identical to
     :func:`ltx2blas.reference.fuse_lora` (bf16) or :func:`ltx2blas.reference.fuse_loras_fp8`
     (fp8) on the same inputs.
     """
     result, overflows = _fuse_into(
         weight, [(lora_a, lora_b, strength)], threads, out, check_finite, tile, rule="one",
         weight_format=weight_format, fp8_rounding=fp8_rounding, seed=seed, name=name,
-        fp8_overflow=fp8_overflow)
+        fp8_overflow=fp8_overflow, allow_overflow=allow_overflow)
     return (result, overflows) if return_overflows else result
 
 
 def fuse_loras(weight, adapters, *, rule="addmm", threads=None, out=None, check_finite=False,
                tile=None, weight_format=None, fp8_rounding="nearest", seed=0, name="",
-               fp8_overflow="saturate", return_overflows=False):
+               fp8_overflow="saturate", return_overflows=False, allow_overflow=True):
     """Fold several adapters into one weight: ``W' = bf16(W + agg)``, the adapters' bf16
     aggregate ``agg`` formed by a named rule, in the order given.
 
@@ -120,7 +137,7 @@ def fuse_loras(weight, adapters, *, rule="addmm", threads=None, out=None, check_
         makes +0.0.
     threads, out, check_finite, tile, weight_format, fp8_rounding, seed, name, fp8_overflow
         As for :func:`fuse_lora`.
-    return_overflows
+    return_overflows, allow_overflow
         As for :func:`fuse_lora`.
 
     Returns
@@ -133,8 +150,22 @@ def fuse_loras(weight, adapters, *, rule="addmm", threads=None, out=None, check_
     adapters = adapter_items(adapters)
     result, overflows = _fuse_into(weight, adapters, threads, out, check_finite, tile, rule=rule,
                                    weight_format=weight_format, fp8_rounding=fp8_rounding,
-                                   seed=seed, name=name, fp8_overflow=fp8_overflow)
+                                   seed=seed, name=name, fp8_overflow=fp8_overflow,
+                                   allow_overflow=allow_overflow)
     return (result, overflows) if return_overflows else result
+
+
+class Overflows(int):
+    """How many results of a fuse overflowed (``return_overflows``), an int, with ``first``:
+    the (row, column) of the first in row-major order, or None when there are none."""
+
+    def __new__(cls, count, first=None):
+        self = super().__new__(cls, count)
+        self.first = first
+        return self
+
+    def __repr__(self):
+        return f"Overflows({int(self)}, first={self.first!r})"
 
 
 def aggregate_delta(rows, cols, adapters, *, rule="addmm", threads=None, tile=None, out=None):
@@ -549,26 +580,32 @@ def _probe_depths(route, shape, tile):
 
 def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
                weight_format=None, fp8_rounding="nearest", seed=0, name="",
-               fp8_overflow="saturate"):
+               fp8_overflow="saturate", allow_overflow=True):
     """The fuse: the operands checked, ``out`` checked, the route chosen, the plan made, run.
-    Returns the result and the count of fp8 values rounded past the largest finite one."""
+    Returns the result and its Overflows (the store's count of results that overflowed, and
+    the first's position)."""
     fmt, w = fuse_weight(weight, weight_format, fp8_rounding, fp8_overflow)
     prepared = adapters_for(adapters, *w.shape)
     threads = resolve_threads(threads)
     tile = default_tile(*w.shape) if tile is None else Tile(*tile_arg(tile))
     result, given_out = fuse_output(out, w, fmt, prepared)
     w_largest = finite_weight_largest(w, fmt) if check_finite else 0.0
+    refuse = not allow_overflow and fmt == "bf16"
     if not prepared or w.size == 0:  # nothing to add: no probe, no buffer
         if fmt == "delta":
             result.fill(0)
         elif result is not w:
             np.copyto(result, w)
-        return (result if given_out else as_kind(result, weight)), 0
+        return (result if given_out else as_kind(result, weight)), Overflows(0)
     _lokr_factors(prepared, threads)
     route = _choose_route(prepared, fmt, rule, check_finite)
     # In place with the overflow check on and a bound that does not rule overflow out: a dry
     # run finds any overflow before a byte is written.
-    dry_run = check_finite and given_out and not (route.bound + w_largest < _FORMAT_LIMIT[fmt])
+    # A bf16 overflow refused: nothing written to a given out either, so a dry run counts first
+    # unless the delta's bound rules overflow out whatever the weight holds (no scan of it).
+    dry_run = given_out and (
+        (check_finite and not (route.bound + w_largest < _FORMAT_LIMIT[fmt]))
+        or (refuse and not route.bound < _NO_BF16_OVERFLOW))
     stochastic_key = (_quant.stochastic_key(int(seed), str(name))
                       if fp8_rounding == "stochastic" else None)
     plan = _plan(w, result, fmt, prepared, route, tile, threads, stochastic_key, dry_run,
@@ -578,12 +615,35 @@ def _fuse_into(weight, adapters, threads, out, check_finite, tile, *, rule,
     # step that the dot-product and one-pass routes, which call no BLAS, need not take.
     with blas_single_threaded() if plan.depths.any() else contextlib.nullcontext():
         if dry_run:
-            _raise_nonfinite_result(plan.run(check=True, dry_run=True), w.shape, fmt,
-                                    fp8_overflow)
+            bad = plan.run(check=True, dry_run=True)
+            if check_finite:
+                _raise_nonfinite_result(bad, w.shape, fmt, fp8_overflow)
+            if refuse:
+                raise_overflows(_overflows(plan, w.shape), fmt)
         bad = plan.run(check=check_finite)
     if check_finite:
         _raise_nonfinite_result(bad, w.shape, fmt, fp8_overflow)
-    return (result if given_out else as_kind(result, weight)), plan.overflows
+    overflows = _overflows(plan, w.shape)
+    if refuse:
+        raise_overflows(overflows, fmt)
+    return (result if given_out else as_kind(result, weight)), overflows
+
+
+def _overflows(plan, shape):
+    """The Overflows of a plan's last run."""
+    first = where(plan.first_overflow, shape) if plan.first_overflow >= 0 else None
+    return Overflows(plan.overflows, first)
+
+
+def raise_overflows(overflows, fmt="bf16", what="the fused weight"):
+    """NonFiniteResultError naming the first of ``overflows`` (an :class:`Overflows`) and the
+    count, if there are any: results of ``what`` that overflowed to +-inf from finite
+    weight elements (the file layer's refusal, and ``allow_overflow=False``'s)."""
+    if overflows:
+        raise NonFiniteResultError(
+            f"{what} overflows {fmt} at {overflows.first}: {int(overflows)} "
+            f"{'value' if overflows == 1 else 'values'} became +-inf from finite weight "
+            "elements; pass allow_overflow=True to store them as +-inf, as upstream does")
 
 
 def _lokr_factors(prepared, threads):

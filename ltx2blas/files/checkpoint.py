@@ -33,7 +33,7 @@ from ..errors import (
 from .._threads import resolve_threads
 from .._validate import (FP8, FP8_OVERFLOWS, RULES, choice, fp8_rounding_rule, progress_arg,
                          round_up, strength_f32)
-from ..fuse import fuse_bias, fuse_dora, fuse_loras
+from ..fuse import fuse_bias, fuse_dora, fuse_loras, raise_overflows
 from ..quantized import check_weight, fuse_quantized
 from . import adapters as plans
 from . import layouts as layoutmod
@@ -82,6 +82,9 @@ class FuseReport:
     # rewritten in memory, each read and written)
     bytes_read: int = 0
     bytes_written: int = 0
+    # with allow_overflow, bf16 weights with results that overflowed to +-inf from finite
+    # elements: name -> (how many, the first's (row, column)), in output order
+    bf16_overflows: dict = field(default_factory=dict)
 
     @property
     def gflops(self):
@@ -141,6 +144,13 @@ class FuseReport:
                          f"format's largest finite value (e.g. {count} in {printable(first)}): "
                          f"F8_E4M3 stores them as {made} (fp8_overflow={self.fp8_overflow!r}), "
                          "F8_E5M2 as +-inf")
+        if self.bf16_overflows:
+            first, (count, at) = next(iter(self.bf16_overflows.items()))
+            total = sum(n for n, _ in self.bf16_overflows.values())
+            lines.append(f"{total} bf16 values in {_count(len(self.bf16_overflows), 'weight')} "
+                         f"overflowed to +-inf from finite weight elements (e.g. {count} in "
+                         f"{printable(first)}, first at {at}), stored as +-inf "
+                         "(allow_overflow=True)")
         in_file = self.output != IN_PLACE
         for i, a in enumerate(self.adapters):
             lines.append(_adapter_line(i, a, in_file))
@@ -614,7 +624,8 @@ def _fuse_one(weight, loaded, layout, name, options, scales, delta, model, sourc
     quantised layout also into its ``scales`` arrays (in place), the delta held in ``delta``
     memory; a DoRA adapter by fuse_dora.  A NumericsError says the ``model`` file (or
     "<state dict>") and the weight's key, and the adapter file and key when one is at fault.
-    Returns how many values of a plain fp8 weight rounded past its largest finite value."""
+    Returns the :class:`~ltx2blas.fuse.Overflows` of a plain bf16 or fp8 weight (0 for the
+    rest): a bf16 weight's refused here unless ``options.allow_overflow``."""
     try:
         return _fuse_arrays(weight, loaded, layout, name, options, scales, delta)
     except NumericsError as exc:
@@ -670,13 +681,31 @@ def _fuse_arrays(weight, loaded, layout, name, options, scales, delta):
                        threads=options.threads, in_place=True, delta_buffer=delta)
         return 0
     plain_fp8 = layout.kind == "fp8"
+    # A bf16 result that overflowed is refused unless allowed: a checkpoint's weight is the
+    # fuse's own buffer, checked after the fuse by the store's count (free), whereas a state
+    # dict's is the caller's, which fuse_loras leaves untouched (a dry run where it cannot
+    # rule overflow out).
+    refuse_after = not options.allow_overflow and options.private_weights
     _, overflows = fuse_loras(
         weight, adapters, rule=options.rule, threads=options.threads, out=weight,
         check_finite=options.check_finite, weight_format=layout.fmt,
         fp8_rounding=options.fp8_rounding if plain_fp8 else "nearest", seed=options.seed,
         name=name, fp8_overflow=options.fp8_overflow if plain_fp8 else "saturate",
-        return_overflows=True)
+        return_overflows=True, allow_overflow=options.allow_overflow or refuse_after)
+    if refuse_after and not plain_fp8:
+        raise_overflows(overflows, layout.fmt)
     return overflows
+
+
+def _note_overflows(report, name, layout, overflows):
+    """A fused weight's overflows in the report: a plain fp8 weight's count, or an allowed bf16
+    one's count and first position."""
+    if not overflows:
+        return
+    if layout.kind == "fp8":
+        report.fp8_overflows[name] = int(overflows)
+    else:
+        report.bf16_overflows[name] = (int(overflows), overflows.first)
 
 
 @dataclass(frozen=True)
@@ -691,6 +720,8 @@ class _Options:
     alpha: str = "scale"
     allow_unmatched: bool = False
     digests: bool = True
+    allow_overflow: bool = False
+    private_weights: bool = True  # the weights fused are the writer's buffers, not the caller's
 
 
 def _check_fp8_rounding(fp8_rounding, layouts):
@@ -780,7 +811,8 @@ def _report(output, dry_run, plan, layouts, total, options, order, sources):
 def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progress=None,
                     check_finite=False, force=False, fp8_rounding="nearest", seed=0,
                     dry_run=False, alpha="scale", allow_unmatched=False,
-                    fp8_overflow="saturate", digests=True, allow_repeated=True):
+                    fp8_overflow="saturate", digests=True, allow_repeated=True,
+                    allow_overflow=False):
     """Fuse adapter files into a safetensors checkpoint, writing a new one.
 
     Parameters
@@ -807,6 +839,12 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
         What a plain F8_E4M3 value rounded past 448 becomes: +-448, as torch casts from 2.13
         on, or NaN, as torch cast up to 2.12 (see :func:`ltx2blas.fuse_lora`); recorded in
         the output's metadata. The report counts the values that overflowed either way.
+    allow_overflow : bool
+        A bf16 weight whose fused value overflows to +-inf from a finite element (a finite
+        weight plus a finite delta past bf16's largest value, or a product that reached inf)
+        is refused by default: :class:`~ltx2blas.errors.NonFiniteResultError` naming the
+        tensor, the first (row, column) and the count, and nothing is written. True stores
+        them as +-inf, as upstream does, and the report counts and names them.
     dry_run : bool
         Validate and match everything, write nothing.
     alpha : "scale" (default) or "ignore"
@@ -866,7 +904,8 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
                             check_finite, ckpt.path)
         else:
             options = _Options(rule, threads, check_finite, fp8_rounding, seed, fp8_overflow,
-                               alpha, allow_unmatched, bool(digests))
+                               alpha, allow_unmatched, bool(digests),
+                               allow_overflow=bool(allow_overflow))
             report.metadata = _FusedWriter(ckpt, sources, plan, layouts, options).write(
                 output, order, report, progress, t0)
             report.peak_rss_mib = _peak_rss_mib()
@@ -990,8 +1029,7 @@ class _FusedWriter:
             scales = [_read_tensor(ckpt, c, self._digests()) for c in layout.rewritten]
             overflows = _fuse_one(weight, loaded, layout, name, self.options, scales,
                                   _delta_view(self.delta, layout), ckpt.path, self.sources)
-            if overflows:
-                report.fp8_overflows[name] = overflows
+            _note_overflows(report, name, layout, overflows)
             self.pending.update(zip(layout.rewritten, scales))
             # Written from the read buffer, which is reused once the write is done.
             writer.write(name, weight, release=functools.partial(reader.release, weight))
@@ -1018,7 +1056,8 @@ def _read_tensor(ckpt, name, digests=None):
 
 def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=None,
                     check_finite=False, fp8_rounding="nearest", seed=0, weight_format=None,
-                    alpha="scale", allow_unmatched=False, fp8_overflow="saturate"):
+                    alpha="scale", allow_unmatched=False, fp8_overflow="saturate",
+                    allow_overflow=False):
     """Fuse adapters into tensors a loader already holds, in place.
 
     Parameters
@@ -1034,8 +1073,9 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
     weight_format : "F8_E4M3" or "F8_E5M2", optional
         The fp8 format of uint8 weights that no quantised layout claims.
     rule, threads, progress, check_finite, fp8_rounding, seed, alpha, allow_unmatched,
-    fp8_overflow
-        As for :func:`fuse_checkpoint`.
+    fp8_overflow, allow_overflow
+        As for :func:`fuse_checkpoint`; a weight refused for overflow is left as it was (the
+        weights before it in the report's order are fused).
 
     Returns
     -------
@@ -1071,7 +1111,8 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
                 raise DTypeError(f"tensor {what} must be contiguous and writeable to fuse in "
                                  "place")
         _refuse_shared_memory(views, written, plan, sources)
-        options = _Options(rule, threads, check_finite, fp8_rounding, seed, fp8_overflow)
+        options = _Options(rule, threads, check_finite, fp8_rounding, seed, fp8_overflow,
+                           allow_overflow=bool(allow_overflow), private_weights=False)
         delta = _delta_buffer(layouts)
         done_gflop = 0.0
         # in place: each weight read and written in memory
@@ -1083,8 +1124,7 @@ def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=N
             loaded = plans.factors(plan.weights[name], sources, plan.reports)
             overflows = _fuse_one(weight, loaded, layout, name, options, scales,
                                   _delta_view(delta, layout), "<state dict>", sources)
-            if overflows:
-                report.fp8_overflows[name] = overflows
+            _note_overflows(report, name, layout, overflows)
             done_gflop += plans.gflop(layout.shape, plan.weights[name], sources)
             report.bytes_read += views[name].nbytes
             report.bytes_written += views[name].nbytes

@@ -592,7 +592,8 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
                                      sources, loras, options)
             run = _Options(options["rule"], threads, False, options["fp8_rounding"],
                            options["seed"], options["fp8_overflow"], options["alpha"],
-                           options["allow_unmatched"], False)
+                           options["allow_unmatched"], False,
+                           allow_overflow=True)  # rebuilds what the file holds, inf included
             delta = _delta_buffer(layouts)
 
             def read_base(name):

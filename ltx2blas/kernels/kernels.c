@@ -16,8 +16,11 @@
 #if defined(LTX_VARIANT_AVX512)
 #include "fp8_avx512.h"
 #endif
-#if defined(LTX_ARM_BF16)
+#if defined(LTX_ARM_BF16) || defined(__aarch64__)
 #include <arm_neon.h>
+#endif
+#if defined(__SSE2__) && !defined(LTX_VARIANT_AVX512) && !defined(LTX_VARIANT_AVX2)
+#include <emmintrin.h>
 #endif
 
 /* The register tile: VW floats a vector, MR rows by NRV vectors of columns. */
@@ -41,6 +44,7 @@
 
 #define NR (VW * NRV)
 _Static_assert(MR >= 4 && MR <= 8, "the fuse walk has a block for every last-row count below MR");
+_Static_assert(NRV <= 4, "fuse_vecs holds up to 4 vectors");
 /* Depth of one pass over k: keeps the y strip (KC x NR floats) in L1 between row blocks.
  * Splitting k here is harmless: c is stored exactly between passes. */
 #define KC 128
@@ -175,14 +179,39 @@ static void widen_bf16_rows(const uint16_t *src, ltx_idx lds, float *dst, ltx_id
     }
 }
 
+/* The bf16 store's overflow count (kernels.h, LTX_BF16_OVERFLOW) over one call: how many, and
+ * the least offset among them from the call's weight w0 (r * ldw + i), -1 for none. Results
+ * are tested for an all-ones exponent (inf or NaN) as they are made, a test and a branch not
+ * taken; only where one is found does the exact test run, lane by lane. */
+typedef struct {
+    ltx_idx count, first;
+    const uint16_t *w0;
+} overflow_count;
+
+/* One element: out the result's bf16 bits, wbits the weight's, w where the weight lies. */
+static inline void note_overflow(overflow_count *oc, const uint16_t *w, uint32_t wbits,
+                                 uint32_t out)
+{
+    if (LTX_BF16_OVERFLOW(out, wbits)) {
+        const ltx_idx at = w - oc->w0;
+        oc->count++;
+        if (oc->first < 0 || at < oc->first)
+            oc->first = at;
+    }
+}
+
 static inline void store_fused_row(const float *restrict acc, const uint16_t *w, uint16_t *out,
-                                   ltx_idx n)
+                                   ltx_idx n, overflow_count *oc)
 {
     /* out may alias w (in-place fuse): each element is read before it is written. */
     for (ltx_idx i = 0; i < n; i++) {
+        const uint32_t wbits = w[i];
         const float delta = ltx_bits_f32(ltx_bf16_high(acc[i]));
-        const float sum = ltx_bits_f32((uint32_t)w[i] << 16) + delta;
-        out[i] = (uint16_t)(ltx_bf16_high(sum) >> 16);
+        const float sum = ltx_bits_f32(wbits << 16) + delta;
+        const uint32_t h = ltx_bf16_high(sum) >> 16;
+        out[i] = (uint16_t)h;
+        if (__builtin_expect((h & 0x7F80u) == 0x7F80u, 0))
+            note_overflow(oc, w + i, wbits, h);
     }
 }
 
@@ -236,11 +265,72 @@ static inline void store_low16(uint16_t *p, vu32 h)
 #endif
 }
 
-/* out[i] = bf16(f32(w[i]) + f32(bf16(acc[i]))) for VW elements; out may equal w. */
-static inline void fuse_vec(vf acc, const uint16_t *w, uint16_t *out)
+
+/* Whether any lane of v is non-zero. */
+static inline int any_lane(vu32 v)
 {
-    const vf sum = widen_vec(w) + (vf)bf16_high_vec(acc);
-    store_low16(out, bf16_high_vec(sum) >> 16);
+#if defined(LTX_VARIANT_AVX512)
+    return _mm512_test_epi32_mask((__m512i)v, (__m512i)v) != 0;
+#elif defined(LTX_VARIANT_AVX2)
+    return !_mm256_testz_si256((__m256i)v, (__m256i)v);
+#else
+    uint32_t any = 0;
+    for (int l = 0; l < VW; l++)
+        any |= v[l];
+    return any != 0;
+#endif
+}
+
+/* Whether any lane of a mask (each lane all ones or zero) is set: one instruction where the
+ * vector unit has a lane-sign gather or an across-lanes maximum. */
+static inline int any_mask(vu32 mask)
+{
+#if defined(LTX_VARIANT_AVX512) || defined(LTX_VARIANT_AVX2)
+    return any_lane(mask);
+#elif defined(__SSE2__) && VW == 4
+    return _mm_movemask_ps((__m128)mask) != 0;
+#elif defined(__aarch64__) && VW == 4
+    return vmaxvq_u32((uint32x4_t)mask) != 0;
+#else
+    return any_lane(mask);
+#endif
+}
+
+/* The overflow count's exact test of VW results h (ltx_bf16_high bits), wide the widened
+ * weight, w where it lies. */
+static inline void note_overflow_vec(overflow_count *oc, const uint16_t *w, vf wide, vu32 h)
+{
+    const vu32 wbits = (vu32)wide;
+    for (int l = 0; l < VW; l++)
+        note_overflow(oc, w + l, wbits[l] >> 16, h[l] >> 16);
+}
+
+/* out[i] = bf16(f32(w[i]) + f32(bf16(acc[v][i]))) for NV vectors of VW elements, vector v at
+ * w + v VW and out + v VW; out may equal w: every vector is loaded before any is stored. The
+ * overflow test is one branch for the NV vectors. */
+static inline __attribute__((always_inline)) void
+fuse_vecs(const int NV, const vf *acc, const uint16_t *w, uint16_t *out, overflow_count *oc)
+{
+    vf wide[4];
+    vu32 h[4], special = {0};
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        wide[v] = widen_vec(w + v * VW);
+        h[v] = bf16_high_vec(wide[v] + (vf)bf16_high_vec(acc[v]));
+        special |= (vu32)((h[v] & 0x7F800000u) == 0x7F800000u);
+    }
+    if (__builtin_expect(any_mask(special), 0))
+        for (int v = 0; v < NV; v++)
+            note_overflow_vec(oc, w + v * VW, wide[v], h[v]);
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++)
+        store_low16(out + v * VW, h[v] >> 16);
+}
+
+/* out[i] = bf16(f32(w[i]) + f32(bf16(acc[i]))) for VW elements; out may equal w. */
+static inline void fuse_vec(vf acc, const uint16_t *w, uint16_t *out, overflow_count *oc)
+{
+    fuse_vecs(1, &acc, w, out, oc);
 }
 
 #if defined(LTX_BF16_CONVERT)
@@ -253,7 +343,8 @@ static inline void fuse_vec(vf acc, const uint16_t *w, uint16_t *out)
  * found by VFPCLASSPS and the pair goes the generic way (rare: real weights hold neither).
  * The bf16 vectors are widened by even and odd halves of each 32-bit word (a shift and a mask,
  * no cross-lane moves); one word permute restores the order of the result. */
-static inline void fuse_pair(vf lo, vf hi, __m512i wv, const uint16_t *w, uint16_t *out)
+static inline void fuse_pair(vf lo, vf hi, __m512i wv, const uint16_t *w, uint16_t *out,
+                             overflow_count *oc)
 {
     enum { NAN_OR_SUBNORMAL = 0x01 | 0x20 | 0x80 };
     const __m512i high_half = _mm512_set1_epi32((int)0xFFFF0000u);
@@ -270,12 +361,16 @@ static inline void fuse_pair(vf lo, vf hi, __m512i wv, const uint16_t *w, uint16
                               _mm512_fpclass_ps_mask(a1, NAN_OR_SUBNORMAL) |
                               _mm512_fpclass_ps_mask(even, NAN_OR_SUBNORMAL) |
                               _mm512_fpclass_ps_mask(odd, NAN_OR_SUBNORMAL);
-    if (__builtin_expect(special != 0, 0)) {
-        fuse_vec(lo, w, out);
-        fuse_vec(hi, w + 16, out + 16);
+    const __m512i sum = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
+    /* A result of an all-ones exponent (inf; a NaN is special already) goes the generic way
+     * too, which counts the overflows among them. */
+    const __m512i exponent = _mm512_set1_epi16(0x7F80);
+    const __mmask32 inf = _mm512_cmpeq_epi16_mask(_mm512_and_si512(sum, exponent), exponent);
+    if (__builtin_expect((special | inf) != 0, 0)) {
+        fuse_vec(lo, w, out, oc);
+        fuse_vec(hi, w + 16, out + 16, oc);
         return;
     }
-    const __m512i sum = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
     _mm512_storeu_si512(out, _mm512_permutexvar_epi16(interleave, sum));
 }
 
@@ -285,7 +380,7 @@ static inline void fuse_pair(vf lo, vf hi, __m512i wv, const uint16_t *w, uint16
  * on it. */
 static inline __attribute__((always_inline)) void
 store_block_rounded(const int R, vf acc[][2], const uint16_t *w, ltx_idx ldw, uint16_t *out,
-                    ltx_idx ldo)
+                    ltx_idx ldo, overflow_count *oc)
 {
     __m512i wv[MR];
 #pragma GCC unroll 16
@@ -293,7 +388,7 @@ store_block_rounded(const int R, vf acc[][2], const uint16_t *w, ltx_idx ldw, ui
         wv[r] = _mm512_loadu_si512(w + r * ldw);
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
-        fuse_pair(acc[r][0], acc[r][1], wv[r], w + r * ldw, out + r * ldo);
+        fuse_pair(acc[r][0], acc[r][1], wv[r], w + r * ldw, out + r * ldo, oc);
 }
 #endif
 
@@ -372,10 +467,13 @@ static inline __m256i bf16_carry_not_nan(__m256 f)
 
 /* out[c] = bf16(f32(w[c]) + f32(bf16(acc[c]))) for the 16 columns of one row of a full strip,
  * a0 and a1 its two accumulators in panel_column order; out may equal w. One check per row
- * finds a NaN among the products or the sums (UNORD is true where either operand is NaN);
- * such a row is done element by element by the scalar rule, which gives a NaN its quiet,
- * signed form. Elsewhere no lane is NaN, and the rounding needs no NaN select. */
-static inline void fuse_row_unpacked(vf a0, vf a1, const uint16_t *w, uint16_t *out)
+ * finds a NaN among the products (UNORD is true where either operand is NaN) and a sum that
+ * is NaN or rounds to inf (NLT_UQ: not below the least magnitude that rounds to inf, or
+ * unordered); such a row is done element by element by the scalar rule, which gives a NaN its
+ * quiet, signed form and counts the overflows. Elsewhere no lane is NaN, and the rounding
+ * needs no NaN select. */
+static inline void fuse_row_unpacked(vf a0, vf a1, const uint16_t *w, uint16_t *out,
+                                     overflow_count *oc)
 {
     const __m256i wv = _mm256_loadu_si256((const __m256i *)w);
     const __m256i zero = _mm256_setzero_si256();
@@ -384,15 +482,19 @@ static inline void fuse_row_unpacked(vf a0, vf a1, const uint16_t *w, uint16_t *
     const __m256 d1 = (__m256)_mm256_and_si256(bf16_carry_not_nan((__m256)a1), high);
     const __m256 s0 = _mm256_add_ps((__m256)_mm256_unpacklo_epi16(zero, wv), d0);
     const __m256 s1 = _mm256_add_ps((__m256)_mm256_unpackhi_epi16(zero, wv), d1);
-    const __m256 nan = _mm256_or_ps(_mm256_cmp_ps((__m256)a0, s0, _CMP_UNORD_Q),
-                                    _mm256_cmp_ps((__m256)a1, s1, _CMP_UNORD_Q));
+    const __m256 magnitude = (__m256)_mm256_set1_epi32(0x7FFFFFFF);
+    const __m256 rounds_to_inf = (__m256)_mm256_set1_epi32(0x7F7F8000);
+    const __m256 big0 = _mm256_cmp_ps(_mm256_and_ps(s0, magnitude), rounds_to_inf, _CMP_NLT_UQ);
+    const __m256 big1 = _mm256_cmp_ps(_mm256_and_ps(s1, magnitude), rounds_to_inf, _CMP_NLT_UQ);
+    const __m256 nan = _mm256_or_ps(_mm256_cmp_ps((__m256)a0, (__m256)a1, _CMP_UNORD_Q),
+                                    _mm256_or_ps(big0, big1));
     if (__builtin_expect(_mm256_movemask_ps(nan) != 0, 0)) {
         float a[NR];
         memcpy(a, &a0, sizeof a0);
         memcpy(a + VW, &a1, sizeof a1);
         for (int q = 0; q < NR; q++) {
             const int c = panel_column(q);
-            store_fused_row(&a[q], w + c, out + c, 1);
+            store_fused_row(&a[q], w + c, out + c, 1, oc);
         }
         return;
     }
@@ -406,16 +508,18 @@ static inline void fuse_row_unpacked(vf a0, vf a1, const uint16_t *w, uint16_t *
  * held in registers across the product loop, which has none to spare. */
 static __attribute__((noinline)) void store_block_unpacked(int R, const vf acc[][NRV],
                                                            const uint16_t *w, ltx_idx ldw,
-                                                           uint16_t *out, ltx_idx ldo)
+                                                           uint16_t *out, ltx_idx ldo,
+                                                           overflow_count *oc)
 {
     for (int r = 0; r < R; r++)
-        fuse_row_unpacked(acc[r][0], acc[r][1], w + r * ldw, out + r * ldo);
+        fuse_row_unpacked(acc[r][0], acc[r][1], w + r * ldw, out + r * ldo, oc);
 }
 #endif
 
-static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16_t *out,
-                        ltx_idx ldo, ltx_idx rows, ltx_idx cols)
+static ltx_idx store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16_t *out,
+                           ltx_idx ldo, ltx_idx rows, ltx_idx cols, ltx_idx *first_over)
 {
+    overflow_count count = {0, -1, w}, *oc = &count;
 #if defined(LTX_BF16_CONVERT)
     /* Blocks of MR rows, loads before stores within each (see store_block_rounded). */
     const ltx_idx pairs = cols - cols % 32;
@@ -430,15 +534,16 @@ static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16
                 block[r][1] = LOADV(acc + (r0 + r) * cols + i + 16);
             }
             if (rb == MR)
-                store_block_rounded(MR, block, w + r0 * ldw + i, ldw, out + r0 * ldo + i, ldo);
+                store_block_rounded(MR, block, w + r0 * ldw + i, ldw, out + r0 * ldo + i, ldo,
+                                    oc);
             else
                 for (int r = 0; r < rb; r++)
                     store_block_rounded(1, &block[r], w + (r0 + r) * ldw + i, ldw,
-                                        out + (r0 + r) * ldo + i, ldo);
+                                        out + (r0 + r) * ldo + i, ldo, oc);
         }
         for (ltx_idx r = r0; r < r0 + rb; r++)
             store_fused_row(acc + r * cols + pairs, w + r * ldw + pairs, out + r * ldo + pairs,
-                            cols - pairs);
+                            cols - pairs, oc);
     }
 #else
     const ltx_idx full = cols - cols % NR;
@@ -451,17 +556,21 @@ static void store_fused(const float *acc, const uint16_t *w, ltx_idx ldw, uint16
         for (ltx_idx i = 0; i < full; i += NR) {
             vf lo = LOADV(a + i), hi = LOADV(a + i + VW);
             swap_strip_order(&lo, &hi);
-            fuse_row_unpacked(lo, hi, w + r * ldw + i, out + r * ldo + i);
+            fuse_row_unpacked(lo, hi, w + r * ldw + i, out + r * ldo + i, oc);
         }
 #else
-        for (ltx_idx i = 0; i < full; i += NR)
+        for (ltx_idx i = 0; i < full; i += NR) {
+            vf sums[NRV];
             for (int v = 0; v < NRV; v++)
-                fuse_vec(LOADV(a + i + v * VW), w + r * ldw + i + v * VW,
-                         out + r * ldo + i + v * VW);
+                sums[v] = LOADV(a + i + v * VW);
+            fuse_vecs(NRV, sums, w + r * ldw + i, out + r * ldo + i, oc);
+        }
 #endif
-        store_fused_row(a + full, w + r * ldw + full, out + r * ldo + full, cols - full);
+        store_fused_row(a + full, w + r * ldw + full, out + r * ldo + full, cols - full, oc);
     }
 #endif
+    *first_over = count.first;
+    return count.count;
 }
 
 /* The sums of an R x NR register block (R <= MR), from +0.0 in the order p = 0, 1, ...; y is
@@ -507,29 +616,27 @@ product_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *
  * that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void
 store_block_fused(const int R, vf acc[MR][NRV], const uint16_t *w, ltx_idx ldw, uint16_t *out,
-                  ltx_idx ldo)
+                  ltx_idx ldo, overflow_count *oc)
 {
 #if defined(LTX_BF16_CONVERT) && NRV == 2
-    store_block_rounded(R, acc, w, ldw, out, ldo);
+    store_block_rounded(R, acc, w, ldw, out, ldo, oc);
 #elif defined(FUSE_UNPACK_ORDER)
-    store_block_unpacked(R, acc, w, ldw, out, ldo);
+    store_block_unpacked(R, acc, w, ldw, out, ldo, oc);
 #else
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int v = 0; v < NRV; v++)
-            fuse_vec(acc[r][v], w + r * ldw + v * VW, out + r * ldo + v * VW);
+        fuse_vecs(NRV, acc[r], w + r * ldw, out + r * ldo, oc);
 #endif
 }
 
 /* The fuse of an R x NR block: its sums rounded and added to w, into out. */
 static inline __attribute__((always_inline)) void
 fuse_block(const int R, ltx_idx k, const float *x, ltx_idx ldx, const float *y, ltx_idx ldy,
-           const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
+           const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo, overflow_count *oc)
 {
     vf acc[MR][NRV];
     block_sums(R, k, x, ldx, y, ldy, acc);
-    store_block_fused(R, acc, w, ldw, out, ldo);
+    store_block_fused(R, acc, w, ldw, out, ldo, oc);
 }
 
 /* How far ahead of the block being fused its weight lines are asked for, in blocks of MR x NR:
@@ -611,11 +718,12 @@ dot_sums(const int R, ltx_idx kp, const char *xb, ltx_idx row_bytes, const uint3
 /* dot_fuse_bf16's register tile: R rows x NR columns, as fuse_block. */
 static inline __attribute__((always_inline)) void
 dot_block(const int R, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp, const uint32_t *yp,
-          ltx_idx ldyp, const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo)
+          ltx_idx ldyp, const uint16_t *w, ltx_idx ldw, uint16_t *out, ltx_idx ldo,
+          overflow_count *oc)
 {
     vf acc[MR][NRV];
     dot_sums(R, kp, (const char *)xp, 4 * ldxp, yp, ldyp, NULL, acc);
-    store_block_fused(R, acc, w, ldw, out, ldo);
+    store_block_fused(R, acc, w, ldw, out, ldo, oc);
 }
 
 /* dot_sums' block stored alone to c (row stride ldc): dot_product_bf16's register tile, and
@@ -640,11 +748,11 @@ enum walk_kind { WALK_FUSE, WALK_PAIRS, WALK_PRODUCT, WALK_PAIRS_PRODUCT };
 static inline __attribute__((always_inline)) void
 walk_block(const enum walk_kind kind, const int R, ltx_idx k, const void *x, ltx_idx ldx,
            const void *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw, uint16_t *out,
-           ltx_idx ldo, float *c, ltx_idx ldc)
+           ltx_idx ldo, float *c, ltx_idx ldc, overflow_count *oc)
 {
 #if defined(LTX_DOT_PAIRS)
     if (kind == WALK_PAIRS) {
-        dot_block(R, k, x, ldx, y, ldy, w, ldw, out, ldo);
+        dot_block(R, k, x, ldx, y, ldy, w, ldw, out, ldo, oc);
         return;
     }
     if (kind == WALK_PAIRS_PRODUCT) {
@@ -655,7 +763,7 @@ walk_block(const enum walk_kind kind, const int R, ltx_idx k, const void *x, ltx
     if (kind == WALK_PRODUCT)
         product_block(R, k, x, ldx, y, ldy, c, ldc);
     else
-        fuse_block(R, k, x, ldx, y, ldy, w, ldw, out, ldo);
+        fuse_block(R, k, x, ldx, y, ldy, w, ldw, out, ldo, oc);
 }
 
 /* The walk of a small-rank fuse (or of its product alone) over its tile, row blocks outer:
@@ -668,7 +776,7 @@ walk_block(const enum walk_kind kind, const int R, ltx_idx k, const void *x, ltx
 static inline __attribute__((always_inline)) void
 fuse_walk(const enum walk_kind kind, ltx_idx m, ltx_idx n, ltx_idx k, const void *x,
           ltx_idx ldx, const void *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
-          uint16_t *out, ltx_idx ldo, float *c, ltx_idx ldc)
+          uint16_t *out, ltx_idx ldo, float *c, ltx_idx ldc, overflow_count *oc)
 {
     const int pairs = kind == WALK_PAIRS || kind == WALK_PAIRS_PRODUCT;
     const int product = kind == WALK_PRODUCT || kind == WALK_PAIRS_PRODUCT;
@@ -694,7 +802,7 @@ fuse_walk(const enum walk_kind kind, ltx_idx m, ltx_idx n, ltx_idx k, const void
 #define ROWS_CASE(R)                                                                          \
             case R:                                                                           \
                 walk_block(kind, R, k, xf + i * ldx, ldx, yb, ldy_block, wb, ldw, ob, ldo, cb,   \
-                           ldc);                                                              \
+                           ldc, oc);                                                          \
                 break;
                 ROWS_CASE(MR)
                 ROWS_CASE(1)
@@ -734,17 +842,20 @@ fuse_walk(const enum walk_kind kind, ltx_idx m, ltx_idx n, ltx_idx k, const void
                 if (product)
                     c[r * ldc + j] = acc;
                 else
-                    store_fused_row(&acc, w + r * ldw + j, out + r * ldo + j, 1);
+                    store_fused_row(&acc, w + r * ldw + j, out + r * ldo + j, 1, oc);
             }
     }
 }
 
 /* y: the fuse panel of k rows of n columns (pack_fuse_panel); ldy is not used. */
-static void seq_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
-                          const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
-                          uint16_t *out, ltx_idx ldo)
+static ltx_idx seq_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
+                             const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
+                             uint16_t *out, ltx_idx ldo, ltx_idx *first_over)
 {
-    fuse_walk(WALK_FUSE, m, n, k, x, ldx, y, ldy, w, ldw, out, ldo, NULL, 0);
+    overflow_count count = {0, -1, w};
+    fuse_walk(WALK_FUSE, m, n, k, x, ldx, y, ldy, w, ldw, out, ldo, NULL, 0, &count);
+    *first_over = count.first;
+    return count.count;
 }
 
 /* c = x @ y, each sum from +0.0 in the order p = 0, 1, ...; y the fuse panel of k rows of n
@@ -752,7 +863,7 @@ static void seq_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_i
 static void seq_product_panel(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
                               const float *y, float *c, ltx_idx ldc)
 {
-    fuse_walk(WALK_PRODUCT, m, n, k, x, ldx, y, 0, NULL, 0, NULL, 0, c, ldc);
+    fuse_walk(WALK_PRODUCT, m, n, k, x, ldx, y, 0, NULL, 0, NULL, 0, c, ldc, NULL);
 }
 
 static void pack_pairs_rows(const uint16_t *src, ltx_idx lds, uint32_t *dst, ltx_idx rows,
@@ -785,18 +896,22 @@ static void pack_pairs_cols(const float *src, ltx_idx lds, uint32_t *dst, ltx_id
 }
 
 #if defined(LTX_DOT_PAIRS)
-static void dot_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp,
-                          const uint32_t *yp, ltx_idx ldyp, const uint16_t *w, ltx_idx ldw,
-                          uint16_t *out, ltx_idx ldo)
+static ltx_idx dot_fuse_bf16(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp,
+                             ltx_idx ldxp, const uint32_t *yp, ltx_idx ldyp, const uint16_t *w,
+                             ltx_idx ldw, uint16_t *out, ltx_idx ldo, ltx_idx *first_over)
 {
-    fuse_walk(WALK_PAIRS, m, n, kp, xp, ldxp, yp, ldyp, w, ldw, out, ldo, NULL, 0);
+    overflow_count count = {0, -1, w};
+    fuse_walk(WALK_PAIRS, m, n, kp, xp, ldxp, yp, ldyp, w, ldw, out, ldo, NULL, 0, &count);
+    *first_over = count.first;
+    return count.count;
 }
 
 static void dot_product_bf16(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp,
                              ltx_idx ldxp, const uint32_t *yp, ltx_idx ldyp, float *c,
                              ltx_idx ldc)
 {
-    fuse_walk(WALK_PAIRS_PRODUCT, m, n, kp, xp, ldxp, yp, ldyp, NULL, 0, NULL, 0, c, ldc);
+    fuse_walk(WALK_PAIRS_PRODUCT, m, n, kp, xp, ldxp, yp, ldyp, NULL, 0, NULL, 0, c, ldc,
+              NULL);
 }
 #endif
 
@@ -1610,20 +1725,6 @@ static inline uint32_t fp8_from_bf16(uint32_t h, int kind, int stochastic, uint3
 typedef int32_t vi32 __attribute__((vector_size(VW * 4)));
 typedef uint8_t vu8 __attribute__((vector_size(VW), aligned(1), may_alias));
 
-/* Whether any lane of v is non-zero. */
-static inline int any_lane(vu32 v)
-{
-#if defined(LTX_VARIANT_AVX512)
-    return _mm512_test_epi32_mask((__m512i)v, (__m512i)v) != 0;
-#elif defined(LTX_VARIANT_AVX2)
-    return !_mm256_testz_si256((__m256i)v, (__m256i)v);
-#else
-    uint32_t any = 0;
-    for (int l = 0; l < VW; l++)
-        any |= v[l];
-    return any != 0;
-#endif
-}
 
 /* VW bytes widened to 32-bit lanes, and the low bytes of VW lanes (each below 256) stored.
  * Spelled with intrinsics on x86, where GCC builds the generic conversions byte by byte. */

@@ -46,6 +46,13 @@ static inline uint32_t ltx_bf16_high(float f)
     return (f != f) ? LTX_BF16_QNAN(u) : LTX_BF16_NEAREST(u);
 }
 
+/* Whether a bf16 store's result (bf16 bits out) overflowed, the weight's element being w: the
+ * result is +-inf and the weight element is finite. The fuse's overflow count is of these,
+ * whatever step reached inf (the product in f32, its bf16 rounding, or the sum with the
+ * weight): the adapters' own elements are finite where the fuse is asked to check them, and
+ * an inf already in the weight, or a NaN anywhere, is not an overflow (docs/arithmetic.md). */
+#define LTX_BF16_OVERFLOW(out, w) (((out) & 0x7FFFu) == 0x7F80u && ((w) & 0x7F80u) != 0x7F80u)
+
 /* bf16 bits of f, and f32(bf16(f)). */
 static inline uint16_t ltx_bf16_of(float f) { return (uint16_t)(ltx_bf16_high(f) >> 16); }
 static inline float ltx_bf16_round(float f) { return ltx_bits_f32(ltx_bf16_high(f)); }
@@ -164,9 +171,11 @@ typedef struct {
     /* dst[i] = f32(bf16(f32(src[i]) * s)) */
     void (*scale_round_widen)(const uint16_t *src, float s, float *dst, ltx_idx n);
     /* out[r, i] = bf16(f32(w[r, i]) + f32(bf16(acc[r, i]))) over a rows x cols tile; acc is
-     * packed (row stride cols), w and out have row strides ldw and ldo; out may equal w */
-    void (*store_fused)(const float *acc, const uint16_t *w, ltx_idx ldw, uint16_t *out,
-                        ltx_idx ldo, ltx_idx rows, ltx_idx cols);
+     * packed (row stride cols), w and out have row strides ldw and ldo; out may equal w.
+     * Returns how many results overflowed (LTX_BF16_OVERFLOW: +-inf where the weight element
+     * was finite) and sets *first_over to the least offset r * ldw + i among them, or -1. */
+    ltx_idx (*store_fused)(const float *acc, const uint16_t *w, ltx_idx ldw, uint16_t *out,
+                           ltx_idx ldo, ltx_idx rows, ltx_idx cols, ltx_idx *first_over);
     /* total[i] = total[i] + f32(bf16(acc[i])) */
     void (*accumulate_rounded)(const float *acc, float *total, ltx_idx n);
     /* index of the first bf16 element that is inf or NaN, or -1 */
@@ -245,10 +254,10 @@ typedef struct {
     /* out[i, j] = bf16(f32(w[i, j]) + f32(bf16(sum_p x[i, p] * y[p, j]))) over an m x n tile,
      * the sum from +0.0 in the order p = 0 .. k-1: seq_gemm into a zeroed c, then store_fused,
      * in registers. x row-major; y the [k, n] fuse panel made by this table's pack_fuse_panel
-     * (ldy unused); out may equal w */
-    void (*seq_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
-                          const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
-                          uint16_t *out, ltx_idx ldo);
+     * (ldy unused); out may equal w. Returns store_fused's overflow count and first offset. */
+    ltx_idx (*seq_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx k, const float *x, ltx_idx ldx,
+                             const float *y, ltx_idx ldy, const uint16_t *w, ltx_idx ldw,
+                             uint16_t *out, ltx_idx ldo, ltx_idx *first_over);
     /* dst = f32 of k bf16 rows of n columns (row stride lds), as seq_fuse_bf16 reads them: in
      * strips of the table's register block width, a layout private to the table, k * n
      * floats as a row-major panel would be */
@@ -262,10 +271,11 @@ typedef struct {
      * (bf16 bits; a zero after the last term of an odd depth), kp = ceil(k / 2) pairs. The
      * instruction adds the high product, then the low one, each rounded: the textbook order,
      * provided no input, product or partial sum is subnormal (it flushes them) and none is
-     * inf or NaN, which the caller rules out. NULL in tables without the instruction. */
-    void (*dot_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp, ltx_idx ldxp,
-                          const uint32_t *yp, ltx_idx ldyp, const uint16_t *w, ltx_idx ldw,
-                          uint16_t *out, ltx_idx ldo);
+     * inf or NaN, which the caller rules out. Returns store_fused's overflow count and first
+     * offset. NULL in tables without the instruction. */
+    ltx_idx (*dot_fuse_bf16)(ltx_idx m, ltx_idx n, ltx_idx kp, const uint32_t *xp,
+                             ltx_idx ldxp, const uint32_t *yp, ltx_idx ldyp, const uint16_t *w,
+                             ltx_idx ldw, uint16_t *out, ltx_idx ldo, ltx_idx *first_over);
     /* c[m x n] (ldc) = xp @ yp from the same pairs, each sum from +0.0 in the textbook order,
      * under the same conditions: the product alone of dot_fuse_bf16, stored where it is
      * rounded and added later (several adapters, fp8 weights, a bare delta). NULL where

@@ -30,10 +30,11 @@ def store_fused(const float[::1] acc, const uint16_t[::1] w, table=None):
     cdef const ltx_kernels *kern = _table(table)
     out = np.empty(acc.shape[0], np.uint16)
     cdef uint16_t[::1] o = out
+    cdef Py_ssize_t first
     if acc.shape[0] != w.shape[0]:
         raise ValueError("length mismatch")
     if acc.shape[0]:
-        kern.store_fused(&acc[0], &w[0], 0, &o[0], 0, 1, acc.shape[0])
+        kern.store_fused(&acc[0], &w[0], 0, &o[0], 0, 1, acc.shape[0], &first)
     return out
 
 
@@ -45,18 +46,22 @@ def _tile_shape(acc, w):
     return rows, cols, ldw
 
 
-def store_fused_tile(const float[:, ::1] acc, const uint16_t[:, ::1] w, table=None):
+def store_fused_tile(const float[:, ::1] acc, const uint16_t[:, ::1] w, table=None,
+                     bint counted=False):
     """bf16(w + bf16(acc)) over a tile by one kernel table: acc [rows, cols] packed, w's rows
     (row stride w.shape[1] >= cols) and the output's (row stride w.shape[1] + 5) longer than
-    the tile; the output's elements past the tile hold 0xABCD and must keep it."""
+    the tile; the output's elements past the tile hold 0xABCD and must keep it. With
+    ``counted``, (out, the overflows' count, the least r * ldw + i among them or -1)."""
     cdef Py_ssize_t rows, cols, ldw
     rows, cols, ldw = _tile_shape(acc, w)
     cdef const ltx_kernels *kern = _table(table)
     out = np.full((rows, ldw + 5), 0xABCD, np.uint16)
     cdef uint16_t[:, ::1] o = out
+    cdef Py_ssize_t first = -1, count = 0
     if rows and cols:
-        kern.store_fused(&acc[0, 0], &w[0, 0], ldw, &o[0, 0], ldw + 5, rows, cols)
-    return out
+        count = kern.store_fused(&acc[0, 0], &w[0, 0], ldw, &o[0, 0], ldw + 5, rows, cols,
+                                 &first)
+    return (out, count, first) if counted else out
 
 
 def store_fused_fp8(const float[:, ::1] acc, const uint8_t[:, ::1] w, int kind, table=None):
@@ -127,9 +132,11 @@ cdef object _fuse_panel(const ltx_kernels *kern, const uint16_t[:, ::1] y):
     return panel_array
 
 
-def seq_fuse_bf16(const float[:, ::1] x, y_in, const uint16_t[:, ::1] w, table=None):
+def seq_fuse_bf16(const float[:, ::1] x, y_in, const uint16_t[:, ::1] w, table=None,
+                  bint counted=False):
     """bf16(w + bf16(x @ y)), the product accumulated in order, by the fused kernel of one
-    table, y (f32 holding bf16 values) packed by the same table's pack_fuse_panel."""
+    table, y (f32 holding bf16 values) packed by the same table's pack_fuse_panel. With
+    ``counted``, (out, the overflows' count, the least r * n + i among them or -1)."""
     cdef const uint16_t[:, ::1] y = _bf16_bits(y_in)
     cdef Py_ssize_t m = x.shape[0], k = x.shape[1], n = y.shape[1]
     if y.shape[0] != k or w.shape[0] != m or w.shape[1] != n:
@@ -138,11 +145,12 @@ def seq_fuse_bf16(const float[:, ::1] x, y_in, const uint16_t[:, ::1] w, table=N
     out = np.empty((m, n), np.uint16)
     cdef float[::1] panel = _fuse_panel(kern, y)
     cdef uint16_t[:, ::1] o = out
+    cdef Py_ssize_t first = -1, count = 0
     if m and n:
         with nogil:
-            kern.seq_fuse_bf16(m, n, k, &x[0, 0] if k else NULL, k, &panel[0], n, &w[0, 0],
-                               n, &o[0, 0], n)
-    return out
+            count = kern.seq_fuse_bf16(m, n, k, &x[0, 0] if k else NULL, k, &panel[0], n,
+                                       &w[0, 0], n, &o[0, 0], n, &first)
+    return (out, count, first) if counted else out
 
 
 def seq_product_panel(const float[:, ::1] x, y_in, table=None):
@@ -191,9 +199,10 @@ cdef object pairs_of(const uint16_t[:, ::1] x, const uint16_t[:, ::1] y,
 
 
 def dot_fuse_bf16(const uint16_t[:, ::1] x, const uint16_t[:, ::1] y, const uint16_t[:, ::1] w,
-                  table=None):
+                  table=None, bint counted=False):
     """bf16(w + bf16(x @ y)) for bf16 x and y, packed in pairs by the table's pack kernels and
-    multiplied by its dot-product fuse."""
+    multiplied by its dot-product fuse. With ``counted``, (out, the overflows' count, the
+    least r * n + i among them or -1)."""
     cdef Py_ssize_t m = x.shape[0], n = y.shape[1], kp = (x.shape[1] + 1) // 2
     if w.shape[0] != m or w.shape[1] != n:
         raise ValueError("shape mismatch")
@@ -205,11 +214,12 @@ def dot_fuse_bf16(const uint16_t[:, ::1] x, const uint16_t[:, ::1] y, const uint
     cdef uint32_t[:, ::1] yp = yp_arr
     out = np.empty((m, n), np.uint16)
     cdef uint16_t[:, ::1] o = out
+    cdef Py_ssize_t first = -1, count = 0
     if m and n:
         with nogil:
-            kern.dot_fuse_bf16(m, n, kp, &xp[0, 0], xp.shape[1], &yp[0, 0], n, &w[0, 0], n,
-                               &o[0, 0], n)
-    return out
+            count = kern.dot_fuse_bf16(m, n, kp, &xp[0, 0], xp.shape[1], &yp[0, 0], n,
+                                       &w[0, 0], n, &o[0, 0], n, &first)
+    return (out, count, first) if counted else out
 
 
 def dot_product_bf16(const uint16_t[:, ::1] x, const uint16_t[:, ::1] y, table=None):
