@@ -163,10 +163,9 @@ def _duration(seconds):
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def _cmd_fuse(args):
-    from .errors import printable
-    from .files.checkpoint import fuse_checkpoint
-
+def _check_output(args):
+    """-o/--output of a command that writes one file: required unless --dry-run, never empty,
+    never the file standard output goes to (where the summary is printed)."""
     if args.output is None and not args.dry_run:
         raise _argument_error("-o/--output is required (unless --dry-run)")
     if args.output is not None and not args.output:
@@ -174,6 +173,13 @@ def _cmd_fuse(args):
     if args.output is not None and _is_stdout(args.output):
         raise _argument_error(f"-o {args.output} is this command's standard output, where its "
                               "summary goes; name a file")
+
+
+def _cmd_fuse(args):
+    from .errors import printable
+    from .files.checkpoint import fuse_checkpoint
+
+    _check_output(args)
     if args.seed is not None and args.fp8_rounding != "stochastic":
         raise _argument_error("--seed seeds --fp8-rounding stochastic; without it nothing is "
                               "random")
@@ -218,13 +224,7 @@ def _cmd_extract(args):
 
     if args.rank is not None and args.energy is not None:
         raise _argument_error("give --rank or --energy, not both")
-    if args.output is None and not args.dry_run:
-        raise _argument_error("-o/--output is required (unless --dry-run)")
-    if args.output is not None and not args.output:
-        raise _argument_error("-o/--output is empty; name the file to write")
-    if args.output is not None and _is_stdout(args.output):
-        raise _argument_error(f"-o {args.output} is this command's standard output, where its "
-                              "summary goes; name a file")
+    _check_output(args)
     rank = 64 if args.rank is None and args.energy is None else args.rank
     report = extract_lora(
         args.tuned, args.base, args.output, rank=rank, energy=args.energy,
