@@ -251,3 +251,101 @@ def test_an_adapter_of_24k_cjk_named_tensors_fuses_with_its_record(tmp_path):
     assert verify_checkpoint(out).status == "verified"
     full = verify_checkpoint(out, base, [(adapter, 1.0)], threads=2)
     assert full.status == "verified", full.summary()
+
+
+@pytest.mark.parametrize("change", [
+    lambda rec: rec["output"].update(count=10**100),
+    lambda rec: rec["output"].update(count=-1),
+    lambda rec: rec["output"].update(digests=["a"]),
+    lambda rec: rec["adapters"][0]["tensors"].update(names=None),
+    lambda rec: rec["base"].update(digests=7),
+    lambda rec: rec.pop("hash"),
+])
+def test_a_malformed_format2_record_is_not_read(tmp_path, change):
+    base, adapter = small_inputs(tmp_path, extra=3)
+    out = tmp_path / "out.safetensors"
+    ltx2blas.fuse_checkpoint(base, [(adapter, 1.0)], out, threads=1)
+    bad = tmp_path / "bad.safetensors"
+    rewrite(out, bad, change)
+    report = verify_checkpoint(bad)
+    assert report.status == "unverifiable" and "not a record this ltx2blas reads" in \
+        report.summary()
+
+
+@pytest.mark.parametrize("change", [
+    # digests that are not base64, or of another count: the file's names are not the list's
+    lambda rec: rec["output"].update(digests="!!!!"),
+    lambda rec: rec["output"].update(digests=rec["output"]["digests"][:-4]),
+    lambda rec: rec["output"].update(count=rec["output"]["count"] + 1),
+    lambda rec: rec["output"].update(names=rec["adapters"][0]["tensors"]["names"]),
+    lambda rec: rec["base"].update(read="AAAA"),
+    lambda rec: rec["base"].update(digests="é"),
+])
+def test_a_format2_list_that_does_not_unpack_is_named_once(tmp_path, change):
+    """A list whose names, count or digests are not those of the file's tensors: one finding,
+    no tensor named, exit 1, and no crash with the inputs given either."""
+    base, adapter = small_inputs(tmp_path, extra=3)
+    out = tmp_path / "out.safetensors"
+    ltx2blas.fuse_checkpoint(base, [(adapter, 1.0)], out, threads=1)
+    bad = tmp_path / "bad.safetensors"
+    rewrite(out, bad, change)
+    report = verify_checkpoint(bad)
+    assert report.status == "differs" and report.exit_code == 1
+    assert [(f.what, f.tensor) for f in report.findings] == [("missing", "")]
+    assert "tensor names are not those its record lists" in report.summary()
+    full = verify_checkpoint(bad, base, [(adapter, 1.0)], threads=1)
+    assert full.status == "differs" and ("missing", "") in {(f.what, f.tensor)
+                                                            for f in full.findings}
+
+
+def test_an_added_tensor_is_told_without_a_name_and_an_adapter_of_other_names_too(tmp_path):
+    base, adapter = small_inputs(tmp_path, extra=3)
+    out = tmp_path / "out.safetensors"
+    ltx2blas.fuse_checkpoint(base, [(adapter, 1.0)], out, threads=1)
+    # the output with a tensor more, its header otherwise as written
+    data = open(out, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    end = max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__")
+    header["added.weight"] = {"dtype": "U8", "shape": [0], "data_offsets": [end, end]}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    grown = tmp_path / "grown.safetensors"
+    grown.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
+    report = verify_checkpoint(grown)
+    assert report.status == "differs"
+    assert "(4 recorded, 5 in the file)" in report.summary()
+    # an adapter with a tensor more than the one fused: named as not the file fused
+    other = write_raw(tmp_path / "other.safetensors", [
+        ("diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight", "BF16", (2, 8),
+         bytes(32)),
+        ("diffusion_model.transformer_blocks.0.attn1.to_q.lora_B.weight", "BF16", (16, 2),
+         bytes(64)),
+        ("extra", "U8", (0,), b"")])
+    report = verify_checkpoint(out, loras=[(other, 1.0)])
+    assert report.status == "differs"
+    assert "its tensor names are not those fused (3 tensors, 2 recorded)" in report.summary()
+    # the same names, other bytes: each tensor that differs is named
+    same_names = write_raw(tmp_path / "same.safetensors", [
+        ("diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight", "BF16", (2, 8),
+         bytes(32)),
+        ("diffusion_model.transformer_blocks.0.attn1.to_q.lora_B.weight", "BF16", (16, 2),
+         bytes(64))])
+    report = verify_checkpoint(out, loras=[(same_names, 1.0)])
+    assert {f.tensor for f in report.findings if f.what == "adapter 0"} == {
+        "diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight",
+        "diffusion_model.transformer_blocks.0.attn1.to_q.lora_B.weight"}
+
+
+def rewrite(src, dst, change):
+    """A copy of ``src`` with its record changed by ``change(dict)``, the data as it was."""
+    data = open(src, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    rec = json.loads(header["__metadata__"][provenance.RECORD_KEY])
+    change(rec)
+    header["__metadata__"][provenance.RECORD_KEY] = json.dumps(rec)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(dst, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data[8 + n:])

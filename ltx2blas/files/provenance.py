@@ -400,7 +400,8 @@ def _digests(value):
 
 def _digest_list(value):
     count = value.get("count") if isinstance(value, dict) else None
-    return (isinstance(count, int) and not isinstance(count, bool) and count >= 0
+    # a count is printed and multiplied by 32: a small non-negative int
+    return (isinstance(count, int) and not isinstance(count, bool) and 0 <= count < 2**40
             and isinstance(value.get("names"), str) and isinstance(value.get("digests"), str))
 
 
