@@ -81,8 +81,11 @@ def test_fused_tensors_equal_the_tensor_level_fuse(files):
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, 3 * 4096 + 17])
 def test_adapter_hash_reads_the_whole_file_in_chunks(tmp_path, size):
-    """One pass gives the file's SHA-256 and each tensor's, whatever the chunk cuts."""
+    """One pass gives the file's SHA-256 and each tensor's digest (BLAKE3, or SHA-256 for
+    format 1 records), whatever the chunk cuts."""
     import hashlib
+
+    import blake3
 
     from ltx2blas.files import provenance
 
@@ -91,10 +94,11 @@ def test_adapter_hash_reads_the_whole_file_in_chunks(tmp_path, size):
                "b": ("U8", rng.integers(0, 256, 4096 - size % 4096, dtype=np.uint8)),
                "c": ("U8", np.zeros(0, np.uint8))}
     path = ck.write(tmp_path / "blob.safetensors", tensors)
-    with SafetensorsFile(path) as f:
-        whole, parts = provenance.file_digests(f, chunk=4096)
-    assert whole == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert parts == {n: hashlib.sha256(v.tobytes()).hexdigest() for n, (_, v) in tensors.items()}
+    for hash_name, new in (("blake3", blake3.blake3), ("sha256", hashlib.sha256)):
+        with SafetensorsFile(path) as f:
+            whole, parts = provenance.file_digests(f, chunk=4096, hash_name=hash_name)
+        assert whole == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert parts == {n: new(v.tobytes()).hexdigest() for n, (_, v) in tensors.items()}
 
 
 def test_thread_count_does_not_change_the_file(files, tmp_path):

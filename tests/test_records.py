@@ -12,8 +12,8 @@ from ltx2blas.files import provenance
 from ltx2blas.files.safetensors import SafetensorsFile
 from ltx2blas.files.verify import NAMED, verify_checkpoint
 
-from test_verify import (M, Q, files, flip_byte, inputs, raw_digests,  # noqa: F401 (fixture)
-                         record_of, rewrite_metadata, run_cli, whats)
+from test_verify import (M, Q, as_format1, files, flip_byte, inputs,  # noqa: F401 (fixture)
+                         listed, raw_digests, record_of, rewrite_metadata, run_cli, whats)
 
 pytest.importorskip("safetensors")
 pytest.importorskip("ml_dtypes")
@@ -24,9 +24,16 @@ DEEP = "[" * 100_000 + "]" * 100_000
 
 
 def edited(paths, tmp_path, change, name="edited.safetensors"):
-    """A copy of the fused output with its metadata changed by ``change(dict)``."""
+    """A copy of the fused output with its metadata changed by ``change(dict)``, its record
+    first made the format 1 record of 0.1.0 (which names every tensor, so that records
+    naming tensors the file lacks can be made; still read)."""
     out = tmp_path / name
-    rewrite_metadata(paths["out"], out, change)
+
+    def both(metadata):
+        as_format1(paths)(metadata)
+        change(metadata)
+
+    rewrite_metadata(paths["out"], out, both)
     return out
 
 
@@ -206,7 +213,8 @@ def test_a_base_carrying_a_record_gives_an_output_with_its_own_or_none(files, tm
         assert provenance.RECORD_KEY not in f.metadata
     assert verify_checkpoint(plain, carrying, [(paths["a1"], 0.8)]).status == "verified"
     rec = record_of(recorded)
-    assert rec["output"] == raw_digests(recorded) and rec != json.loads(foreign)
+    assert rec["output"] == listed(raw_digests(recorded, "blake3"))
+    assert rec != json.loads(foreign)
     assert verify_checkpoint(recorded).status == "verified"
     assert verify_checkpoint(recorded, carrying, [(paths["a1"], 0.8)]).status == "verified"
 

@@ -1,5 +1,6 @@
 """ltx2blas verify: a fused checkpoint checked against the provenance record it carries and
 against its inputs, rebuilt; files of other tools and older records told apart from faults."""
+import base64
 import hashlib
 import json
 import os
@@ -8,6 +9,7 @@ import struct
 import subprocess
 import sys
 
+import blake3
 import numpy as np
 import pytest
 
@@ -47,17 +49,57 @@ def inputs(paths):
     return dict(model=paths["model"], loras=[(paths["a1"], 0.8), (paths["a2"], -1.5)])
 
 
-def raw_digests(path):
-    """Each tensor's SHA-256, from the file's bytes at the offsets its header gives, read with
-    plain file reads (not the code under test)."""
+def raw_digests(path, hash_name="sha256"):
+    """Each tensor's SHA-256 (or BLAKE3), from the file's bytes at the offsets its header gives,
+    read with plain file reads (not the code under test)."""
+    new = hashlib.sha256 if hash_name == "sha256" else blake3.blake3
     with open(path, "rb") as f:
         data = f.read()
     n = struct.unpack("<Q", data[:8])[0]
     header = json.loads(data[8:8 + n])
     header.pop("__metadata__", None)
     start = 8 + n
-    return {name: hashlib.sha256(data[start + e["data_offsets"][0]:start + e["data_offsets"][1]])
+    return {name: new(data[start + e["data_offsets"][0]:start + e["data_offsets"][1]])
             .hexdigest() for name, e in header.items()}
+
+
+def listed(digests):
+    """A format 2 digest list of {tensor: hex digest}, made as docs/verify.md says (not by the
+    code under test): the count, the BLAKE3 of the sorted names (each as its 8-byte
+    little-endian length and UTF-8 bytes), the digests in that order packed in base64."""
+    names = sorted(digests)
+    h = blake3.blake3()
+    for n in names:
+        h.update(struct.pack("<Q", len(n.encode())) + n.encode())
+    return {"count": len(names), "names": base64.b64encode(h.digest()).decode(),
+            "digests": base64.b64encode(b"".join(bytes.fromhex(digests[n]) for n in names))
+            .decode()}
+
+
+def read_bits(names, read):
+    """A format 2 record's "read": one bit (LSB first) per name of the sorted ``names``, set for
+    those in ``read``, in base64."""
+    bits = bytearray((len(names) + 7) // 8)
+    for i, n in enumerate(sorted(names)):
+        if n in read:
+            bits[i // 8] |= 1 << (i % 8)
+    return base64.b64encode(bytes(bits)).decode()
+
+
+def as_format1(paths, out="out", loras=("a1", "a2")):
+    """A change(metadata) that replaces the record of ``paths[out]`` (format 2) by the format 1
+    record 0.1.0 would have written for it: SHA-256 of each tensor, names in full."""
+    def change(metadata):
+        rec = json.loads(metadata[provenance.RECORD_KEY])
+        output, read = provenance.expand_output(rec, list(raw_digests(paths[out])))
+        base = raw_digests(paths["model"])
+        rec.update(format=1, output=raw_digests(paths[out]),
+                   base={"file": rec["base"]["file"], "read": {n: base[n] for n in read}})
+        del rec["hash"]
+        for a, key in zip(rec["adapters"], loras):
+            a["tensors"] = raw_digests(paths[key])
+        metadata[provenance.RECORD_KEY] = json.dumps(rec, separators=(",", ":"))
+    return change
 
 
 def flip_byte(path, tensor, at=3):
@@ -84,22 +126,30 @@ def test_the_record_holds_the_inputs_outputs_and_options(files):
     paths, model, a1, a2 = files
     rec = record_of(paths["out"])
     assert rec["contract"] == provenance.CONTRACT and rec["format"] == provenance.RECORD_FORMAT
+    assert rec["format"] == 2 and rec["hash"] == "blake3"
     assert rec["options"] == {"rule": "addmm", "alpha": "scale", "allow_unmatched": False,
                               "fp8_rounding": "nearest", "seed": 0, "fp8_overflow": "saturate"}
-    # every tensor written, as the file's bytes hash
-    assert rec["output"] == raw_digests(paths["out"])
-    base = raw_digests(paths["model"])
-    changed = {M + m + s for m in (Q, "transformer_blocks.0.ff.net.0.proj",
-                                   "transformer_blocks.1.attn1.to_q") for s in (".weight",)}
-    # the base's tensors read to compute the fused ones, as they were before the fuse
-    assert rec["base"] == {"file": "model.safetensors", "read": {n: base[n] for n in changed}}
+    # every tensor written, as the file's bytes hash, in the order of the sorted names
+    out = raw_digests(paths["out"], "blake3")
+    assert rec["output"] == listed(out)
+    base = raw_digests(paths["model"], "blake3")
+    changed = sorted(M + m + s for m in (Q, "transformer_blocks.0.ff.net.0.proj",
+                                         "transformer_blocks.1.attn1.to_q") for s in (".weight",))
+    # the base's tensors read to compute the fused ones, as they were before the fuse: one bit
+    # each in the output's order, their digests in that order
+    assert rec["base"] == {"file": "model.safetensors", "read": read_bits(out, changed),
+                           "digests": base64.b64encode(b"".join(bytes.fromhex(base[n])
+                                                                for n in changed)).decode()}
     # every copied tensor is the base's: its output digest is its base digest
-    assert all(rec["output"][n] == base[n] for n in base if n not in changed)
+    assert all(out[n] == base[n] for n in base if n not in changed)
     assert [(a["file"], a["strength"]) for a in rec["adapters"]] == [("a1.safetensors", 0.8),
                                                                      ("a2.safetensors", -1.5)]
     for a, path in zip(rec["adapters"], (paths["a1"], paths["a2"])):
-        assert a["tensors"] == raw_digests(path)
+        # the adapter file whole by SHA-256 (as Hugging Face shows it), its tensors by BLAKE3
+        assert a["tensors"] == listed(raw_digests(path, "blake3"))
         assert a["sha256"] == hashlib.sha256(open(path, "rb").read()).hexdigest()
+    # no tensor name is stored in the record
+    assert all(n not in json.dumps(rec) for n in out)
 
 
 def test_an_untouched_output_verifies_alone_and_against_its_inputs(files):
@@ -439,7 +489,9 @@ def test_the_fuse_command_can_leave_the_digests_out(files, tmp_path):
     lambda rec: rec.update(options={**rec["options"], "rule": "max"}),
     lambda rec: rec["adapters"][0].update(strength="0.8"),
     lambda rec: rec["adapters"][0].update(tensors=[]),
-    lambda rec: rec["output"].update({"x": 7}),
+    lambda rec: rec["output"].update(count="10"),
+    lambda rec: rec["base"].update(read=7),
+    lambda rec: rec.update(hash="md5"),
     lambda rec: rec.pop("base"),
     lambda rec: rec.update(options={**rec["options"], "seed": True}),
 ])
@@ -528,7 +580,7 @@ def test_a_base_with_a_tensor_more_is_not_the_base_recorded(files, tmp_path):
 def test_a_digest_that_went_missing_fails_the_fuse_and_writes_nothing(files, tmp_path,
                                                                        monkeypatch):
     """Were a digest lost (a hashing thread's fault), the record would name a placeholder as
-    the tensor's SHA-256; the fuse fails instead, and leaves no file."""
+    the tensor's digest; the fuse fails instead, and leaves no file."""
     from ltx2blas.files import checkpoint
 
     paths = files[0]
@@ -539,6 +591,6 @@ def test_a_digest_that_went_missing_fails_the_fuse_and_writes_nothing(files, tmp
         **files[1], M + Q + ".bias": files[1][M + Q + ".bias"]})
     bias_adapter = ck.write(tmp_path / "b.safetensors", {
         **files[2], "diffusion_model." + Q + ".lora_B.bias": ("BF16", np.zeros(64, np.uint16))})
-    with pytest.raises(RuntimeError, match="no SHA-256 for tensor"):
+    with pytest.raises(RuntimeError, match="no digest for tensor"):
         ltx2blas.fuse_checkpoint(model, [(bias_adapter, 1.0)], out)
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if "lost" in p]

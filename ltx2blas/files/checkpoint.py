@@ -7,6 +7,7 @@ tensor with its adapter factors (the reader's two buffers), whatever the checkpo
 """
 import collections.abc
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -38,6 +39,7 @@ from ..quantized import check_weight, fuse_quantized
 from . import adapters as plans
 from . import layouts as layoutmod
 from . import provenance
+from . import safetensors as _st
 from .adapters import FP8View, Source, as_numpy, dtype_name
 from .safetensors import (SafetensorsFile, SafetensorsWriter, open_regular, page_aligned,
                           parse_json, pread_exact)
@@ -85,6 +87,9 @@ class FuseReport:
     # with allow_overflow, bf16 weights with results that overflowed to +-inf from finite
     # elements: name -> (how many, the first's (row, column)), in output order
     bf16_overflows: dict = field(default_factory=dict)
+    # where the provenance record would have taken the output's header past the limit
+    # readers enforce: the header's size with it (the output is written without a record)
+    record_left_out: int = 0
 
     @property
     def gflops(self):
@@ -151,6 +156,11 @@ class FuseReport:
                          f"overflowed to +-inf from finite weight elements (e.g. {count} in "
                          f"{printable(first)}, first at {at}), stored as +-inf "
                          "(allow_overflow=True)")
+        if self.record_left_out:
+            lines.append(f"no provenance record written: with it the output's header would be "
+                         f"{self.record_left_out:,} bytes, past the {_st.MAX_HEADER:,}-byte limit "
+                         "readers enforce; the file is as --no-digests writes it (verify "
+                         "rebuilds it from its inputs)")
         in_file = self.output != IN_PLACE
         for i, a in enumerate(self.adapters):
             lines.append(_adapter_line(i, a, in_file))
@@ -385,7 +395,7 @@ class Checkpoint:
 
 
 def _hash_all(sources, out, tensors=True):
-    """Each adapter file's (SHA-256, {tensor: SHA-256}; with ``tensors`` False, {}), or the
+    """Each adapter file's (SHA-256, {tensor: BLAKE3}; with ``tensors`` False, {}), or the
     exception that stopped it."""
     for i, source in enumerate(sources):
         try:
@@ -854,9 +864,12 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
         Fuse what matches when some adapter modules match no weight (or some keys have no known
         role), and list them in the report; by default that is an error and nothing is written.
     digests : bool
-        Record in the output's metadata, beside the options, the SHA-256 of every base and
-        adapter tensor read and of every tensor written (``ltx2blas.provenance``), so that
-        :func:`ltx2blas.verify_checkpoint` can check the file and rebuild it (default True).
+        Record in the output's metadata, beside the options, the SHA-256 of each adapter file
+        and the BLAKE3 of every base and adapter tensor read and of every tensor written
+        (``ltx2blas.provenance``), so that :func:`ltx2blas.verify_checkpoint` can check the
+        file and rebuild it (default True).  Where that record would take the output's header
+        past the 100,000,000-byte limit readers enforce, the file is written without it and
+        the report's ``record_left_out`` gives the header's size with it.
     allow_repeated : bool
         An adapter given twice (the same file, or a copy of its bytes) is fused twice, and the
         report says so (the default); False refuses it with an ArgumentError before anything
@@ -928,7 +941,7 @@ class _FusedWriter:
         self.delta = _delta_buffer(layouts)
         self.pending = {}  # rewritten scales, written right after their weight
         self.dtypes = {n: info.dtype for n, (_, info) in ckpt.entries.items()}
-        self.read_digests = {}  # base tensors the fuse computes from: name -> SHA-256
+        self.read_digests = {}  # base tensors the fuse computes from: name -> digest
 
     def metadata(self, hashes, output_digests):
         """The output's metadata: ``hashes`` holds each adapter's (file digest, {tensor:
@@ -956,7 +969,7 @@ class _FusedWriter:
             missing = [n for n in changed if n not in self.read_digests] + [
                 n for n in self.ckpt.entries if n not in output_digests]
             if missing:
-                raise RuntimeError(f"no SHA-256 for tensor {missing[0]!r}: the record would "
+                raise RuntimeError(f"no digest for tensor {missing[0]!r}: the record would "
                                    "be wrong, so nothing is written")
         return provenance.make_record(
             _version(), {k: getattr(options, k) for k in provenance.OPTIONS},
@@ -979,11 +992,11 @@ class _FusedWriter:
         # every output tensor is a base tensor of the same size, read and written once
         sizes = {n: ckpt.entries[n][1].nbytes for n in order}
         bytes_total = 2 * sum(sizes.values())
+        first = self._first_metadata(entries, report)
         # hashing threads as many as the fuse's: on many cores the digests keep up
         with (provenance.Hasher(resolve_threads(self.options.threads)) if self.options.digests
               else contextlib.nullcontext()) as digests, \
-                SafetensorsWriter(output, entries, self.metadata([None] * len(sources), {}),
-                                  hasher=digests) as writer:
+                SafetensorsWriter(output, entries, first, hasher=digests) as writer:
             reader = _Prefetcher(
                 ckpt, [n for n in order if n in plan.weights],
                 lambda name, space: plans.factors(plan.weights[name], sources, plan.reports, space),
@@ -1017,6 +1030,24 @@ class _FusedWriter:
             reader.close()
         return metadata
 
+    def _first_metadata(self, entries, report):
+        """The metadata written first (digests as placeholders).  Where the record would take
+        the header past the limit readers enforce and the header fits without it, the fuse
+        goes on without a record (as digests=False) and ``report`` says so: a record never
+        stops a fuse that fits without one."""
+        metadata = self.metadata([None] * len(self.sources), {})
+        if not self.options.digests:
+            return metadata
+        size = len(_st.header_bytes(entries, metadata)[0]) - 8
+        if size <= _st.MAX_HEADER:
+            return metadata
+        without = {k: v for k, v in metadata.items() if k != provenance.RECORD_KEY}
+        if len(_st.header_bytes(entries, without)[0]) - 8 > _st.MAX_HEADER:
+            return metadata  # too large either way: the writer says so
+        self.options = dataclasses.replace(self.options, digests=False)
+        report.record_left_out = size
+        return without
+
     def _digests(self):
         return self.read_digests if self.options.digests else None
 
@@ -1046,11 +1077,11 @@ class _FusedWriter:
 
 
 def _read_tensor(ckpt, name, digests=None):
-    """The tensor as read; its SHA-256 put in ``digests`` when a dict is given."""
+    """The tensor as read; its digest (BLAKE3) put in ``digests`` when a dict is given."""
     f, _ = ckpt.entries[name]
     array = f.read(name)
     if digests is not None:
-        digests[name] = provenance.sha256_of(array)
+        digests[name] = provenance.digest_of(array)
     return array
 
 

@@ -13,7 +13,6 @@ Three checks, each as far as what is given allows:
 A file without a record (another tool's, or an older ltx2blas's) is compared tensor by tensor
 with the base and with what ltx2blas makes of the inputs.
 """
-import hashlib
 import inspect
 import os
 import threading
@@ -190,6 +189,8 @@ CLASSES = {"rounding": "the same inputs under another rounding",
            "not classed": "not classed (not a bf16 weight, or a DoRA one)",
            "no adapter": "the base's bytes (no adapter in them)"}
 #: the finding kinds about the inputs, and about the file against its record
+#: The hashes of tensor digests, as findings name them.
+HASH_TEXT = {"sha256": "SHA-256", "blake3": "BLAKE3"}
 _INPUTS = ("order", "adapter", "strength", "option", "base")
 _FILE = ("digest", "missing", "extra", "copied")
 #: tensor findings the text names of each kind and class (the JSON keeps NAMED)
@@ -295,6 +296,20 @@ def verify_checkpoint(fused, model=None, loras=None, *, rule=None, alpha=None, t
         report.origin = _origin(ckpt.metadata, record, history)
         usable = record is not None and record["format"] <= provenance.RECORD_FORMAT
         current = usable and record["contract"] == provenance.CONTRACT
+        names_differ = False
+        if usable:
+            # format 2 lists digests in the order of the file's names: unpacked here, as
+            # format 1 holds them ({tensor: hex digest})
+            output, read = provenance.expand_output(record, list(ckpt.entries))
+            names_differ = output is None
+            if names_differ:
+                count = record["output"]["count"]
+                report.add("missing", "", f"the file's tensor names are not those its record "
+                                          f"lists ({count} recorded, {len(ckpt.entries)} in the "
+                                          "file): a tensor was added, removed or renamed after "
+                                          "the fuse")
+            record = dict(record, hash=provenance.tensor_hash_of(record), output=output or {},
+                          base=dict(record["base"], read=read or {}))
         if record is not None and not usable:
             report.reasons.append(f"its record has format {record['format']}, newer than this "
                                   "ltx2blas reads; verify it with a newer ltx2blas")
@@ -311,7 +326,8 @@ def verify_checkpoint(fused, model=None, loras=None, *, rule=None, alpha=None, t
             options = _options(record, given, rule, alpha)
             rebuilt = _rebuild(ckpt, model, options, record, report, threads, workers,
                                progress, t0)
-        if usable:
+        own = None
+        if usable and not names_differ:
             # progress from the step's own start: its ETA is the step's
             own = _check_own_digests(ckpt, record, report, workers, progress,
                                      time.perf_counter(), skip=rebuilt)
@@ -321,8 +337,9 @@ def verify_checkpoint(fused, model=None, loras=None, *, rule=None, alpha=None, t
                     f"follows {provenance.CONTRACT}): its bytes match its record as above, but "
                     f"only ltx2blas {_version_text(record.get('ltx2blas', '?'))} rebuilds them")
         if current and (model is not None or given):
-            _check_inputs(ckpt, record, model, given, rule, alpha, report, workers,
-                          {n: d for n, d in rebuilt.items() if d is not None}, own)
+            _check_inputs(ckpt, record, None if names_differ else model, given, rule, alpha,
+                          report, workers, {n: d for n, d in rebuilt.items() if d is not None},
+                          own)
         if record is None and not report.reasons and not rebuilt:
             report.reasons.append(
                 "no provenance record to check it by" + (
@@ -415,16 +432,16 @@ def _version_text(version):
     return version if len(version) <= VERSION_SHOWN else version[:VERSION_SHOWN] + "..."
 
 
-def _digest_all(f_entries, workers, on_done=None):
-    """{name: SHA-256} of tensors ``f_entries`` ({name: (SafetensorsFile, TensorInfo)}), on
-    ``workers`` threads, each reading through one buffer of its own (hashlib runs without the
-    GIL)."""
+def _digest_all(f_entries, workers, on_done=None, hash_name=provenance.TENSOR_HASH):
+    """{name: digest by ``hash_name``} of tensors ``f_entries`` ({name: (SafetensorsFile,
+    TensorInfo)}), on ``workers`` threads, each reading through one buffer of its own (hashlib
+    and blake3 run without the GIL)."""
     local = threading.local()
 
     def one(name):
         if not hasattr(local, "buffer"):
             local.buffer = np.empty(1 << 20, np.uint8)
-        return name, provenance.tensor_digest(*f_entries[name], local.buffer)
+        return name, provenance.tensor_digest(*f_entries[name], local.buffer, hash_name)
 
     out = {}
     # daemon workers, left to themselves on the way out of an error or a stop: a
@@ -455,15 +472,15 @@ def _check_own_digests(ckpt, record, report, workers, progress, t0, skip=()):
             progress(Progress(report.tensors_hashed, total, 0.0, 0.0,
                               time.perf_counter() - t0, name, bytes_done, bytes_total))
 
-    got = _digest_all(hashed, workers, tick)
+    got = _digest_all(hashed, workers, tick, record["hash"])
     for name in ckpt.entries:
         if name in skip and name in recorded:
             continue
         if name not in recorded:
             report.add("extra", name, "in the file but not in its record")
         elif got[name] != recorded[name]:
-            report.add("digest", name, "its bytes are not those the fuse wrote (SHA-256 "
-                                       "differs)")
+            report.add("digest", name, "its bytes are not those the fuse wrote "
+                                       f"({HASH_TEXT[record['hash']]} differs)")
     for name in recorded:
         if name not in ckpt.entries:
             report.add("missing", name, "recorded but not in the file")
@@ -488,7 +505,8 @@ def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read
         for path, _ in given:
             source = Source(path)
             try:
-                digests.append(provenance.file_digests(source.file))
+                digests.append(provenance.file_digests(source.file,
+                                                       hash_name=record["hash"]))
             finally:
                 source.close()
             report.inputs_hashed += len(digests[-1][1])
@@ -504,16 +522,23 @@ def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read
                                             "in another order")
                     continue
                 # one line for the file, then its tensors: a wrong file names every one
-                theirs = want["tensors"]
+                theirs = provenance.adapter_tensors(want, tensors)
+                if theirs is None:  # format 2 names no tensor: only the same names compare
+                    report.add("adapter", "", f"adapter {i} ({os.path.basename(path)}) is not "
+                                              f"the file fused (the record's "
+                                              f"{want.get('file', '?')}): its tensor names are "
+                                              f"not those fused ({len(tensors)} tensors, "
+                                              f"{want['tensors']['count']} recorded)")
+                    continue
                 differ = sum(tensors.get(n) != d for n, d in theirs.items())
                 extra = sum(n not in theirs for n in tensors)
                 report.add("adapter", "", f"adapter {i} ({os.path.basename(path)}) is not the "
                                           f"file fused (the record's {want.get('file', '?')}): "
                                           f"{differ} of its {len(theirs)} tensors differ" + (
                                               f", {extra} not in the record" if extra else ""))
-                _compare_digests(tensors, want["tensors"], f"adapter {i}", report,
+                _compare_digests(tensors, theirs, f"adapter {i}", report,
                                  f"{os.path.basename(path)} against the record's "
-                                 f"{want.get('file', '?')}")
+                                 f"{want.get('file', '?')}", record["hash"])
             if strength is not None and np.float32(strength) != np.float32(want["strength"]):
                 report.add("strength", "", f"adapter {i}: strength {strength:g} given, fused at "
                                            f"{want['strength']:g}")
@@ -523,7 +548,8 @@ def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read
             computed = record["base"]["read"]
             want = {n: computed.get(n, d) for n, d in record["output"].items()}
             got = _digest_all({n: e for n, e in base.entries.items()
-                               if n in want and n not in read}, workers)
+                               if n in want and n not in read}, workers,
+                              hash_name=record["hash"])
             report.inputs_hashed += len(got)
             got.update(read)
             # a base tensor the record lacks needs no digest to be named
@@ -540,15 +566,16 @@ def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read
                                         "file: either both were changed after the fuse, or "
                                         f"{name} is not the base fused")
                 del want[n], got[n]
-            _compare_digests(got, want, "base", report, name)
+            _compare_digests(got, want, "base", report, name, record["hash"])
 
 
-def _compare_digests(got, want, what, report, where):
+def _compare_digests(got, want, what, report, where, hash_name):
     for name, digest in want.items():
         if name not in got:
             report.add(what, name, f"recorded, but not in {where}")
         elif got[name] != digest:
-            report.add(what, name, f"{where}: its bytes differ from those fused (SHA-256)")
+            report.add(what, name, f"{where}: its bytes differ from those fused "
+                                   f"({HASH_TEXT[hash_name]})")
     for name in got:
         if name not in want:
             report.add(what, name, f"in {where}, but not in the record")
@@ -578,7 +605,7 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
     base's tensors hashed (with a record) by background threads from the page cache."""
     has_record = record is not None
     loras = list(zip(options["paths"], options["strengths"]))
-    hasher = provenance.Hasher(workers) if has_record else None
+    hasher = provenance.Hasher(workers, hash_name=record["hash"]) if has_record else None
     read = []
     ahead = _stop.Workers(2, "ltx2blas-ahead")  # not joined after an error or a stop
     digests = None
@@ -631,7 +658,8 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
                     _compare(ckpt, name, weight, original, report, layout.fmt, loaded,
                              stored.result(),
                              base=(lambda n=name: _read_tensor(base, n)) if has_record else None,
-                             recorded=record["output"].get(name) if has_record else None)
+                             recorded=record["output"].get(name) if has_record else None,
+                             hash_name=record["hash"] if has_record else None)
                     for c, s in zip(layout.rewritten, scales):
                         _compare(ckpt, c, s, None, report, None, None)
                     done_gflop += plans.gflop(layout.shape, plan.weights[name], sources)
@@ -665,12 +693,12 @@ def _stored(ckpt, name):
 
 
 def _compare(ckpt, name, rebuilt, original, report, fmt, loaded, stored=None, base=None,
-             recorded=None):
+             recorded=None, hash_name=None):
     """The file's tensor ``name`` (``stored``, its bytes, when read already) against the
     ``rebuilt`` one; without a record (``original``, the base's tensor, given) also against
     the base.  A bf16 weight that differs is measured against the base's (``base()`` reads it
     again, with a record), fitted (_fit) and classed (CLASSES); with a record, ``recorded`` is
-    the digest the fuse wrote for it."""
+    the digest the fuse wrote for it, by ``hash_name``."""
     report.tensors_rebuilt += 1
     if name not in ckpt.entries:
         report.add("missing", name, "fused from the inputs but not in the file")
@@ -706,8 +734,8 @@ def _compare(ckpt, name, rebuilt, original, report, fmt, loaded, stored=None, ba
         scaled = fit["steps"] = _steps_everywhere(stored, rebuilt, original,
                                                   _magnitude(loaded, rebuilt.shape))
         fit["steps_over"] = "every element"
-    if recorded is not None and hashlib.sha256(stored.reshape(-1).view(np.uint8)).hexdigest() \
-            != recorded:
+    if recorded is not None and provenance.digest_of(
+            stored.reshape(-1).view(np.uint8), hash_name) != recorded:
         cls = "changed after the fuse"
     elif fit is None or scaled is None and fit["multiple"] is None:
         cls = "not classed"
