@@ -12,8 +12,7 @@ import ltx2blas
 from ltx2blas.files import provenance
 from ltx2blas.files.safetensors import SafetensorsFile
 from ltx2blas.files.verify import verify_checkpoint
-
-pytest.importorskip("numpy")
+from test_verify import flip_byte
 
 M = "model.diffusion_model."
 DATA = os.path.join(os.path.dirname(__file__), "data", "format1")
@@ -24,16 +23,6 @@ def format1_inputs():
     return dict(model=os.path.join(DATA, "base.safetensors"),
                 loras=[(os.path.join(DATA, "a1.safetensors"), 0.8),
                        (os.path.join(DATA, "a2.safetensors"), -1.5)])
-
-
-def flip_byte(path, tensor, at=3):
-    with SafetensorsFile(path) as f:
-        offset = f.tensors[tensor].begin + at
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def test_a_format1_file_of_0_1_0_verifies_alone_and_against_its_inputs():
