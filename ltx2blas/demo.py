@@ -54,12 +54,6 @@ def sgemm_timer(threads, n=2048):
     return timed, 2.0 * n**3 / 1e9
 
 
-def sgemm_rate(threads, n=2048, repeats=ROUNDS):
-    """GFLOP/s of one square sgemm at ``threads`` BLAS threads: the best of ``repeats``."""
-    timed, gflop = sgemm_timer(threads, n)
-    return gflop / min(timed() for _ in range(repeats))
-
-
 def _timed(fn):
     """(seconds, what ``fn()`` returned)."""
     t0 = time.perf_counter()
