@@ -214,7 +214,7 @@ def _cmd_verify(args):
         args.fused, args.model, loras, rule=args.rule, alpha=args.alpha, threads=args.threads,
         progress=None if (args.quiet or args.json) else _ProgressPrinter())
     _stop.check()  # a signal whose exception Python swallowed (in a __del__) still stops it
-    _print(json.dumps(report.as_dict(), indent=2) if args.json else _cli_words(report.summary()))
+    _print(_json(report.as_dict()) if args.json else _cli_words(report.summary()))
     return report.exit_code
 
 
