@@ -16,6 +16,7 @@ import pytest
 import ltx2blas
 from ltx2blas import fuse as fusemod
 from ltx2blas.files import provenance
+from ltx2blas.files import safetensors as st
 from ltx2blas.files.safetensors import SafetensorsFile
 from ltx2blas.files.verify import verify_checkpoint
 
@@ -135,11 +136,9 @@ def test_the_record_holds_the_inputs_outputs_and_options(files):
     base = raw_digests(paths["model"], "blake3")
     changed = sorted(M + m + s for m in (Q, "transformer_blocks.0.ff.net.0.proj",
                                          "transformer_blocks.1.attn1.to_q") for s in (".weight",))
-    # the base's tensors read to compute the fused ones, as they were before the fuse: one bit
-    # each in the output's order, their digests in that order
-    assert rec["base"] == {"file": "model.safetensors", "read": read_bits(out, changed),
-                           "digests": base64.b64encode(b"".join(bytes.fromhex(base[n])
-                                                                for n in changed)).decode()}
+    # the base's tensors read to compute the fused ones: one bit each in the output's order,
+    # and no digest of their base bytes (a rebuild checks those)
+    assert rec["base"] == {"file": "model.safetensors", "read": read_bits(out, changed)}
     # every copied tensor is the base's: its output digest is its base digest
     assert all(out[n] == base[n] for n in base if n not in changed)
     assert [(a["file"], a["strength"]) for a in rec["adapters"]] == [("a1.safetensors", 0.8),
@@ -215,6 +214,56 @@ def test_a_changed_base_tensor_is_named(files):
         shutil.copy(paths["model"].with_suffix(".orig"), paths["model"])
     # the file itself is intact
     assert verify_checkpoint(paths["out"]).status == "verified"
+
+
+def test_a_fuse_hashes_each_output_byte_once_and_no_base_byte(files, tmp_path, monkeypatch):
+    """The digests' cost is one hash of each byte written: the base's bytes a fuse computes
+    from are not hashed (the rebuild checks them), a copied tensor is hashed once."""
+    paths = files[0]
+    fed = []
+    add, add_file, now = (provenance.Hasher.add, provenance.Hasher.add_file,
+                          provenance.Hasher.hash_now)
+
+    def counted(method, size):
+        def wrapper(self, name, *args, **kwargs):
+            fed.append(size(*args))
+            return method(self, name, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(provenance.Hasher, "add",
+                        counted(add, lambda data, *_, **__: memoryview(data).nbytes))
+    monkeypatch.setattr(provenance.Hasher, "add_file",
+                        counted(add_file, lambda f, info: info.nbytes))
+    monkeypatch.setattr(provenance.Hasher, "hash_now",
+                        counted(now, lambda data: memoryview(data).nbytes))
+    out = tmp_path / "again.safetensors"
+    ltx2blas.fuse_checkpoint(paths["model"], inputs(paths)["loras"], out, threads=2)
+    with SafetensorsFile(out) as f:
+        written = sum(info.nbytes for info in f.tensors.values())
+    assert sum(fed) == written
+
+
+def test_the_base_alone_checks_the_copied_tensors_and_says_what_needs_the_adapters(files):
+    """A format 2 record keeps no digest of the base's bytes a fuse computed from: the base
+    alone is checked on the tensors copied, and the report says the rest needs the adapters;
+    with them, a changed base weight is named as the base's (the file and adapters are as
+    recorded, so the base is the input left)."""
+    paths = files[0]
+    alone = verify_checkpoint(paths["out"], model=paths["model"])
+    assert alone.status == "verified", alone.summary()
+    assert "the 3 tensors the fuse computed from the base" in alone.summary()
+    assert "give the adapters (--lora) too" in alone.summary()
+    flip_byte(paths["model"], M + "norm_out.weight")
+    copied = verify_checkpoint(paths["out"], model=paths["model"])
+    assert ("copied", M + "norm_out.weight") in whats(copied)
+    flip_byte(paths["model"], M + "norm_out.weight")
+    flip_byte(paths["model"], M + Q + ".weight")
+    unseen = verify_checkpoint(paths["out"], model=paths["model"])
+    assert unseen.status == "verified"  # the weight fused is not the base alone's to check
+    full = verify_checkpoint(paths["out"], **inputs(paths), threads=1)
+    assert full.status == "differs" and full.cause_class == "base", full.summary()
+    assert full.findings[0].what == "base" and full.findings[0].tensor == M + Q + ".weight"
+    assert "not the tensor fused" in full.summary().splitlines()[0]
 
 
 def test_a_changed_adapter_tensor_is_named(files):
@@ -581,11 +630,10 @@ def test_a_digest_that_went_missing_fails_the_fuse_and_writes_nothing(files, tmp
                                                                        monkeypatch):
     """Were a digest lost (a hashing thread's fault), the record would name a placeholder as
     the tensor's digest; the fuse fails instead, and leaves no file."""
-    from ltx2blas.files import checkpoint
-
     paths = files[0]
-    monkeypatch.setattr(checkpoint, "_read_tensor", lambda ckpt, name, digests=None:
-                        ckpt.entries[name][0].read(name))  # reads, but records no digest
+    digests = st.SafetensorsWriter.digests
+    monkeypatch.setattr(st.SafetensorsWriter, "digests", lambda self: {
+        n: d for n, d in digests(self).items() if not n.endswith(".bias")})  # one lost
     out = tmp_path / "lost.safetensors"
     model = ck.write(tmp_path / "biased.safetensors", {
         **files[1], M + Q + ".bias": files[1][M + Q + ".bias"]})

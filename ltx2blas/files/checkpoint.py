@@ -505,11 +505,8 @@ class _Prefetcher:
     Each weight is placed ``shift(name)`` bytes past a page boundary (its offset within a page
     of the output file), so that the writer can write it to the output without copying it."""
 
-    def __init__(self, ckpt, names, load, factor_bytes, shift=lambda name: 0, page=4096,
-                 hasher=None):
+    def __init__(self, ckpt, names, load, factor_bytes, shift=lambda name: 0, page=4096):
         self.ckpt, self.names, self.load = ckpt, names, load
-        # each weight read is hashed as ("read", name) by ``hasher``'s threads, from the file
-        self.hasher = hasher
         self.layouts = [self._layout(n, factor_bytes, shift, page) for n in names]
         self.size = max((span for _, _, _, span in self.layouts), default=0)
         self.bins = [page_aligned(self.size, page), page_aligned(self.size, page)]
@@ -558,8 +555,6 @@ class _Prefetcher:
                 {"BF16": np.uint16, "I8": np.int8}.get(info.dtype, np.uint8)).reshape(info.shape)
             try:
                 f.read(name, array)
-                if self.hasher is not None:
-                    self.hasher.add_file(("read", name), f, info)
                 space = at + weight_bytes
                 factors = self.load(name, self.bins[b][space:space + factor_bytes])
             except BaseException as exc:
@@ -941,7 +936,6 @@ class _FusedWriter:
         self.delta = _delta_buffer(layouts)
         self.pending = {}  # rewritten scales, written right after their weight
         self.dtypes = {n: info.dtype for n, (_, info) in ckpt.entries.items()}
-        self.read_digests = {}  # base tensors the fuse computes from: name -> digest
 
     def metadata(self, hashes, output_digests):
         """The output's metadata: ``hashes`` holds each adapter's (file digest, {tensor:
@@ -966,16 +960,13 @@ class _FusedWriter:
         changed = [n for name in self.plan.weights for n in [name, *self.layouts[name].rewritten]]
         changed += list(self.plan.biases)
         if output_digests:  # the final record: every digest known, or the fuse fails
-            missing = [n for n in changed if n not in self.read_digests] + [
-                n for n in self.ckpt.entries if n not in output_digests]
+            missing = [n for n in self.ckpt.entries if n not in output_digests]
             if missing:
                 raise RuntimeError(f"no digest for tensor {missing[0]!r}: the record would "
                                    "be wrong, so nothing is written")
         return provenance.make_record(
             _version(), {k: getattr(options, k) for k in provenance.OPTIONS},
-            os.path.basename(self.ckpt.path),
-            {n: self.read_digests.get(n, blank) for n in changed},
-            adapters, {n: output_digests.get(n, blank) for n in self.ckpt.entries})
+            os.path.basename(self.ckpt.path), set(changed), adapters, {n: output_digests.get(n, blank) for n in self.ckpt.entries})
 
     def write(self, output, order, report, progress, t0):
         """Write and commit the output; returns its metadata."""
@@ -1001,8 +992,7 @@ class _FusedWriter:
                 ckpt, [n for n in order if n in plan.weights],
                 lambda name, space: plans.factors(plan.weights[name], sources, plan.reports, space),
                 lambda name: plans.factor_space(plan.weights[name], sources),
-                lambda name: writer.file_offset(name) % writer.ALIGN, writer.ALIGN,
-                hasher=digests)
+                lambda name: writer.file_offset(name) % writer.ALIGN, writer.ALIGN)
             try:
                 for count, name in enumerate(order, 1):
                     done_gflop += self._write_one(name, writer, reader, report)
@@ -1017,9 +1007,6 @@ class _FusedWriter:
                 for r, h in zip(plan.reports, hashes):
                     if isinstance(h, BaseException):
                         raise Ltx2IOError(5, f"hashing {r.path} failed: {h}") from h
-                if digests is not None:
-                    self.read_digests.update((key[1], d) for key, d in digests.wait().items()
-                                             if isinstance(key, tuple))
                 metadata = self.metadata(hashes, writer.digests() if digests is not None
                                          else {})
                 writer.set_metadata(metadata)
@@ -1048,16 +1035,13 @@ class _FusedWriter:
         report.record_left_out = size
         return without
 
-    def _digests(self):
-        return self.read_digests if self.options.digests else None
-
     def _write_one(self, name, writer, reader, report):
         """Write tensor ``name``; returns the GFLOP its fuse took (0 for the rest)."""
         ckpt, plan = self.ckpt, self.plan
         if name in plan.weights:
             layout = self.layouts[name]
             weight, loaded = reader.take(name)
-            scales = [_read_tensor(ckpt, c, self._digests()) for c in layout.rewritten]
+            scales = [_read_tensor(ckpt, c) for c in layout.rewritten]
             overflows = _fuse_one(weight, loaded, layout, name, self.options, scales,
                                   _delta_view(self.delta, layout), ckpt.path, self.sources)
             _note_overflows(report, name, layout, overflows)
@@ -1068,7 +1052,7 @@ class _FusedWriter:
         if name in self.pending:
             writer.write(name, self.pending.pop(name))
         elif name in plan.biases:
-            writer.write(name, fuse_bias(_read_tensor(ckpt, name, self._digests()),
+            writer.write(name, fuse_bias(_read_tensor(ckpt, name),
                                          plans.bias_terms(plan.biases[name], self.sources)))
         else:
             f, info = ckpt.entries[name]
@@ -1076,13 +1060,9 @@ class _FusedWriter:
         return 0.0
 
 
-def _read_tensor(ckpt, name, digests=None):
-    """The tensor as read; its digest (BLAKE3) put in ``digests`` when a dict is given."""
+def _read_tensor(ckpt, name):
     f, _ = ckpt.entries[name]
-    array = f.read(name)
-    if digests is not None:
-        digests[name] = provenance.digest_of(array)
-    return array
+    return f.read(name)
 
 
 def fuse_state_dict(state_dict, loras, *, rule="addmm", threads=None, progress=None,

@@ -33,11 +33,11 @@ HASHES = {"sha256": hashlib.sha256, "blake3": blake3.blake3}
 #: The placeholder of a digest not yet known when the header is written first: the same
 #: length, so the finished header replaces it in place.
 PLACEHOLDER = "0" * 64
-#: A format 2 record's size: at most this many bytes per output tensor (its digest, the
-#: base's digest where the fuse computed from the base's tensor, one bit saying so) and per
-#: adapter tensor (its digest), plus RECORD_FIXED and each adapter's RECORD_PER_ADAPTER and
-#: file name (JSON-escaped: at most 6 bytes a character).
-RECORD_PER_OUTPUT_TENSOR = 87
+#: A format 2 record's size: at most this many bytes per output tensor (its digest, one bit
+#: saying whether the fuse computed it from the base's tensor) and per adapter tensor (its
+#: digest), plus RECORD_FIXED and each adapter's RECORD_PER_ADAPTER and file name
+#: (JSON-escaped: at most 6 bytes a character).
+RECORD_PER_OUTPUT_TENSOR = 44
 RECORD_PER_ADAPTER_TENSOR = 43
 RECORD_FIXED = 1024
 RECORD_PER_ADAPTER = 256
@@ -286,30 +286,31 @@ def expand(listed, names):
     return None if digests is None else dict(zip(names, digests))
 
 
-def make_record(version, options, base_name, base_read, adapters, output):
+def make_record(version, options, base_name, computed, adapters, output):
     """The record a fuse writes, of format 2 (every digest may still be PLACEHOLDER):
 
-    ``options``: the OPTIONS as the fuse ran; ``base_read``: {tensor: digest} of the base's
-    tensors the fuse computed from (its fused weights, their scales, its biases), each changed
-    in the output; every other tensor is copied, so its base digest is its output digest;
+    ``options``: the OPTIONS as the fuse ran; ``computed``: the names of the base's tensors
+    the fuse computed from (its fused weights, their scales, its biases), each changed in the
+    output; every other tensor is copied, so its base digest is its output digest;
     ``adapters``: [(file name, file SHA-256, strength, {tensor: digest})] in the order they
     were applied; ``output``: {tensor: digest} of every tensor written.
 
     No tensor name is stored (the file's header holds the output's, an adapter file its
     own): each digest list is in the order of the sorted names, with their count and a
-    digest of the names; the base's tensors read are one bit each in the output's order.
-    Its size is bounded by RECORD_PER_OUTPUT_TENSOR, RECORD_PER_ADAPTER_TENSOR, RECORD_FIXED
-    and RECORD_PER_ADAPTER (docs/verify.md)."""
+    digest of the names; the tensors computed are one bit each in the output's order.  No
+    digest of a computed tensor's base bytes is kept: it would hash each fused byte a second
+    time, and a rebuild from the inputs checks those bytes (docs/verify.md).  Its size is
+    bounded by RECORD_PER_OUTPUT_TENSOR, RECORD_PER_ADAPTER_TENSOR, RECORD_FIXED and
+    RECORD_PER_ADAPTER."""
     names = sorted(output)
     bits = bytearray((len(names) + 7) // 8)
     for i, name in enumerate(names):
-        if name in base_read:
+        if name in computed:
             bits[i // 8] |= 1 << (i % 8)
     return {
         "format": RECORD_FORMAT, "contract": CONTRACT, "ltx2blas": version,
         "options": dict(options), "hash": TENSOR_HASH,
-        "base": {"file": base_name, "read": base64.b64encode(bytes(bits)).decode(),
-                 "digests": pack(base_read[n] for n in names if n in base_read)},
+        "base": {"file": base_name, "read": base64.b64encode(bytes(bits)).decode()},
         "adapters": [{"file": name, "sha256": digest, "strength": strength,
                       "tensors": digest_list(tensors)}
                      for name, digest, strength, tensors in adapters],
@@ -318,9 +319,10 @@ def make_record(version, options, base_name, base_read, adapters, output):
 
 
 def expand_output(record, names):
-    """(output digests, base digests read) of record, {tensor: hex digest} each, given the
-    file's tensor names: as stored in format 1, unpacked in format 2; (None, None) where the
-    names are not those the record was made of."""
+    """(output digests, base tensors computed from) of record, given the file's tensor names:
+    {tensor: hex digest}, and {tensor: the hex digest of its base bytes, or None where the
+    record keeps none (format 2)}; (None, None) where the names are not those the record was
+    made of."""
     if record["format"] == 1:
         return record["output"], record["base"]["read"]
     output = expand(record["output"], names)
@@ -333,11 +335,7 @@ def expand_output(record, names):
     ordered = sorted(output)
     if len(bits) != (len(ordered) + 7) // 8:
         return None, None
-    read = [n for i, n in enumerate(ordered) if bits[i // 8] >> (i % 8) & 1]
-    digests = unpack(record["base"]["digests"], len(read))
-    if digests is None:
-        return None, None
-    return output, dict(zip(read, digests))
+    return output, {n: None for i, n in enumerate(ordered) if bits[i // 8] >> (i % 8) & 1}
 
 
 def adapter_tensors(recorded, names):
@@ -436,8 +434,7 @@ def _well_formed(record):
                      and _digests(record["base"]["read"])
                      or record["format"] != 1 and record.get("hash") in HASHES
                      and _digest_list(record["output"])
-                     and isinstance(record["base"]["read"], str)
-                     and isinstance(record["base"]["digests"], str))
+                     and isinstance(record["base"]["read"], str))
                 and isinstance(record["adapters"], list)
                 and all((_digests if record["format"] == 1 else _digest_list)(a["tensors"])
                         and isinstance(a["sha256"], str)

@@ -321,11 +321,11 @@ def verify_checkpoint(fused, model=None, loras=None, *, rule=None, alpha=None, t
                                   f"ltx2blas reads ({history_why})")
         # The rebuild first: each tensor it compares byte for byte needs no digest of its own,
         # and the base's tensors it reads are hashed from the page cache as it goes.
-        rebuilt = {}
+        rebuilt, differing = {}, []
         if model is not None and given and (record is None or current):
             options = _options(record, given, rule, alpha)
-            rebuilt = _rebuild(ckpt, model, options, record, report, threads, workers,
-                               progress, t0)
+            rebuilt, differing = _rebuild(ckpt, model, options, record, report, threads,
+                                          workers, progress, t0)
         own = None
         if usable and not names_differ:
             # progress from the step's own start: its ETA is the step's
@@ -340,6 +340,7 @@ def verify_checkpoint(fused, model=None, loras=None, *, rule=None, alpha=None, t
             _check_inputs(ckpt, record, None if names_differ else model, given, rule, alpha,
                           report, workers, {n: d for n, d in rebuilt.items() if d is not None},
                           own)
+            _blame_base(record, model, given, differing, report)
         if record is None and not report.reasons and not rebuilt:
             report.reasons.append(
                 "no provenance record to check it by" + (
@@ -544,17 +545,28 @@ def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read
                                            f"{want['strength']:g}")
     if model is not None:
         with Checkpoint(model) as base:
-            # a copied tensor's base digest is its output digest
+            # a copied tensor's base digest is its output digest; a computed one's is kept in
+            # format 1 only (format 2's rebuild checks it)
             computed = record["base"]["read"]
-            want = {n: computed.get(n, d) for n, d in record["output"].items()}
+            want = {n: computed.get(n, d) for n, d in record["output"].items()
+                    if n not in computed or computed[n] is not None}
+            unchecked = [n for n in computed if computed[n] is None]
+            if unchecked and not given:
+                report.reasons.append(
+                    f"the {_count(len(unchecked), 'tensor')} the fuse computed from the base "
+                    "(fused weights, their scales, biases) are checked by a rebuild: give the "
+                    "adapters (--lora) too")
             got = _digest_all({n: e for n, e in base.entries.items()
                                if n in want and n not in read}, workers,
                               hash_name=record["hash"])
             report.inputs_hashed += len(got)
             got.update(read)
             # a base tensor the record lacks needs no digest to be named
-            got.update((n, None) for n in base.entries if n not in want)
+            got.update((n, None) for n in base.entries if n not in want and n not in computed)
             name = os.path.basename(model)
+            for n in unchecked:
+                if n not in base.entries:
+                    report.add("base", n, f"recorded, but not in {name}")
             for n in [n for n in want if n not in computed and n in got and got[n] != want[n]
                       and own.get(n) == want[n]]:
                 # A copied tensor the file holds as its record says, unlike the base's: the
@@ -567,6 +579,22 @@ def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read
                                         f"{name} is not the base fused")
                 del want[n], got[n]
             _compare_digests(got, want, "base", report, name, record["hash"])
+
+
+def _blame_base(record, model, given, differing, report):
+    """A tensor the fuse computed that differs from its rebuild while the file holds the bytes
+    the fuse wrote, the adapters are the files fused, at their strengths and in their order,
+    and the options are the recorded ones: the one input left is the base.  Named as such
+    where the record keeps no digest of the base's bytes to say so (format 2)."""
+    if not differing or any(_group(f.what) == 0 for f in report.findings) or \
+            len(given) != len(record["adapters"]):
+        return
+    name = os.path.basename(model)
+    for tensor in differing:
+        if record["base"]["read"].get(tensor) is None:
+            report.add("base", tensor, f"{name}: not the tensor fused: its rebuild differs "
+                                       "from the file, which holds what the fuse wrote, while "
+                                       "the adapters and options are those recorded")
 
 
 def _compare_digests(got, want, what, report, where, hash_name):
@@ -601,12 +629,17 @@ def _options(record, given, rule, alpha):
 def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t0):
     """Every fused tensor fused again from the base and adapters by ``options``, one weight at a
     time, compared with the file.  Without a record, each is also compared with the base, and
-    every other tensor must be the base's.  Returns {tensor compared: its base digest}, the
-    base's tensors hashed (with a record) by background threads from the page cache."""
+    every other tensor must be the base's.  Returns ({tensor compared: its base digest, or
+    None}, [tensors that differ from their rebuild while the file holds what the fuse wrote]):
+    the base's tensors are hashed (for a format 1 record, which holds their digests) by
+    background threads from the page cache."""
     has_record = record is not None
     loras = list(zip(options["paths"], options["strengths"]))
-    hasher = provenance.Hasher(workers, hash_name=record["hash"]) if has_record else None
+    # only a format 1 record holds the digests of the base tensors a fuse computed from
+    hashed = has_record and any(d is not None for d in record["base"]["read"].values())
+    hasher = provenance.Hasher(workers, hash_name=record["hash"]) if hashed else None
     read = []
+    differing = []  # compared tensors that differ while the file's bytes are as recorded
     ahead = _stop.Workers(2, "ltx2blas-ahead")  # not joined after an error or a stop
     digests = None
     with Checkpoint(model) as base, ahead:
@@ -622,6 +655,10 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
                            options["allow_unmatched"], False,
                            allow_overflow=True)  # rebuilds what the file holds, inf included
             delta = _delta_buffer(layouts)
+
+            def recorded(name):  # what _compare needs to tell a file changed after the fuse
+                return dict(recorded=record["output"].get(name), hash_name=record["hash"],
+                            differing=differing) if has_record else {}
 
             def read_base(name):
                 read.append(name)
@@ -656,18 +693,18 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
                     _fuse_one(weight, loaded, layout, name, run, scales,
                               _delta_view(delta, layout), base.path, sources)
                     _compare(ckpt, name, weight, original, report, layout.fmt, loaded,
-                             stored.result(),
+                             stored.result(), differing=differing if has_record else None,
                              base=(lambda n=name: _read_tensor(base, n)) if has_record else None,
                              recorded=record["output"].get(name) if has_record else None,
                              hash_name=record["hash"] if has_record else None)
                     for c, s in zip(layout.rewritten, scales):
-                        _compare(ckpt, c, s, None, report, None, None)
+                        _compare(ckpt, c, s, None, report, None, None, **recorded(c))
                     done_gflop += plans.gflop(layout.shape, plan.weights[name], sources)
                 else:
                     bias = read_base(name)
                     _compare(ckpt, name, fuse_bias(bias, plans.bias_terms(plan.biases[name],
                                                                           sources)),
-                             None if has_record else bias, report, None, None)
+                             None if has_record else bias, report, None, None, **recorded(name))
                 bytes_done += sizes[name]
                 if progress is not None:
                     progress(Progress(count, len(names), done_gflop, total_gflop,
@@ -681,7 +718,7 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
                 hasher.close(cancel=digests is None)  # an error or a stop: waits for no thread
             for s in sources:
                 s.close()
-    return {name: digests.get(name) for name in read}
+    return {name: digests.get(name) for name in read}, differing
 
 
 def _stored(ckpt, name):
@@ -693,7 +730,7 @@ def _stored(ckpt, name):
 
 
 def _compare(ckpt, name, rebuilt, original, report, fmt, loaded, stored=None, base=None,
-             recorded=None, hash_name=None):
+             recorded=None, hash_name=None, differing=None):
     """The file's tensor ``name`` (``stored``, its bytes, when read already) against the
     ``rebuilt`` one; without a record (``original``, the base's tensor, given) also against
     the base.  A bf16 weight that differs is measured against the base's (``base()`` reads it
@@ -745,6 +782,8 @@ def _compare(ckpt, name, rebuilt, original, report, fmt, loaded, stored=None, ba
     else:
         cls = "different inputs"
     report.classes[cls] = report.classes.get(cls, 0) + 1
+    if differing is not None and cls != "changed after the fuse":
+        differing.append(name)
     report.add("unlike both" if other_tool else "rebuilt", name,
                "neither the base nor ltx2blas's result" if other_tool else
                "differs from the rebuild", count, first, steps,
