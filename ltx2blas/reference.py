@@ -690,6 +690,216 @@ def fuse_quantized(layout, weight, scales, adapters, rule="addmm", fmt="F8_E4M3"
 
 
 # --------------------------------------------------------------------------------------------
+# Quantising a bf16 weight (docs/arithmetic.md §2, "Quantising bf16 weights").  Each rule takes
+# a bf16 weight w [rows, cols] (bits; every value finite) and returns the arrays its owner
+# stores, in the owner's order: codes, then scales.  The arithmetic is the owner's own, written
+# as in the fuse rules above: every f32 operation rounds once; bf16(v) marks where the owner
+# computes in the weight's dtype and so rounds to bf16.  The one departure: where the owner
+# computes 0 x inf or 0 / 0 (a zero element under a scale that is zero or so small that its
+# reciprocal is inf: an all-zero tensor or block, or one whose largest magnitude is below
+# about 2^-119) and would write a NaN code, the code here is that zero itself, with its sign.
+# comfy_mxfp8 keeps fuse_comfy_mxfp8's departure instead (zero codes in any block of exponent
+# 0), and comfy_nvfp4 the owner's treatment of a zero block (zero scale, +0 codes) wherever its
+# block scale would be NaN.
+# --------------------------------------------------------------------------------------------
+
+QUANTIZE_FORMATS = ("fp8_scaled", "comfy_fp8", "fp8_block", "nvfp4", "comfy_nvfp4",
+                    "comfy_mxfp8", "comfy_int8")
+
+
+def _roundup(n, m):
+    return -(-n // m) * m
+
+
+def _padded(x, rows, cols):
+    """f32 values zero-padded (+0) at the end of each axis to [rows, cols]."""
+    out = np.zeros((rows, cols), np.float32)
+    out[:x.shape[0], :x.shape[1]] = x
+    return out
+
+
+def _times(x, m):
+    """f32(x * m), where 0 x inf (NaN) is the zero x itself."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = (x * m).astype(np.float32)
+    return np.where(np.isnan(p), x, p)
+
+
+def quantize_fp8_scaled(w):
+    """Per-tensor scaled e4m3 (upstream LTX-2's quantize_weight_to_fp8_per_tensor); returns
+    (codes uint8 [rows, cols], scale f32 ()).
+
+        m     = f32(1 / max|w|) * 448
+        code  = e4m3(clamp(f32(w * m), -448, 448));   scale = f32(1 / m)
+    The fuse_scaled_fp8 "ltx" rule on the bf16 weight itself.  An all-zero weight (m = inf,
+    scale 0) keeps its zeros as codes (-0.0 stays 0x80) where the owner writes NaN."""
+    w = bits(w, np.uint16)
+    x = bf16_widen(w)
+    with np.errstate(over="ignore"):
+        m = np.float32(_recip(_max_abs(x)) * E4M3_MAX)
+    codes = fp8_round(np.clip(_times(x, m), -E4M3_MAX, E4M3_MAX), "F8_E4M3")
+    return codes, np.array(_recip(m), np.float32)
+
+
+def quantize_comfy_fp8(w, fmt="F8_E4M3"):
+    """Per-tensor scaled fp8 as comfy-kitchen 0.2.40 quantises a bf16 weight
+    (TensorCoreFP8Layout.quantize, then its eager quantize_per_tensor_fp8); returns
+    (codes uint8 [rows, cols], scale f32 ()).
+
+        scale = f32(bf16(max|w| / fmax))          the quotient taken in the weight's dtype
+        code  = fp8(clamp(bf16(w * bf16(f32(1 / scale))), -fmax, fmax))
+    fmax is 448 (F8_E4M3) or 57344 (F8_E5M2).  An all-zero weight (scale 0, 1 / scale = inf)
+    keeps its zeros as codes where the owner writes NaN."""
+    w = bits(w, np.uint16)
+    fmax = np.float32(FP8_FORMATS[fmt]["largest"])
+    x = bf16_widen(w)
+    scale = bf16_widen(bf16_round(_max_abs(x) / fmax))
+    inv = bf16_widen(bf16_round(_recip(scale)))
+    q = bf16_widen(bf16_round(_times(x, inv)))
+    return fp8_round(np.clip(q, -fmax, fmax), fmt), np.array(scale, np.float32)
+
+
+def quantize_fp8_block(w):
+    """Blockwise e4m3, one f32 scale per 128 x 128 block (upstream LTX-2's
+    blockwise_quantize_weights); rows and cols multiples of 128; returns
+    (codes uint8 [rows, cols], scales f32 [rows / 128, cols / 128]).
+
+        per block:  m = f32(1 / max|block|) * 448
+        code  = e4m3(f32(w * m))   (no clamp);   scale[block] = f32(1 / m)
+    An all-zero block keeps its zeros as codes where the owner writes NaN, with scale 0."""
+    w = bits(w, np.uint16)
+    rows, cols = np.shape(w)
+    if rows % BLOCK or cols % BLOCK:
+        raise ValueError(f"fp8_block needs rows and cols that are multiples of {BLOCK}, "
+                         f"got {rows} x {cols}")
+    blocks = _blocks(bf16_widen(w))
+    with np.errstate(over="ignore"):
+        m = (_recip(np.max(np.abs(blocks), axis=(2, 3))) * E4M3_MAX).astype(np.float32)
+    codes = fp8_round(_unblocks(_times(blocks, m[:, :, None, None])), "F8_E4M3")
+    return codes, _recip(m)
+
+
+def quantize_nvfp4(w):
+    """NVFP4 as upstream LTX-2's CUDA kernel quantises a bf16 weight (ltx-kernels
+    csrc/nvfp4/quantize.cu: amax_scale with divisor 2688, then the quantise kernel); cols a
+    multiple of 16; returns (packed uint8 [rows, cols / 2], block scales uint8 (E4M3 codes)
+    tiled [roundup(rows, 128), roundup(cols / 16, 4)], scale_2 f32 ()).
+
+        g      = f32(max|w| * f32(1 / 2688))                           scale_2
+        block of 16:  s = e4m3(min(f32(f32(max|block| / 6) / g), 448))   (0 if g = 0)
+                      total = f32(g * f32(s));  inv = f32(1 / total)    (0 if total = 0)
+        code   = e2m1(f32(w * inv))        nearest-even, saturating at 6, sign kept
+    Element 2j of a row goes in the high nibble of byte j.  An all-zero weight needs no
+    departure: g = 0, every s and inv 0, and each code is its zero times 0, sign kept."""
+    w = bits(w, np.uint16)
+    rows, cols = np.shape(w)
+    if cols % NVFP4_GROUP:
+        raise ValueError(f"nvfp4 needs cols that are a multiple of {NVFP4_GROUP}, got {cols}")
+    groups = cols // NVFP4_GROUP
+    x = bf16_widen(w).reshape(rows, groups, NVFP4_GROUP)
+    g = np.float32(_max_abs(x) * np.float32(1.0 / 2688.0))
+    top = np.max(np.abs(x), axis=2) if x.size else np.zeros((rows, groups), np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s = np.minimum((top / E2M1_MAX) / g, E4M3_MAX) if g > 0 else np.zeros_like(top)
+    s_codes = fp8_round(s, "F8_E4M3")
+    total = (g * fp8_widen(s_codes, "F8_E4M3")).astype(np.float32)
+    with np.errstate(over="ignore"):
+        inv = np.where(total > 0, _recip(np.where(total > 0, total, 1)), 0).astype(np.float32)
+    codes = e2m1_round(_times(x, inv[:, :, None])).reshape(rows, cols)
+    return nvfp4_pack(codes), to_tiled(s_codes), np.array(g, np.float32)
+
+
+def quantize_comfy_nvfp4(w):
+    """NVFP4 as comfy-kitchen 0.2.40 quantises a bf16 weight (TensorCoreNVFP4Layout.quantize,
+    then its eager quantize_nvfp4); rows and cols are padded with +0 to R16, C16 (multiples of
+    16); returns (packed uint8 [R16, C16 / 2], block scales uint8 (E4M3 codes) tiled
+    [roundup(R16, 128), roundup(C16 / 16, 4)], scale_2 f32 ()).
+
+        t      = f32(bf16(max|w| / 2688))                 scale_2, the quotient in bf16
+        block of 16:  s = e4m3(min(f32(f32(max|block| / 6) / t), 448));  total = f32(t * f32(s))
+        code   = e2m1(clamp(f32(w / total), -6, 6)), or +0 in a block whose total is 0
+    Element 2j of a row goes in the high nibble of byte j.  Where t is 0 (an all-zero weight,
+    or one below 2688 x 2^-134), a block of zeros gets scale 0 and +0 codes (the owner's 0 / 0
+    would make its scale and codes NaN); a block with a nonzero value gets, as from the owner,
+    scale 448 and +0 codes."""
+    w = bits(w, np.uint16)
+    rows, cols = np.shape(w)
+    r16, c16 = _roundup(rows, NVFP4_GROUP), _roundup(cols, NVFP4_GROUP)
+    groups = c16 // NVFP4_GROUP
+    x = _padded(bf16_widen(w), r16, c16).reshape(r16, groups, NVFP4_GROUP)
+    t = bf16_widen(bf16_round(_max_abs(x) / np.float32(2688.0)))
+    top = np.max(np.abs(x), axis=2) if x.size else np.zeros((r16, groups), np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s = np.minimum((top / E2M1_MAX) / t, E4M3_MAX)
+    s = np.where(np.isnan(s), np.float32(0), s)        # 0 / 0 where t is 0: the zero block
+    s_codes = fp8_round(s, "F8_E4M3")
+    total = (t * fp8_widen(s_codes, "F8_E4M3")).astype(np.float32)
+    safe = np.where(total == 0, np.float32(1), total)
+    with np.errstate(over="ignore"):
+        q = np.where(total[:, :, None] == 0, np.float32(0), x / safe[:, :, None])
+    codes = e2m1_round(np.clip(q, -E2M1_MAX, E2M1_MAX)).reshape(r16, c16)
+    return nvfp4_pack(codes), to_tiled(s_codes), np.array(t, np.float32)
+
+
+def quantize_comfy_mxfp8(w):
+    """MXFP8 as comfy-kitchen 0.2.40 quantises a bf16 weight (TensorCoreMXFP8Layout.quantize,
+    then its eager quantize_mxfp8); rows and cols are padded with +0 to R32, C32 (multiples of
+    32); returns (codes uint8 [R32, C32], E8M0 exponent bytes tiled
+    [roundup(R32, 128), roundup(C32 / 32, 4)]).
+
+        block of 32:  e = ceil(log2(max(f32(max|block| / 448), 2^-127))) + 127, clamped to 0 .. 254
+        code  = e4m3(clamp(f32(w / 2^(e - 127)), -448, 448))
+    A block of zeros gets e = 0 and +0 codes, as from the owner.  A block whose maximum is
+    nonzero but at most 448 x 2^-127 also takes e = 0, a zero scale the owner divides by (+-448
+    codes, NaN for its zeros); here its codes are +0, as fuse_comfy_mxfp8 writes them."""
+    w = bits(w, np.uint16)
+    rows, cols = np.shape(w)
+    r32, c32 = _roundup(rows, MXFP8_GROUP), _roundup(cols, MXFP8_GROUP)
+    groups = c32 // MXFP8_GROUP
+    x = _padded(bf16_widen(w), r32, c32).reshape(r32, groups, MXFP8_GROUP)
+    top = np.max(np.abs(x), axis=2) if x.size else np.zeros((r32, groups), np.float32)
+    e = np.where(top > 0, e8m0_for(np.where(top > 0, top, 1)), 0)
+    zero = e == 0
+    step = np.ldexp(np.float32(1.0), np.where(zero, 127, e) - 127).astype(np.float32)
+    q = np.clip(x / step[:, :, None], -E4M3_MAX, E4M3_MAX)
+    codes = np.where(zero[:, :, None], np.uint8(0), fp8_round(q, "F8_E4M3"))
+    return codes.reshape(r32, c32), to_tiled(e.astype(np.uint8))
+
+
+def quantize_comfy_int8(w, per_row=False):
+    """int8 as comfy-kitchen 0.2.40 quantises a bf16 weight (TensorWiseINT8Layout.quantize:
+    quantize_int8_tensorwise, or with per_channel quantize_int8_rowwise), without its
+    stochastic rounding; returns (codes int8 [rows, cols], scale f32 () or [rows, 1]).
+
+        scale = max(f32(max|w| / 127), 1e-30)        over the tensor, or over each row
+        code  = clamp(round_half_even(bf16(w / bf16(scale))), -128, 127)
+    The owner divides in the weight's dtype: the scale is rounded to bf16 and the quotient too,
+    before the rounding to an integer.  The floor 1e-30 keeps every divisor nonzero, so an
+    all-zero weight needs no departure (codes 0, scale 1e-30)."""
+    w = bits(w, np.uint16)
+    x = bf16_widen(w)
+    if per_row:
+        top = np.max(np.abs(x), axis=1, keepdims=True) if x.size else np.zeros((len(x), 1))
+    else:
+        top = _max_abs(x)
+    scale = np.maximum(np.asarray(top, np.float32) / INT8_MAX, INT8_SCALE_MIN)
+    q = bf16_widen(bf16_round(x / bf16_widen(bf16_round(scale))))
+    return np.clip(np.rint(q), -128, 127).astype(np.int8), np.asarray(scale, np.float32)
+
+
+def quantize_weight(fmt, w, **kw):
+    """A bf16 weight quantised into one of QUANTIZE_FORMATS by the rule above; ``kw`` goes to
+    it (``fmt="F8_E5M2"`` for comfy_fp8, ``per_row=True`` for comfy_int8)."""
+    rules = {"fp8_scaled": quantize_fp8_scaled, "comfy_fp8": quantize_comfy_fp8,
+             "fp8_block": quantize_fp8_block, "nvfp4": quantize_nvfp4,
+             "comfy_nvfp4": quantize_comfy_nvfp4, "comfy_mxfp8": quantize_comfy_mxfp8,
+             "comfy_int8": quantize_comfy_int8}
+    if fmt not in rules:
+        raise ValueError(f"format must be one of {QUANTIZE_FORMATS}, got {fmt!r}")
+    return rules[fmt](bits(w, np.uint16), **kw)
+
+
+# --------------------------------------------------------------------------------------------
 # Deterministic stochastic rounding into fp8 (ltx2blas's own option; upstream's CUDA path and
 # ComfyUI round stochastically too, with other generators).  For each element, 32 random bits
 # r = splitmix64(key + i) (i the element's index in the tensor, key from the seed and the
