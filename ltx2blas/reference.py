@@ -754,7 +754,8 @@ def quantize_comfy_fp8(w, fmt="F8_E4M3"):
     fmax = np.float32(FP8_FORMATS[fmt]["largest"])
     x = bf16_widen(w)
     scale = bf16_widen(bf16_round(_max_abs(x) / fmax))
-    inv = bf16_widen(bf16_round(_recip(scale)))
+    with np.errstate(over="ignore"):                   # 1 / scale is inf below 2^-128
+        inv = bf16_widen(bf16_round(_recip(scale)))
     q = bf16_widen(bf16_round(_times(x, inv)))
     return fp8_round(np.clip(q, -fmax, fmax), fmt), np.array(scale, np.float32)
 
@@ -790,7 +791,9 @@ def quantize_nvfp4(w):
                       total = f32(g * f32(s));  inv = f32(1 / total)    (0 if total = 0)
         code   = e2m1(f32(w * inv))        nearest-even, saturating at 6, sign kept
     Element 2j of a row goes in the high nibble of byte j.  An all-zero weight needs no
-    departure: g = 0, every s and inv 0, and each code is its zero times 0, sign kept."""
+    departure: g = 0, every s and inv 0, and each code is its zero times 0, sign kept.  A
+    block whose total is below 2^-128 has inv = inf; a zero there (0 x inf, NaN, whose e2m1
+    conversion the kernel leaves unknown here) is written as the zero itself."""
     w = bits(w, np.uint16)
     rows, cols = np.shape(w)
     if cols % NVFP4_GROUP:

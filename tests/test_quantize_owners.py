@@ -113,6 +113,10 @@ def test_comfy_int8_by_hand():
     """max 127: scale 1; 63.5 and 0.5 and 1.5 are ties, to even."""
     codes, scale = ref.quantize_comfy_int8(bf16([[127.0, -63.5, 0.5, 1.5, -0.0]]))
     assert codes.tolist() == [[127, -64, 0, 2, 0]] and scale == 1
+    # the quotient is rounded to bf16 first: max 1, scale f32(1 / 127), bf16 0.007873535;
+    # 0.011779785 (0x3C41) / that = 1.496124, bf16 1.5, to even 2 (f32 alone would give 1)
+    codes, scale = ref.quantize_comfy_int8(np.array([[0x3F80, 0x3C41]], np.uint16))
+    assert codes.tolist() == [[127, 2]] and scale == F32(1) / F32(127)
 
 
 def test_nvfp4_by_hand():
@@ -462,10 +466,10 @@ def upstream_blockwise(w, block_size=128, scale_max=448.0):
     """packages/ltx-kernels/src/ltx_kernels/blockwise/functional.py, blockwise_quantize_weights
     (Lightricks/LTX-2 at 400fd310), its lines as written."""
     torch = _torch()
-    w = w.view(w.shape[0]//block_size, block_size, w.shape[1]//block_size, block_size).transpose(1, 2).contiguous()
-    w_absmax = w.float().abs().view(w.shape[0], w.shape[1], block_size*block_size).max(dim=-1, keepdim=False).values
+    w = w.view(w.shape[0]//block_size, block_size, w.shape[1]//block_size, block_size).transpose(1, 2).contiguous()  # noqa: E501
+    w_absmax = w.float().abs().view(w.shape[0], w.shape[1], block_size*block_size).max(dim=-1, keepdim=False).values  # noqa: E501
     w_scales = scale_max/w_absmax
-    w_quant = (w.float()*w_scales[:, :, None, None].float()).to(torch.float8_e4m3fn)
+    w_quant = (w.float()*w_scales[:, :, None, None].float()).to(torch.float8_e4m3fn)  # noqa: E501
     w_quant = w_quant.transpose(1, 2).contiguous()
     w_quant = w_quant.view(w.shape[0]*block_size, -1)
     return w_quant, (1/w_scales).contiguous()
