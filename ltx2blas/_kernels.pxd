@@ -41,6 +41,14 @@ cdef extern from "quant.h" nogil:
                                          const float *new_scale, int per_row,
                                          const uint16_t *delta, ltx_idx cols, ltx_idx r0,
                                          ltx_idx r1) noexcept nogil
+        uint16_t (*bf16_absmax_rows)(const uint16_t *w, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                                     uint16_t *row_top) noexcept nogil
+        void (*scaled_fp8_quantize)(const uint16_t *w, uint8_t *codes, ltx_idx count,
+                                    float mult, float fmax, int e5m2,
+                                    int round_bf16) noexcept nogil
+        void (*int8_quantize_rows)(const uint16_t *w, int8_t *codes, const float *scale,
+                                   int per_row, ltx_idx cols, ltx_idx r0,
+                                   ltx_idx r1) noexcept nogil
         void (*dora_merge_rows)(const uint16_t *w, uint16_t *delta, ltx_idx cols, ltx_idx r0,
                                 ltx_idx r1, double *row_sq) noexcept nogil
         void (*sum_squares_rows)(const uint16_t *x, ltx_idx cols, ltx_idx r0, ltx_idx r1,

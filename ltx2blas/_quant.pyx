@@ -212,6 +212,78 @@ def fp8_values(bint e5m2):
     return out
 
 
+def comfy_tiled_quantize_weight(const uint16_t[:, ::1] weight, uint8_t[:, ::1] codes,
+                                uint8_t[:, ::1] scales, bint nvfp4, float t, int threads):
+    """A bf16 weight quantised by ComfyUI's nvfp4 (with scale_2 ``t`` > 0; packed codes) or
+    mxfp8 rule into ``codes`` and ``scales`` (padding zeroed)."""
+    cdef const ltx_layout_passes *passes = kernels(True).layout
+    cdef Py_ssize_t rows = weight.shape[0], cols = weight.shape[1], task, r0, r1
+    cdef Py_ssize_t padded = scales.shape[1]
+    cdef Py_ssize_t tasks = row_tasks(rows)
+    scales[:, :] = 0
+    if rows == 0 or cols == 0:
+        return
+    with nogil:
+        for task in prange(tasks, num_threads=threads, schedule="dynamic"):
+            r0 = task * ROWS_PER_TASK
+            r1 = min(r0 + ROWS_PER_TASK, rows)
+            if nvfp4:
+                passes.comfy_nvfp4_quantize_rows(&codes[0, 0], NULL, &scales[0, 0], padded,
+                                                 0.0, &weight[0, 0], t, cols, r0, r1)
+            else:
+                passes.comfy_mxfp8_quantize_rows(&codes[0, 0], NULL, &scales[0, 0], padded,
+                                                 &weight[0, 0], cols, r0, r1)
+
+
+def bf16_absmax(const uint16_t[:, ::1] weight, bint per_row, int threads):
+    """(max |w| over the finite bf16 weight, as f32; with ``per_row``, each row's as an f32
+    array, else None)."""
+    cdef const ltx_layout_passes *passes = kernels(True).layout
+    cdef Py_ssize_t rows = weight.shape[0], cols = weight.shape[1], t, r0
+    cdef Py_ssize_t tasks = row_tasks(rows)
+    tops_bits = np.zeros(max(tasks, 1), np.uint16)
+    rows_bits = np.zeros(max(rows, 1), np.uint16)
+    cdef uint16_t[::1] tb = tops_bits, rb = rows_bits
+    cdef uint16_t *row_top = &rb[0] if per_row else NULL
+    if rows and cols:
+        with nogil:
+            for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+                r0 = t * ROWS_PER_TASK
+                tb[t] = passes.bf16_absmax_rows(&weight[0, 0], cols, r0,
+                                                min(r0 + ROWS_PER_TASK, rows), row_top)
+    widen = lambda b: (b.astype(np.uint32) << 16).view(np.float32)
+    top = widen(np.array([tops_bits.max()]))[0]
+    return top, (widen(rows_bits[:rows]) if per_row else None)
+
+
+def scaled_fp8_quantize(const uint16_t[::1] weight, uint8_t[::1] codes, float mult, float fmax,
+                        bint e5m2, bint round_bf16, int threads):
+    """codes = fp8(clamp(f32(w * mult), -fmax, fmax)) (the product rounded to bf16 first where
+    ``round_bf16``); fp8(w) for an infinite mult."""
+    cdef const ltx_layout_passes *passes = kernels(True).layout
+    cdef Py_ssize_t n = weight.shape[0], chunk = 1 << 16, tasks = (n + chunk - 1) // chunk, t, a
+    with nogil:
+        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+            a = t * chunk
+            passes.scaled_fp8_quantize(&weight[a], &codes[a], min(chunk, n - a), mult, fmax,
+                                       e5m2, round_bf16)
+
+
+def int8_quantize(const uint16_t[:, ::1] weight, int8_t[:, ::1] codes, const float[::1] scale,
+                  bint per_row, int threads):
+    """codes = clamp(rint(bf16(w / s)), -128, 127), s one bf16 value or one a row."""
+    cdef const ltx_layout_passes *passes = kernels(True).layout
+    cdef Py_ssize_t rows = weight.shape[0], cols = weight.shape[1], task, r0
+    cdef Py_ssize_t tasks = row_tasks(rows)
+    if rows == 0 or cols == 0:
+        return
+    with nogil:
+        for task in prange(tasks, num_threads=threads, schedule="dynamic"):
+            r0 = task * ROWS_PER_TASK
+            passes.int8_quantize_rows(&weight[0, 0], &codes[0, 0], &scale[0], per_row, cols, r0,
+                                      min(r0 + ROWS_PER_TASK, rows))
+
+
 def _max(float[::1] tops):
     cdef float top = 0.0
     cdef Py_ssize_t i

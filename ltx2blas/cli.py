@@ -246,6 +246,28 @@ def _cmd_extract(args):
     return 0
 
 
+def _cmd_quantize(args):
+    from .errors import printable
+    from .files.quantize import quantize_checkpoint
+
+    _check_output(args)
+    report = quantize_checkpoint(
+        args.model, args.output, args.format, include=args.include, exclude=args.exclude,
+        fp8_format="F8_E5M2" if args.e5m2 else "F8_E4M3", per_row=args.per_row,
+        threads=args.threads,
+        progress=None if (args.dry_run or args.quiet or args.json) else _ProgressPrinter(),
+        dry_run=args.dry_run)
+    if args.json:
+        _print(_json(report.as_dict()))
+        return 0
+    lines = [report.summary()]
+    if args.verbose:
+        lines += [f"  {printable(name)}" for name in report.quantized]
+        lines += [f"  kept: {printable(name)} ({why})" for name, why in report.kept.items()]
+    _print("\n".join(lines))
+    return 0
+
+
 def _json(data):
     """A report as JSON on stdout, alone there: names from files as they are (JSON escapes
     what a terminal must not see), a non-finite number as null."""
@@ -373,6 +395,12 @@ class _Parser(argparse.ArgumentParser):
                 if self.commands else self
             owner.error(f"unrecognized arguments: {' '.join(extras)}")
         return known
+
+
+#: ``ltx2blas quantize --format``'s choices (ltx2blas.quantized.QUANTIZE_FORMATS, spelled out
+#: here so that the parser loads no compiled module).
+FORMATS_TEXT = ("comfy_fp8", "comfy_nvfp4", "comfy_mxfp8", "comfy_int8", "fp8_scaled", "nvfp4",
+                "fp8_block")
 
 
 def build_parser():
@@ -510,6 +538,42 @@ def build_parser():
                         "--dry-run, every weight planned and its rank)")
     p.set_defaults(func=_cmd_extract)
 
+    p = sub.add_parser("quantize", help="quantise a bf16 checkpoint's Linear weights into "
+                                        "ComfyUI's or upstream's fp8, NVFP4, MXFP8 or int8",
+                       description="Quantise a bf16 checkpoint's Linear weights into a layout of "
+                                   "their owners, byte for byte as the owner's quantiser writes "
+                                   "it, streaming, and write a new checkpoint; the layers are "
+                                   "the format owner's choice unless --include / --exclude "
+                                   "change it.")
+    p.add_argument("model", help="the bf16 checkpoint (.safetensors file, sharded index or "
+                                 "diffusers model folder)")
+    p.add_argument("-o", "--output",
+                   help="the .safetensors file to write (not needed with --dry-run)")
+    p.add_argument("--format", required=True, choices=FORMATS_TEXT,
+                   help="comfy_fp8, comfy_nvfp4, comfy_mxfp8, comfy_int8 (ComfyUI's, with its "
+                        "comfy_quant markers); fp8_scaled, nvfp4, fp8_block (upstream "
+                        "LTX-2's)")
+    p.add_argument("--include", action="append", metavar="GLOB",
+                   help="also quantise the Linears whose module names match (repeat for "
+                        "several)")
+    p.add_argument("--exclude", action="append", metavar="GLOB",
+                   help="keep bf16 the Linears whose module names match (repeat for several)")
+    p.add_argument("--e5m2", action="store_true", help="comfy_fp8 with e5m2 codes (default "
+                                                       "e4m3)")
+    p.add_argument("--per-row", action="store_true",
+                   help="comfy_int8 with one scale a row (default one a tensor)")
+    p.add_argument("--threads", type=_thread_count, default=None,
+                   help="threads (default: every CPU this process may use)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="plan from the header: the weights, those kept and why, the output's "
+                        "size; write nothing")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as JSON (and no progress)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="list every weight quantised and every one kept")
+    p.set_defaults(func=_cmd_quantize)
+
     p = sub.add_parser("demo", help="fuse an LTX-2-shaped adapter in memory, check it, time it",
                        description="Fuse an LTX-2-shaped adapter into a weight in memory, check "
                                    "the result against the reference loop, and time it against "
@@ -613,8 +677,8 @@ def main(argv=None):
     code = None
     try:
         args = build_parser().parse_args(argv)
-        # the commit of fuse's and extract's output is the command's result
-        _stop.state.final = args.func in (_cmd_fuse, _cmd_extract)
+        # the commit of the output of fuse, extract and quantize is the command's result
+        _stop.state.final = args.func in (_cmd_fuse, _cmd_extract, _cmd_quantize)
         code = args.func(args)
         if _stop.state.signum is not None:
             # deferred: it came after the output was complete (exit 0, said so), or Python

@@ -36,9 +36,9 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import _gemm, _quant
-from ._validate import (FP8, adapter_items, adapters_for, contiguous_array, f32_array, first_nonfinite_fp8,
-                        layout_codes, nonfinite_weight, refuse_nonfinite_adapter, round_up,
-                        where)
+from ._validate import (FP8, Magnitudes, adapter_items, adapters_for, bf16_bits, contiguous,
+                        contiguous_array, f32_array, first_nonfinite_fp8, layout_codes,
+                        nonfinite_weight, refuse_nonfinite_adapter, round_up, where)
 from ._threads import resolve_threads
 from .errors import (
     ArgumentError,
@@ -50,7 +50,8 @@ from .errors import (
 )
 from .fuse import aggregate_delta
 
-__all__ = ["fuse_quantized", "dequantized", "QuantizedWeight", "LAYOUTS", "logical_shape"]
+__all__ = ["fuse_quantized", "dequantized", "quantize_weight", "QuantizedWeight", "LAYOUTS",
+           "QUANTIZE_FORMATS", "logical_shape"]
 
 LAYOUTS = ("fp8_scaled", "comfy_fp8", "fp8_block", "fp6_block", "nvfp4", "comfy_nvfp4",
            "comfy_mxfp8", "comfy_int8")
@@ -302,3 +303,204 @@ def dequantized(layout, weight, *, scale, scale_2=None, threads=None):
         else:
             _quant.block_merge(codes, layout == "fp6_block", block, values, threads)
     return values
+
+
+# --------------------------------------------------------------------------------------------
+# Quantising a bf16 weight: each format as its owner's quantiser writes it
+# (reference.quantize_*, docs/arithmetic.md "Quantising bf16 weights")
+# --------------------------------------------------------------------------------------------
+
+#: The formats a bf16 weight is quantised into: the layouts above that their owners write from
+#: bf16 (fp6_block has no owner's quantiser to follow).
+QUANTIZE_FORMATS = ("fp8_scaled", "comfy_fp8", "fp8_block", "nvfp4", "comfy_nvfp4",
+                    "comfy_mxfp8", "comfy_int8")
+#: ComfyUI's nvfp4 and mxfp8 pad a weight with zeros to whole groups of rows and columns.
+COMFY_PAD = {"comfy_nvfp4": NVFP4_GROUP, "comfy_mxfp8": MXFP8_GROUP}
+
+
+def _bf16_of(value):
+    """f32 ``value`` rounded to bf16 (nearest-even), as an f32: what torch's arithmetic in a
+    bf16 tensor's dtype stores."""
+    bits = _quant.round_bf16(np.array([value], np.float32))
+    return (bits.astype(np.uint32) << 16).view(np.float32)[0]
+
+
+def quantized_shapes(fmt, rows, cols, per_row=False):
+    """{"weight": (dtype, shape), "scale": ..., "scale_2": ...} of a [rows, cols] weight
+    quantised into ``fmt`` (what quantize_weight returns, as safetensors dtypes), or ShapeError
+    where the format cannot hold that shape."""
+    _check_quantize_shape(fmt, rows, cols)
+    if fmt in COMFY_PAD:
+        rows, cols = round_up(rows, COMFY_PAD[fmt]), round_up(cols, COMFY_PAD[fmt])
+    if fmt in ("fp8_scaled", "comfy_fp8"):
+        return {"weight": ("F8_E4M3", (rows, cols)), "scale": ("F32", ())}
+    if fmt == "fp8_block":
+        return {"weight": ("F8_E4M3", (rows, cols)),
+                "scale": ("F32", (rows // BLOCK, cols // BLOCK))}
+    if fmt in ("nvfp4", "comfy_nvfp4"):
+        return {"weight": ("U8", (rows, cols // 2)),
+                "scale": ("F8_E4M3", tiled_shape("nvfp4", rows, cols)), "scale_2": ("F32", ())}
+    if fmt == "comfy_mxfp8":
+        return {"weight": ("F8_E4M3", (rows, cols)),
+                "scale": ("U8", tiled_shape("comfy_mxfp8", rows, cols))}
+    return {"weight": ("I8", (rows, cols)), "scale": ("F32", (rows, 1) if per_row else ())}
+
+
+def _check_quantize_shape(fmt, rows, cols):
+    if fmt not in QUANTIZE_FORMATS:
+        raise ArgumentError(f"format must be one of {QUANTIZE_FORMATS}, got {fmt!r}")
+    if fmt == "fp8_block" and (rows % BLOCK or cols % BLOCK):
+        raise ShapeError(f"a fp8_block weight of [{rows}, {cols}] is not made of 128 x 128 "
+                         "blocks")
+    if fmt == "nvfp4" and cols % NVFP4_GROUP:
+        raise ShapeError(f"an nvfp4 weight of {cols} columns is not made of "
+                         f"{NVFP4_GROUP}-element blocks (upstream pads none)")
+
+
+def quantize_weight(fmt, weight, *, threads=None, fp8_format="F8_E4M3", per_row=False):
+    """A bf16 weight quantised into ``fmt`` by its owner's quantiser.
+
+    Parameters
+    ----------
+    fmt : str
+        One of ``QUANTIZE_FORMATS``: ``fp8_scaled`` (upstream LTX-2's per-tensor scaled e4m3),
+        ``comfy_fp8`` (ComfyUI's per-tensor scaled fp8, ``fp8_format`` F8_E4M3 or F8_E5M2),
+        ``fp8_block`` (upstream's blockwise e4m3, 128 x 128 blocks), ``nvfp4`` (upstream's
+        NVFP4, as its CUDA quantiser writes it), ``comfy_nvfp4``, ``comfy_mxfp8`` (padded with
+        zeros to whole groups, as ComfyUI pads them) and ``comfy_int8`` (one scale, or one a
+        row with ``per_row``).
+    weight : bf16 array [rows, cols]
+        ml_dtypes.bfloat16 or uint16 bit patterns; finite.
+
+    Returns
+    -------
+    QuantizedWeight
+        ``weight``: the codes as stored (uint8; int8 for comfy_int8); ``scale``: the scale(s)
+        (f32, or uint8 E4M3 / E8M0 block scales in the tiled layout); ``scale_2``: the nvfp4
+        formats' per-tensor f32 scale.  Byte-identical to ``reference.quantize_weight`` for
+        any thread count.
+
+    Raises
+    ------
+    NonFiniteWeightError
+        an inf or NaN in the weight (its scale would be inf or NaN).
+    ShapeError
+        a shape the format cannot hold (fp8_block: 128 x 128 blocks; nvfp4: columns a
+        multiple of 16).
+    """
+    w = contiguous(bf16_bits(weight, "weight"), "weight")
+    if w.ndim != 2:
+        raise ShapeError(f"weight must be 2-D, got shape {w.shape}")
+    rows, cols = w.shape
+    _check_quantize_shape(fmt, rows, cols)
+    if fp8_format not in ("F8_E4M3", "F8_E5M2") or (fp8_format != "F8_E4M3" and
+                                                     fmt != "comfy_fp8"):
+        raise ArgumentError(f"fp8_format F8_E5M2 is comfy_fp8's only, and the formats are "
+                            f"F8_E4M3 and F8_E5M2; got {fp8_format!r} for {fmt}")
+    if per_row and fmt != "comfy_int8":
+        raise ArgumentError(f"per_row is comfy_int8's, not {fmt}'s")
+    threads = resolve_threads(threads)
+    seen = Magnitudes(w)
+    if seen.first_nonfinite >= 0:
+        raise nonfinite_weight(seen.first_nonfinite, w, "bf16")
+    top = np.float32(seen.max)
+    shapes = quantized_shapes(fmt, rows, cols, per_row)
+    if fmt in COMFY_PAD:
+        group = COMFY_PAD[fmt]
+        if rows % group or cols % group:  # the owner pads with zeros before quantising
+            padded = np.zeros((round_up(rows, group), round_up(cols, group)), np.uint16)
+            padded[:rows, :cols] = w
+            w = padded
+    flat = w.reshape(-1)
+    codes = np.empty(shapes["weight"][1], np.int8 if fmt == "comfy_int8" else np.uint8)
+    with np.errstate(divide="ignore", over="ignore"):
+        if fmt == "fp8_scaled":       # upstream: m = f32(1 / amax) * 448; scale = 1 / m
+            mult = (np.float32(1.0) / top) * np.float32(448.0)
+            scale = np.float32(1.0) / mult
+            _quant.scaled_fp8_quantize(flat, codes.reshape(-1), mult, np.float32(448.0), False,
+                                       False, threads)
+            return QuantizedWeight(codes, np.array(scale, np.float32))
+        if fmt == "comfy_fp8":        # ComfyUI: scale = bf16(amax / fmax), codes of bf16(w * r)
+            fmax = np.float32(FP8[fp8_format].largest)
+            scale = _bf16_of(top / fmax)
+            recip = _bf16_of(np.float32(1.0) / scale)
+            _quant.scaled_fp8_quantize(flat, codes.reshape(-1), recip, fmax,
+                                       fp8_format == "F8_E5M2", True, threads)
+            return QuantizedWeight(codes, np.array(scale, np.float32))
+        if fmt == "fp8_block":
+            scales = np.empty(shapes["scale"][1], np.float32)
+            _quant.block_quantize(w, False, codes, scales, threads)
+            return QuantizedWeight(codes, scales)
+        if fmt == "nvfp4":            # upstream's CUDA quantiser: t = amax * f32(1 / 2688)
+            t = np.float32(top * np.float32(1.0 / 2688.0))
+            scales = np.zeros(shapes["scale"][1], np.uint8)
+            _quant.nvfp4_quantize(w, t, codes, scales, threads)
+            return QuantizedWeight(codes, scales, np.array(t, np.float32))
+        if fmt in COMFY_PAD:
+            nvfp4 = fmt == "comfy_nvfp4"
+            scales = np.zeros(shapes["scale"][1], np.uint8)
+            # scale_2 may round to 0 (an all-zero weight): the kernel gives a block of zeros
+            # scale 0 and +0 codes there, where the owner's 0 / 0 makes them NaN
+            t = _bf16_of(top / np.float32(2688.0)) if nvfp4 else np.float32(1)
+            _quant.comfy_tiled_quantize_weight(w, codes, scales, nvfp4, t, threads)
+            return QuantizedWeight(codes, scales, np.array(t, np.float32) if nvfp4 else None)
+        # comfy_int8: scale = max(f32(amax / 127), 1e-30), codes of bf16(w / bf16(scale))
+        if per_row:
+            _, row_tops = _quant.bf16_absmax(w, True, threads)
+            scale = np.maximum(row_tops / np.float32(127.0), np.float32(1e-30)).astype(
+                np.float32).reshape(rows, 1)
+        else:
+            scale = np.array(max(top / np.float32(127.0), np.float32(1e-30)), np.float32)
+        divisor = (_quant.round_bf16(scale.reshape(-1)).astype(np.uint32) << 16).view(
+            np.float32)
+        _quant.int8_quantize(w, codes, divisor, per_row, threads)
+        return QuantizedWeight(codes, scale)
+
+
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def _tiled_rows(tiled, rows, groups):
+    """The [len(rows), groups] block scale bytes of ``rows`` in a 128 x 4 tiled array."""
+    r = np.asarray(rows)[:, None]
+    c = np.arange(groups)[None, :]
+    tile = (r // 128) * (tiled.shape[1] // 4) + c // 4
+    return tiled.reshape(-1)[tile * 512 + (r % 128 % 32) * 16 + (r % 128 // 32) * 4 + c % 4]
+
+
+def quantization_error(fmt, weight, q, samples=16, fp8_format="F8_E4M3"):
+    """max |w - dequantised| / max |w| over ``samples`` evenly spaced rows of a weight and its
+    quantize_weight result ``q``, each format dequantised by its owner's rule in f32 (0 where
+    those rows are all zero): the summary's measure of what quantising cost, from a few rows
+    so that it costs no pass over the weight."""
+    w = bf16_bits(weight, "weight")
+    rows, cols = w.shape
+    if not rows or not cols:
+        return 0.0
+    at = np.unique(np.linspace(0, rows - 1, min(samples, rows)).astype(np.int64))
+    values = (w[at].astype(np.uint32) << 16).view(np.float32)
+    top = float(np.max(np.abs(values)))
+    if top == 0:
+        return 0.0
+    codes = q.weight.view(np.uint8)[at]
+    if fmt in ("fp8_scaled", "comfy_fp8", "fp8_block", "comfy_mxfp8"):
+        table = _quant.fp8_values(fmt == "comfy_fp8" and fp8_format == "F8_E5M2")
+        got = table[codes[:, :cols]]
+        if fmt == "fp8_block":
+            got = got * np.repeat(np.repeat(q.scale, BLOCK, 0), BLOCK, 1)[at]
+        elif fmt == "comfy_mxfp8":
+            e = _tiled_rows(q.scale, at, q.weight.shape[1] // MXFP8_GROUP).astype(np.int64)
+            scale = np.where(e == 0, 0.0, np.ldexp(1.0, e - 127)).astype(np.float32)
+            got = got * np.repeat(scale, MXFP8_GROUP, 1)[:, :cols]
+        else:
+            got = got * np.float32(q.scale)
+    elif fmt in ("nvfp4", "comfy_nvfp4"):
+        nibbles = np.stack([codes >> 4, codes & 0xF], axis=-1).reshape(len(at), -1)
+        block = _quant.fp8_values(False)[_tiled_rows(q.scale, at, nibbles.shape[1] //
+                                                     NVFP4_GROUP)]
+        total = np.float32(q.scale_2) * block
+        got = (_E2M1[nibbles] * np.repeat(total, NVFP4_GROUP, 1))[:, :cols]
+    else:
+        scale = q.scale.reshape(-1)[at] if q.scale.ndim == 2 else np.float32(q.scale)
+        got = q.weight[at].astype(np.float32) * (scale[:, None] if np.ndim(scale) else scale)
+    return float(np.max(np.abs(got.astype(np.float32) - values)) / top)

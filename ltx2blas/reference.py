@@ -424,9 +424,10 @@ def fuse_block_fp8(codes, scales, delta, scale_max=E4M3_MAX):
     absmax = np.max(np.abs(blocks), axis=(2, 3))
     mult = _recip(absmax) * np.float32(scale_max)
     new_scales = _recip(mult)
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):
         scaled = blocks * mult[:, :, None, None]
-    scaled = np.where((absmax == 0)[:, :, None, None], blocks, scaled)   # all-zero blocks
+    # a zero where mult is inf (an all-zero block, or one below 448 x 2^-128) is itself
+    scaled = np.where(blocks == 0, blocks, scaled)
     return fp8_round(_unblocks(scaled), "F8_E4M3"), new_scales
 
 
@@ -551,8 +552,10 @@ def fuse_nvfp4(packed, block_scales, scale_2, delta):
         s = np.minimum((bmax / E2M1_MAX) / t, E4M3_MAX) if t > 0 else np.zeros_like(bmax)
     s_codes = fp8_round(s, "F8_E4M3")
     tot = t * fp8_widen(s_codes, "F8_E4M3")
-    inv = np.where(tot > 0, _recip(np.where(tot > 0, tot, 1)), 0).astype(np.float32)
-    codes = e2m1_round(g * inv[:, :, None]).reshape(rows, cols)
+    with np.errstate(over="ignore"):
+        inv = np.where(tot > 0, _recip(np.where(tot > 0, tot, 1)), 0).astype(np.float32)
+    # a zero where inv is inf (a total below 2^-128) is itself
+    codes = e2m1_round(_times(g, inv[:, :, None])).reshape(rows, cols)
     return nvfp4_pack(codes), to_tiled(s_codes, block_scales.shape), t
 
 

@@ -101,6 +101,8 @@ def command(which, files, tmp_path, rng):
     model, lora, _, out = files
     if which == "fuse":
         return ["fuse", model, "--lora", lora, "-o", out, "-q"]
+    if which == "quantize":
+        return ["quantize", model, "-o", out, "--format", "comfy_nvfp4", "-q"]
     return ["extract", tuned(tmp_path, rng, model), "--base", model, "-o", out, "--rank", "2",
             "-q"]
 
@@ -182,7 +184,7 @@ os.replace = replace
 """
 
 
-@pytest.mark.parametrize("which", ["fuse", "extract"])
+@pytest.mark.parametrize("which", ["fuse", "extract", "quantize"])
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_signal_before_the_rename_leaves_the_destination_as_it_was(files, tmp_path, rng,
                                                                      which, sig):
@@ -197,7 +199,7 @@ def complete(path):
         return len(f.tensors)
 
 
-@pytest.mark.parametrize("which", ["fuse", "extract"])
+@pytest.mark.parametrize("which", ["fuse", "extract", "quantize"])
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
 @pytest.mark.parametrize("when", ["during", "after"])
 def test_a_signal_at_the_rename_finds_the_output_complete_and_says_so(files, tmp_path, rng,
@@ -211,7 +213,8 @@ def test_a_signal_at_the_rename_finds_the_output_complete_and_says_so(files, tmp
     assert r.stderr.strip().splitlines() == [
         f"ltx2blas: {sig} came after the output was complete: {out} is written in full and in "
         "place"], r.stderr
-    assert r.stdout.startswith("fused " if which == "fuse" else "extracted "), r.stdout
+    assert r.stdout.startswith({"fuse": "fused ", "extract": "extracted ",
+                                "quantize": "quantized "}[which]), r.stdout
     assert complete(out) > 0 and temps(tmp_path) == []
 
 

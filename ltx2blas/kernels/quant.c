@@ -230,8 +230,10 @@ static LTX_AVX512_TARGET void block_quantize_avx512(const uint16_t *m, ltx_idx c
     for (ltx_idx r = 0; r < BLOCK; r++)
         for (ltx_idx i = 0; i < BLOCK; i += 16) {
             __m512 v = widen16_avx512(m + r * cols + i);
-            if (!zero)
-                v = _mm512_mul_ps(v, _mm512_set1_ps(mult));
+            if (!zero) /* a zero stays itself where mult is inf (a block below 2^-126 * 448) */
+                v = _mm512_mask_mul_ps(v, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(),
+                                                             _CMP_NEQ_UQ),
+                                       v, _mm512_set1_ps(mult));
             __mmask16 past;
             _mm_storeu_si128((__m128i *)(codes + r * ldc + i),
                              _mm512_cvtepi32_epi8(ltx_fp8_round_avx512(v, 0, &past)));
@@ -296,7 +298,8 @@ static void block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx
                 const float v = ltx_bf16_value(m[r * cols + i + j]);
                 /* upstream's all-zero block quantises to NaN (0x7F): kept for fp6, whose
                  * packed 0x1F then dequantises to zero; the zeros themselves for fp8 */
-                c[j] = zero ? (fp6 ? 0x7Fu : fp8_encode(v, 0)) : fp8_encode(v * mult, 0);
+                c[j] = zero ? (fp6 ? 0x7Fu : fp8_encode(v, 0))
+                            : fp8_encode(v == 0.0f ? v : v * mult, 0);  /* 0 x inf: the 0 */
             }
             if (fp6) {
                 uint32_t word = 0;
@@ -383,7 +386,10 @@ static LTX_AVX512_TARGET void nvfp4_quantize_rows_avx512(const uint16_t *merged,
             uint32_t sf;
             const float inv = nvfp4_group_scale(top, t, &sf);
             scales[ltx_nvfp4_scale_offset(r, g, padded_cols)] = (uint8_t)sf;
-            const __m512 x = _mm512_mul_ps(v, _mm512_set1_ps(inv));
+            /* a zero stays itself where inv is inf (a total below 2^-128) */
+            const __m512 x = _mm512_mask_mul_ps(v, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(),
+                                                                     _CMP_NEQ_UQ),
+                                                v, _mm512_set1_ps(inv));
             const __m512 a = _mm512_abs_ps(x);
             const __m512i one = _mm512_set1_epi32(1);
             __m512i code = _mm512_setzero_si512();
@@ -453,8 +459,11 @@ static void nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed
             const float inv = nvfp4_group_scale(top, t, &sf);
             scales[ltx_nvfp4_scale_offset(r, g, padded_cols)] = (uint8_t)sf;
             for (ltx_idx j = 0; j < GROUP; j += 2) {
-                const uint32_t hi = e2m1_from_f32(ltx_bf16_value(m[g * GROUP + j]) * inv);
-                const uint32_t lo = e2m1_from_f32(ltx_bf16_value(m[g * GROUP + j + 1]) * inv);
+                /* a zero stays itself where inv is inf (a total below 2^-128) */
+                const float a = ltx_bf16_value(m[g * GROUP + j]);
+                const float b = ltx_bf16_value(m[g * GROUP + j + 1]);
+                const uint32_t hi = e2m1_from_f32(a == 0.0f ? a : a * inv);
+                const uint32_t lo = e2m1_from_f32(b == 0.0f ? b : b * inv);
                 row[(g * GROUP + j) / 2] = (uint8_t)(hi << 4 | lo);
             }
         }
@@ -502,18 +511,27 @@ static void comfy_nvfp4_quantize_rows(uint8_t *packed, const uint8_t *old_scales
         const uint16_t *d = delta + r * cols;
         for (ltx_idx g = 0; g < cols / GROUP; g++) {
             const ltx_idx at = ltx_nvfp4_scale_offset(r, g, padded_cols);
-            const float total = scale_2 * ltx_fp8_table(0)[old_scales[at]];
             float top = 0.0f;
+            if (old_scales) {
+                const float total = scale_2 * ltx_fp8_table(0)[old_scales[at]];
+                for (ltx_idx j = 0; j < GROUP; j++) {
+                    const ltx_idx i = g * GROUP + j;
+                    const uint8_t byte = row[i / 2];
+                    n[j] = e2m1_value[(i % 2) ? (byte & 0xFu) : (byte >> 4)] * total +
+                           ltx_bf16_value(d[i]);
+                }
+            } else { /* a bf16 weight quantised: its values, -0.0 kept */
+                for (ltx_idx j = 0; j < GROUP; j++)
+                    n[j] = ltx_bf16_value(d[g * GROUP + j]);
+            }
             for (ltx_idx j = 0; j < GROUP; j++) {
-                const ltx_idx i = g * GROUP + j;
-                const uint8_t byte = row[i / 2];
-                n[j] = e2m1_value[(i % 2) ? (byte & 0xFu) : (byte >> 4)] * total +
-                       ltx_bf16_value(d[i]);
                 const float a = absf(n[j]);
                 top = a > top ? a : top;
             }
             float s = (top / 6.0f) / t;
-            s = s < 448.0f ? s : 448.0f;
+            /* t is 0 only for a bf16 weight whose scale_2 rounded to 0: a block of zeros (0 /
+             * 0) takes scale 0, any other (x / 0) the largest */
+            s = s < 448.0f ? s : s == s ? 448.0f : 0.0f;
             const uint32_t code = fp8_encode(s, 0);
             scales[at] = (uint8_t)code;
             const float step = t * ltx_fp8_table(0)[code];
@@ -564,12 +582,18 @@ static void comfy_mxfp8_quantize_rows(uint8_t *codes, const uint8_t *old_scales,
     for (ltx_idx r = r0; r < r1; r++)
         for (ltx_idx g = 0; g < cols / MX_GROUP; g++) {
             const ltx_idx at = ltx_nvfp4_scale_offset(r, g, padded_cols);
-            const float scale = e8m0_value(old_scales[at]);
             uint8_t *c = codes + r * cols + g * MX_GROUP;
             const uint16_t *d = delta + r * cols + g * MX_GROUP;
             float top = 0.0f;
+            if (old_scales) {
+                const float scale = e8m0_value(old_scales[at]);
+                for (int j = 0; j < MX_GROUP; j++)
+                    n[j] = value[c[j]] * scale + ltx_bf16_value(d[j]);
+            } else { /* a bf16 weight quantised: its values, -0.0 kept */
+                for (int j = 0; j < MX_GROUP; j++)
+                    n[j] = ltx_bf16_value(d[j]);
+            }
             for (int j = 0; j < MX_GROUP; j++) {
-                n[j] = value[c[j]] * scale + ltx_bf16_value(d[j]);
                 const float a = absf(n[j]);
                 top = a > top ? a : top;
             }
@@ -612,6 +636,79 @@ static void comfy_int8_quantize_rows(int8_t *codes, const float *scale, const fl
             float q = rintf(((float)codes[i] * s + ltx_bf16_value(delta[i])) / s_new);
             q = q > 127.0f ? 127.0f : q < -128.0f ? -128.0f : q;
             codes[i] = (int8_t)q;
+        }
+    }
+}
+
+/* ---- Quantising a bf16 weight ---- */
+
+static uint16_t bf16_absmax_rows(const uint16_t *w, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                                 uint16_t *row_top)
+{
+    uint16_t top = 0;
+    for (ltx_idx r = r0; r < r1; r++) {
+        const uint16_t *x = w + r * cols;
+        uint16_t best = 0;
+        for (ltx_idx i = 0; i < cols; i++) {
+            const uint16_t a = x[i] & 0x7FFFu;
+            best = a > best ? a : best;
+        }
+        if (row_top)
+            row_top[r] = best;
+        top = best > top ? best : top;
+    }
+    return top;
+}
+
+/* One element of scaled_fp8_quantize; e5m2 and round_bf16 are constants where it is inlined,
+ * so that each of the four loops below is one straight vectorisable body. */
+static inline __attribute__((always_inline)) uint8_t scaled_fp8_code(uint16_t w, float mult,
+                                                                     float fmax, int e5m2,
+                                                                     int round_bf16)
+{
+    float p = ltx_bf16_value(w) * mult;
+    if (round_bf16)
+        p = ltx_bf16_round(p);
+    p = p < -fmax ? -fmax : p > fmax ? fmax : p;
+    return (uint8_t)fp8_encode(p, e5m2);
+}
+
+#define SCALED_FP8_LOOP(E5M2, ROUND)                                                       \
+    for (ltx_idx i = 0; i < count; i++)                                                    \
+        codes[i] = scaled_fp8_code(w[i], mult, fmax, E5M2, ROUND);
+
+static void scaled_fp8_quantize(const uint16_t *w, uint8_t *codes, ltx_idx count, float mult,
+                                float fmax, int e5m2, int round_bf16)
+{
+    if (mult - mult != 0.0f) {
+        /* a scale of 0 (an all-zero weight): the owners' 0 * inf is NaN, ltx2blas keeps the
+         * zeros (their signs too); any other element saturates */
+        for (ltx_idx i = 0; i < count; i++)
+            codes[i] = ltx_bf16_value(w[i]) == 0.0f
+                           ? (uint8_t)fp8_encode(ltx_bf16_value(w[i]), e5m2)
+                           : scaled_fp8_code(w[i], mult, fmax, e5m2, round_bf16);
+        return;
+    }
+    if (e5m2) {
+        if (round_bf16) { SCALED_FP8_LOOP(1, 1) } else { SCALED_FP8_LOOP(1, 0) }
+    } else {
+        if (round_bf16) { SCALED_FP8_LOOP(0, 1) } else { SCALED_FP8_LOOP(0, 0) }
+    }
+}
+
+static void int8_quantize_rows(const uint16_t *w, int8_t *codes, const float *scale,
+                               int per_row, ltx_idx cols, ltx_idx r0, ltx_idx r1)
+{
+    for (ltx_idx r = r0; r < r1; r++) {
+        const float s = scale[per_row ? r : 0];
+        const uint16_t *x = w + r * cols;
+        int8_t *c = codes + r * cols;
+        for (ltx_idx i = 0; i < cols; i++) {
+            /* rintf rounds half to even in the default rounding mode; |q| <= 128 is a bf16
+             * integer, so rounding the bf16 quotient's value is torch's round of a bf16 */
+            float q = rintf(ltx_bf16_round(ltx_bf16_value(x[i]) / s));
+            q = q > 127.0f ? 127.0f : q < -128.0f ? -128.0f : q;
+            c[i] = (int8_t)q;
         }
     }
 }
@@ -691,6 +788,9 @@ const ltx_layout_passes LTX_LAYOUT_TABLE = {
     .comfy_mxfp8_quantize_rows = comfy_mxfp8_quantize_rows,
     .comfy_int8_max_rows = comfy_int8_max_rows,
     .comfy_int8_quantize_rows = comfy_int8_quantize_rows,
+    .bf16_absmax_rows = bf16_absmax_rows,
+    .scaled_fp8_quantize = scaled_fp8_quantize,
+    .int8_quantize_rows = int8_quantize_rows,
     .dora_merge_rows = dora_merge_rows,
     .sum_squares_rows = sum_squares_rows,
     .sum_squares_cols = sum_squares_cols,

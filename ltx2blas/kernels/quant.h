@@ -100,6 +100,26 @@ struct ltx_layout_passes {
                                      int per_row, const uint16_t *delta, ltx_idx cols,
                                      ltx_idx r0, ltx_idx r1);
 
+    /* ---- Quantising a bf16 weight (reference.quantize_*): the weight's own values, nothing
+     * merged; blockwise fp8 and upstream's NVFP4 take the weight as block_quantize and
+     * nvfp4_quantize_rows take a merged one, ComfyUI's nvfp4 and mxfp8 through their
+     * quantize passes above with old_scales NULL (n = f32(delta), the weight, its zeros'
+     * signs kept). ---- */
+
+    /* The largest |w| over rows r0..r1 of finite bf16 w [., cols], as the bits of a bf16
+     * magnitude (which order as the magnitudes do); each row's into row_top (may be NULL). */
+    uint16_t (*bf16_absmax_rows)(const uint16_t *w, ltx_idx cols, ltx_idx r0, ltx_idx r1,
+                                 uint16_t *row_top);
+    /* codes[i] = fp8(clamp(p, -fmax, fmax)), p = f32(w * mult), or bf16(w * mult) where
+     * round_bf16 (a product in the weight's own dtype); fp8(w) where mult is infinite (an
+     * all-zero weight). */
+    void (*scaled_fp8_quantize)(const uint16_t *w, uint8_t *codes, ltx_idx count, float mult,
+                                float fmax, int e5m2, int round_bf16);
+    /* Rows r0..r1: code = clamp(rint(bf16(f32(w) / s)), -128, 127), a quotient in the
+     * weight's own dtype, s = scale[0] or scale[r] where per_row (bf16 values as f32). */
+    void (*int8_quantize_rows)(const uint16_t *w, int8_t *codes, const float *scale,
+                               int per_row, ltx_idx cols, ltx_idx r0, ltx_idx r1);
+
     /* ---- DoRA (reference.fuse_dora) ---- */
 
     /* Rows r0..r1: delta = V = bf16(W + delta) in place, and row_sq[r] = sum_i V[r, i]^2 in
