@@ -487,7 +487,7 @@ def quantization_error(fmt, weight, q, samples=16, fp8_format="F8_E4M3"):
         table = _quant.fp8_values(fmt == "comfy_fp8" and fp8_format == "F8_E5M2")
         got = table[codes[:, :cols]]
         if fmt == "fp8_block":
-            got = got * np.repeat(np.repeat(q.scale, BLOCK, 0), BLOCK, 1)[at]
+            got = got * np.repeat(q.scale[at // BLOCK], BLOCK, 1)
         elif fmt == "comfy_mxfp8":
             e = _tiled_rows(q.scale, at, q.weight.shape[1] // MXFP8_GROUP).astype(np.int64)
             scale = np.where(e == 0, 0.0, np.ldexp(1.0, e - 127)).astype(np.float32)

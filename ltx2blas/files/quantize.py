@@ -288,9 +288,17 @@ def _write(ckpt, output, entries, metadata, planned, marker, fmt, fp8_format, pe
     total_bytes = report.bytes_in
     done_bytes = 0
 
+    # two buffers of the largest weight, taken in turns: weight k is read into one while k - 1
+    # is quantised from the other (fresh memory for every weight costs its page faults, more
+    # than the reading)
+    largest = max(ckpt.entries[n][1].nbytes for n in weights) // 2
+    buffers = [np.empty(largest, np.uint16), np.empty(largest, np.uint16)]
+    slot = {name: i % 2 for i, name in enumerate(weights)}
+
     def read(name):
         f, info = ckpt.entries[name]
-        return f.read(name, np.empty(info.shape, np.uint16))
+        size = info.nbytes // 2
+        return f.read(name, buffers[slot[name]][:size].reshape(info.shape))
 
     with SafetensorsWriter(output, entries, metadata) as writer:
         for count, name in enumerate(ckpt.entries, 1):

@@ -16,19 +16,24 @@
 static inline float absf(float f) { return ltx_bits_f32(ltx_f32_bits(f) & 0x7FFFFFFFu); }
 
 /* f32 -> fp8 code, nearest-even, past the largest finite code to the format's `over` (e4m3
- * saturates at 448, e5m2 goes to inf), the sign kept: torch's cast on the CPU for finite input,
- * branch-light for the passes' inner loops. Below the smallest normal the magnitude is rounded
- * to the subnormal quantum by one f32 addition of a constant whose unit in the last place is
- * that quantum (nearest-even, exact); above it the f32 bits are rounded nearest-even at the
- * fp8 mantissa and rebiased. Finite input only. */
-static inline uint32_t fp8_encode(float x, int e5m2)
+ * saturates at 448, e5m2 goes to inf), the sign kept: torch's cast on the CPU for finite input.
+ * Integer operations only, so that a loop of it vectorises (GCC keeps a loop scalar where an
+ * f32 operation could trap only on one side of a choice). Above the smallest normal the f32
+ * bits are rounded nearest-even at the fp8 mantissa and rebiased; below it the significand
+ * (the implicit bit included) is shifted right to units of the subnormal quantum, 2^(1 - bias
+ * - mant), nearest-even (a count of 2^mant quanta is the smallest normal's code). Finite
+ * input only. */
+static inline __attribute__((always_inline)) uint32_t fp8_encode(float x, int e5m2)
 {
     const uint32_t u = ltx_f32_bits(x), sign = (u >> 24) & 0x80u, a = u & 0x7FFFFFFFu;
     const int mant = LTX_FP8[e5m2].mant, bias = LTX_FP8[e5m2].bias;
     const uint32_t min_normal = (uint32_t)(127 - bias + 1) << 23;
-    /* ulp of 1.5 * 2^(23 - bias - mant + 1) ... is 2^(1 - bias - mant), the subnormal quantum */
-    const float magic = ltx_bits_f32((uint32_t)(127 + 23 + 1 - bias - mant) << 23 | 0x400000u);
-    const uint32_t sub = ltx_f32_bits(ltx_bits_f32(a) + magic) - ltx_f32_bits(magic);
+    const uint32_t e = a >> 23, sig = (a & 0x7FFFFFu) | (e ? 0x800000u : 0u);
+    /* x = sig * 2^(max(e, 1) - 150); in quanta: sig >> (151 - bias - mant - max(e, 1)); at
+     * least 21 here, at most 31 (a larger shift leaves 0 as well) */
+    uint32_t down = (uint32_t)(151 - bias - mant) - (e ? e : 1u);
+    down = down > 31u ? 31u : down;
+    const uint32_t sub = (sig + (1u << (down - 1)) - 1u + ((sig >> down) & 1u)) >> down;
     const uint32_t shift = 23u - (uint32_t)mant;
     const uint32_t rounded = (a + (1u << (shift - 1)) - 1u + ((a >> shift) & 1u)) >> shift;
     const uint32_t normal = rounded - ((uint32_t)(127 - bias) << mant);
@@ -40,15 +45,27 @@ static inline uint32_t fp8_encode(float x, int e5m2)
 /* The E2M1 grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0-7): a magnitude's code is the number of
  * these midpoints below it; a midpoint itself counts toward the even code, so the comparison
  * is >= below an even code (odd k) and > below an odd one. */
+/* All ones where bf16 bits h are not a zero, else 0: a choice made with bit operations, so
+ * that the compiler cannot turn it into a branch around an f32 operation (which keeps a loop
+ * scalar under -ftrapping-math). */
+static inline uint32_t nonzero_mask(uint16_t h) { return 0u - (uint32_t)((h & 0x7FFFu) != 0); }
+
 static const float e2m1_midpoint[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
 
-static uint32_t e2m1_from_f32(float x)
+/* The midpoints' f32 bits: a non-negative f32 orders as its bits do, so the comparisons are
+ * of integers, which loops of them vectorise (GCC keeps a loop with f32 comparisons scalar
+ * under -ftrapping-math). Finite input only. */
+static const uint32_t e2m1_midpoint_bits[7] = {0x3E800000u, 0x3F400000u, 0x3FA00000u,
+                                               0x3FE00000u, 0x40200000u, 0x40600000u,
+                                               0x40A00000u};
+
+static inline uint32_t e2m1_from_f32(float x)
 {
-    const float a = absf(x);
+    const uint32_t u = ltx_f32_bits(x), a = u & 0x7FFFFFFFu;
     uint32_t code = 0;
     for (int k = 0; k < 7; k++)
-        code += (k & 1) ? a >= e2m1_midpoint[k] : a > e2m1_midpoint[k];
-    return code | ((ltx_f32_bits(x) >> 28) & 0x8u);
+        code += (k & 1) ? a >= e2m1_midpoint_bits[k] : a > e2m1_midpoint_bits[k];
+    return code | ((u >> 28) & 0x8u);
 }
 
 /* ---- per-tensor scaled fp8 ---- */
@@ -281,15 +298,32 @@ static void block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx
         return;
     }
 #endif
-    float top = 0.0f;
+    /* the largest magnitude by the bf16 bits (finite input: they order as the values do) */
+    uint32_t top_bits = 0;
     for (ltx_idx r = 0; r < BLOCK; r++)
         for (ltx_idx i = 0; i < BLOCK; i++) {
-            const float a = absf(ltx_bf16_value(m[r * cols + i]));
-            top = a > top ? a : top;
+            const uint32_t a = m[r * cols + i] & 0x7FFFu;
+            top_bits = a > top_bits ? a : top_bits;
         }
+    const float top = ltx_bf16_value((uint16_t)top_bits);
     const float mult = (1.0f / top) * (fp6 ? 0.1172f : 448.0f); /* inf for an all-zero block */
     const int zero = top == 0.0f;
     scales[bi * (cols / BLOCK) + bj] = 1.0f / mult;
+    if (!fp6) {
+        /* a zero is itself (0 x inf where mult is inf); the product is taken for every
+         * element and chosen by integers, a loop that vectorises */
+        for (ltx_idx r = 0; r < BLOCK; r++) {
+            const uint16_t *x = m + r * cols;
+            uint8_t *row = codes + (bi * BLOCK + r) * ldc + bj * BLOCK;
+            for (ltx_idx i = 0; i < BLOCK; i++) {
+                const float v = ltx_bf16_value(x[i]);
+                const uint32_t p = ltx_f32_bits(v * mult), keep = nonzero_mask(x[i]);
+                row[i] = (uint8_t)fp8_encode(ltx_bits_f32((p & keep) | (ltx_f32_bits(v) & ~keep)),
+                                             0);
+            }
+        }
+        return;
+    }
     for (ltx_idx r = 0; r < BLOCK; r++) {
         uint8_t *row = codes + (bi * BLOCK + r) * ldc + (fp6 ? bj * BLOCK / 4 * 3 : bj * BLOCK);
         for (ltx_idx i = 0; i < BLOCK; i += 4) {
@@ -450,22 +484,24 @@ static void nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed
         const uint16_t *m = merged + r * cols;
         uint8_t *row = packed + r * (cols / 2);
         for (ltx_idx g = 0; g < cols / GROUP; g++) {
-            float top = 0.0f;
+            const uint16_t *x = m + g * GROUP;
+            uint32_t top_bits = 0;  /* finite bf16: the bits order as the magnitudes */
             for (ltx_idx j = 0; j < GROUP; j++) {
-                const float a = absf(ltx_bf16_value(m[g * GROUP + j]));
-                top = a > top ? a : top;
+                const uint32_t a = x[j] & 0x7FFFu;
+                top_bits = a > top_bits ? a : top_bits;
             }
             uint32_t sf;
-            const float inv = nvfp4_group_scale(top, t, &sf);
+            const float inv = nvfp4_group_scale(ltx_bf16_value((uint16_t)top_bits), t, &sf);
             scales[ltx_nvfp4_scale_offset(r, g, padded_cols)] = (uint8_t)sf;
-            for (ltx_idx j = 0; j < GROUP; j += 2) {
+            uint32_t c[GROUP];
+            for (ltx_idx j = 0; j < GROUP; j++) {
                 /* a zero stays itself where inv is inf (a total below 2^-128) */
-                const float a = ltx_bf16_value(m[g * GROUP + j]);
-                const float b = ltx_bf16_value(m[g * GROUP + j + 1]);
-                const uint32_t hi = e2m1_from_f32(a == 0.0f ? a : a * inv);
-                const uint32_t lo = e2m1_from_f32(b == 0.0f ? b : b * inv);
-                row[(g * GROUP + j) / 2] = (uint8_t)(hi << 4 | lo);
+                const float v = ltx_bf16_value(x[j]);
+                const uint32_t p = ltx_f32_bits(v * inv), keep = nonzero_mask(x[j]);
+                c[j] = e2m1_from_f32(ltx_bits_f32((p & keep) | (ltx_f32_bits(v) & ~keep)));
             }
+            for (ltx_idx j = 0; j < GROUP / 2; j++)
+                row[g * GROUP / 2 + j] = (uint8_t)(c[2 * j] << 4 | c[2 * j + 1]);
         }
     }
 }
@@ -524,10 +560,12 @@ static void comfy_nvfp4_quantize_rows(uint8_t *packed, const uint8_t *old_scales
                 for (ltx_idx j = 0; j < GROUP; j++)
                     n[j] = ltx_bf16_value(d[g * GROUP + j]);
             }
+            uint32_t top_bits = 0;  /* finite: the bits order as the magnitudes */
             for (ltx_idx j = 0; j < GROUP; j++) {
-                const float a = absf(n[j]);
-                top = a > top ? a : top;
+                const uint32_t a = ltx_f32_bits(n[j]) & 0x7FFFFFFFu;
+                top_bits = a > top_bits ? a : top_bits;
             }
+            top = ltx_bits_f32(top_bits);
             float s = (top / 6.0f) / t;
             /* t is 0 only for a bf16 weight whose scale_2 rounded to 0: a block of zeros (0 /
              * 0) takes scale 0, any other (x / 0) the largest */
@@ -535,11 +573,13 @@ static void comfy_nvfp4_quantize_rows(uint8_t *packed, const uint8_t *old_scales
             const uint32_t code = fp8_encode(s, 0);
             scales[at] = (uint8_t)code;
             const float step = t * ltx_fp8_table(0)[code];
-            for (ltx_idx j = 0; j < GROUP; j += 2) {
-                const uint32_t hi = step > 0.0f ? e2m1_from_f32(n[j] / step) : 0u;
-                const uint32_t lo = step > 0.0f ? e2m1_from_f32(n[j + 1] / step) : 0u;
-                row[(g * GROUP + j) / 2] = (uint8_t)(hi << 4 | lo);
-            }
+            /* else +0 codes: the quotients are dropped */
+            const uint32_t live = step > 0.0f ? 0xFFFFFFFFu : 0u;
+            uint32_t c[GROUP];
+            for (ltx_idx j = 0; j < GROUP; j++)
+                c[j] = e2m1_from_f32(n[j] / step) & live;
+            for (ltx_idx j = 0; j < GROUP / 2; j++)
+                row[g * GROUP / 2 + j] = (uint8_t)(c[2 * j] << 4 | c[2 * j + 1]);
         }
     }
 }
@@ -593,17 +633,23 @@ static void comfy_mxfp8_quantize_rows(uint8_t *codes, const uint8_t *old_scales,
                 for (int j = 0; j < MX_GROUP; j++)
                     n[j] = ltx_bf16_value(d[j]);
             }
+            uint32_t top_bits = 0;  /* finite: the bits order as the magnitudes */
             for (int j = 0; j < MX_GROUP; j++) {
-                const float a = absf(n[j]);
-                top = a > top ? a : top;
+                const uint32_t a = ltx_f32_bits(n[j]) & 0x7FFFFFFFu;
+                top_bits = a > top_bits ? a : top_bits;
             }
+            top = ltx_bits_f32(top_bits);
             const uint32_t e = top > 0.0f ? e8m0_for(top) : 0u;
             scales[at] = (uint8_t)e;
             const float step = e8m0_value(e);
+            /* e = 0: zero codes, the quotients (by 0) dropped; else clamped to 448 by the
+             * magnitude's bits */
             for (int j = 0; j < MX_GROUP; j++) {
-                float q = e ? n[j] / step : 0.0f;
-                q = q > 448.0f ? 448.0f : q < -448.0f ? -448.0f : q;
-                c[j] = e ? (uint8_t)fp8_encode(q, 0) : 0u;
+                const uint32_t q = ltx_f32_bits(n[j] / step), sign = q & 0x80000000u;
+                uint32_t a = q & 0x7FFFFFFFu;
+                a = a > 0x43E00000u ? 0x43E00000u : a;  /* 448 */
+                const uint32_t code = fp8_encode(ltx_bits_f32(a | sign), 0);
+                c[j] = (uint8_t)(e ? code : 0u);
             }
         }
 }
@@ -666,11 +712,16 @@ static inline __attribute__((always_inline)) uint8_t scaled_fp8_code(uint16_t w,
                                                                      float fmax, int e5m2,
                                                                      int round_bf16)
 {
-    float p = ltx_bf16_value(w) * mult;
+    /* the product is finite or +-inf (never NaN: a zero meets an infinite mult only in the
+     * caller's other loop), so bf16 rounding and the clamp work on its bits: integers, which
+     * vectorise */
+    uint32_t u = ltx_f32_bits(ltx_bf16_value(w) * mult);
     if (round_bf16)
-        p = ltx_bf16_round(p);
-    p = p < -fmax ? -fmax : p > fmax ? fmax : p;
-    return (uint8_t)fp8_encode(p, e5m2);
+        u = LTX_BF16_NEAREST(u);  /* +-inf stays itself */
+    const uint32_t sign = u & 0x80000000u, top = ltx_f32_bits(fmax);
+    uint32_t a = u & 0x7FFFFFFFu;
+    a = a > top ? top : a;
+    return (uint8_t)fp8_encode(ltx_bits_f32(a | sign), e5m2);
 }
 
 #define SCALED_FP8_LOOP(E5M2, ROUND)                                                       \
