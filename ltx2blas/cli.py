@@ -191,7 +191,7 @@ def _cmd_fuse(args):
         check_finite=args.check_finite, force=args.force, fp8_rounding=args.fp8_rounding,
         seed=args.seed or 0, dry_run=args.dry_run, fp8_overflow=args.fp8_overflow,
         digests=not args.no_digests, allow_repeated=args.allow_repeated,
-        allow_overflow=args.allow_overflow)
+        allow_overflow=args.allow_overflow, to=args.to)
     # The output is in place (or this was a dry run): a signal from here on does not
     # interrupt (the handler sees the commit, _stop.commit_rename) and is reported by main().
     if args.json:
@@ -256,7 +256,7 @@ def _cmd_quantize(args):
         fp8_format="F8_E5M2" if args.e5m2 else "F8_E4M3", per_row=args.per_row,
         threads=args.threads,
         progress=None if (args.dry_run or args.quiet or args.json) else _ProgressPrinter(),
-        dry_run=args.dry_run)
+        dry_run=args.dry_run, digests=not args.no_digests)
     if args.json:
         _print(_json(report.as_dict()))
         return 0
@@ -466,6 +466,10 @@ def build_parser():
     p.add_argument("-v", "--verbose", action="store_true",
                    help="list every weight fused (or, with --dry-run, to be fused) and its "
                         "adapters")
+    p.add_argument("--to", choices=FORMATS_TEXT, default=None, metavar="FORMAT",
+                   help="quantise the output's weights into FORMAT as they are written (the "
+                        "format owner's choice of layers, as `ltx2blas quantize --format` "
+                        "makes of the bf16 fuse): " + ", ".join(FORMATS_TEXT))
     p.set_defaults(func=_cmd_fuse)
 
     p = sub.add_parser("verify", help="check a fused checkpoint against its record and inputs",
@@ -562,6 +566,9 @@ def build_parser():
                                                        "e4m3)")
     p.add_argument("--per-row", action="store_true",
                    help="comfy_int8 with one scale a row (default one a tensor)")
+    p.add_argument("--no-digests", action="store_true",
+                   help="record no digests (ltx2blas verify then checks the file only by a "
+                        "rebuild from the base)")
     p.add_argument("--threads", type=_thread_count, default=None,
                    help="threads (default: every CPU this process may use)")
     p.add_argument("--dry-run", action="store_true",

@@ -268,3 +268,78 @@ def test_the_command_line(base, tmp_path, capsys):
     assert cli.main(["quantize", str(base), "-o", str(tmp_path / "x.safetensors"), "--format",
                      "nvfp4", "--e5m2"]) == 2
     assert cli.main(["quantize", str(base), "--format", "nvfp4"]) == 2   # no -o
+
+
+def lora_for(rng, path, modules):
+    tensors = {}
+    for module in modules:
+        rows, cols = MODULES.get(module, (128, 128))
+        key = f"diffusion_model.transformer_blocks.0.{module}" if module in MODULES else \
+            f"diffusion_model.{module}"
+        tensors[key + ".lora_A.weight"] = ("BF16", random_bf16(rng, (4, cols), 0.05))
+        tensors[key + ".lora_B.weight"] = ("BF16", random_bf16(rng, (rows, 4), 0.05))
+    return ck.write(path, tensors)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZE_FORMATS)
+def test_fuse_to_is_quantize_of_the_bf16_fuse(fmt, base, tmp_path, rng):
+    """fuse --to F writes, in one pass, the file that quantize --format F makes of the bf16
+    fuse: the same tensors in the same order, byte for byte; and verify rebuilds it."""
+    lora = lora_for(rng, tmp_path / "lora.safetensors",
+                    ["attn1.to_q", "ff.net.2", "audio_attn1.to_q", "proj_out"])
+    fused = tmp_path / "fused.safetensors"
+    ltx2blas.fuse_checkpoint(base, [(lora, 0.8)], fused, digests=False)
+    two_steps = tmp_path / "two.safetensors"
+    quantize_checkpoint(fused, two_steps, fmt, digests=False)
+    one_pass = tmp_path / "one.safetensors"
+    report = ltx2blas.fuse_checkpoint(base, [(lora, 0.8)], one_pass, to=fmt)
+    a, _ = read_all(two_steps)
+    b, metadata = read_all(one_pass)
+    assert list(a) == list(b)
+    for name in a:
+        assert a[name][:2] == b[name][:2] and a[name][2].tobytes() == b[name][2].tobytes(), name
+    assert report.quantized_to == fmt and report.quantized
+    assert f"into {fmt}" in report.summary()
+    assert json.loads(metadata["ltx2blas.quantized"])["format"] == fmt
+    alone = ltx2blas.verify_checkpoint(one_pass)
+    assert alone.status == "verified" and f"fused and quantized to {fmt}" in alone.origin
+    full = ltx2blas.verify_checkpoint(one_pass, base, [(lora, 0.8)], threads=2)
+    assert full.status == "verified", full.summary()
+    wrong = ltx2blas.verify_checkpoint(one_pass, base, [(lora, 0.5)], threads=1)
+    assert wrong.status == "differs"
+
+
+def test_verify_rebuilds_a_quantized_file_from_its_base(base, tmp_path):
+    out = tmp_path / "q.safetensors"
+    report = quantize_checkpoint(base, out, "nvfp4")
+    assert ltx2blas.verify_checkpoint(out).status == "verified"
+    full = ltx2blas.verify_checkpoint(out, base)
+    assert full.status == "verified" and full.tensors_rebuilt >= len(report.quantized) * 3
+    assert "quantized to nvfp4" in full.origin
+    from test_verify import flip_byte
+    edited = tmp_path / "base2.safetensors"
+    edited.write_bytes(open(base, "rb").read())
+    flip_byte(edited, report.quantized[0])
+    blamed = ltx2blas.verify_checkpoint(out, edited)
+    assert blamed.status == "differs" and blamed.cause_class == "base", blamed.summary()
+    flip_byte(out, report.quantized[1])
+    assert ltx2blas.verify_checkpoint(out).status == "differs"
+
+
+def test_fuse_to_on_the_command_line(base, tmp_path, rng, capsys):
+    lora = lora_for(rng, tmp_path / "lora.safetensors", ["attn1.to_q"])
+    out = tmp_path / "o.safetensors"
+    assert cli.main(["fuse", str(base), "--lora", f"{lora}:0.5", "-o", str(out), "--to",
+                     "comfy_mxfp8", "-q"]) == 0
+    assert "quantized 13 weights into comfy_mxfp8" in capsys.readouterr().out
+    with SafetensorsFile(out) as f:
+        assert bytes(f.read(B + "attn1.to_q.comfy_quant")) == b'{"format": "mxfp8"}'
+    assert cli.main(["verify", str(out), "--model", str(base), "--lora", f"{lora}:0.5",
+                     "-q"]) == 0
+    with pytest.raises(SystemExit):
+        cli.main(["fuse", str(base), "--lora", str(lora), "-o", str(out), "--to", "fp6_block"])
+    plain = tmp_path / "p.safetensors"
+    assert cli.main(["quantize", str(base), "-o", str(plain), "--format", "nvfp4",
+                     "--no-digests", "-q"]) == 0
+    with SafetensorsFile(plain) as f:
+        assert "ltx2blas.provenance" not in f.metadata

@@ -90,6 +90,11 @@ class FuseReport:
     # where the provenance record would have taken the output's header past the limit
     # readers enforce: the header's size with it (the output is written without a record)
     record_left_out: int = 0
+    # fuse(to=...): the format the output's weights were quantised into, those quantised, and
+    # those chosen but kept (name -> why)
+    quantized_to: str = ""
+    quantized: list = field(default_factory=list)
+    quantized_kept: dict = field(default_factory=dict)
 
     @property
     def gflops(self):
@@ -156,6 +161,13 @@ class FuseReport:
                          f"overflowed to +-inf from finite weight elements (e.g. {count} in "
                          f"{printable(first)}, first at {at}), stored as +-inf "
                          "(allow_overflow=True)")
+        if self.quantized_to:
+            lines.append(f"{'would quantize' if self.dry_run else 'quantized'} "
+                         f"{_count(len(self.quantized), 'weight')} into {self.quantized_to}"
+                         + (f"; {_count(len(self.quantized_kept), 'chosen weight')} kept bf16 "
+                            f"(first: {printable(next(iter(self.quantized_kept)))}: "
+                            f"{next(iter(self.quantized_kept.values()))})"
+                            if self.quantized_kept else ""))
         if self.record_left_out:
             lines.append(f"no provenance record written: with it the output's header would be "
                          f"{self.record_left_out:,} bytes, past the {_st.MAX_HEADER:,}-byte limit "
@@ -817,7 +829,7 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
                     check_finite=False, force=False, fp8_rounding="nearest", seed=0,
                     dry_run=False, alpha="scale", allow_unmatched=False,
                     fp8_overflow="saturate", digests=True, allow_repeated=True,
-                    allow_overflow=False):
+                    allow_overflow=False, to=None):
     """Fuse adapter files into a safetensors checkpoint, writing a new one.
 
     Parameters
@@ -870,6 +882,12 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
         report says so (the default); False refuses it with an ArgumentError before anything
         is written, as the command does without ``--allow-repeated``.
 
+    to : str, optional
+        A format of :data:`ltx2blas.quantized.QUANTIZE_FORMATS`: the output's bf16 weights of
+        that format owner's choice (docs/quantize.md) quantised as they are written, fused or
+        not, in the same pass: the file ``quantize_checkpoint`` would make of the bf16 fuse,
+        with no bf16 output in between.
+
     Weights stored in a scaled or quantised layout (:mod:`ltx2blas.files.layouts`) are fused
     by their layout's rule, their rewritten scales written right after them; bias terms of an
     adapter are added to the module's bias.
@@ -903,6 +921,13 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
                                  sources, loras, opts)
         order = layoutmod.output_order(list(ckpt.entries), layouts)
         report = _report(output, dry_run, plan, layouts, len(ckpt.entries), opts, order, sources)
+        quant = None
+        if to is not None:
+            from .quantize import Quantizing  # the quantising layer sits on this one
+
+            quant = Quantizing(entries_of, to)
+            report.quantized_to, report.quantized = to, list(quant.planned)
+            report.quantized_kept = quant.kept
         report.tensors_copied = report.tensors_total - report.modules_fused - len(plan.biases) - sum(
             len(lay.rewritten) for lay in layouts.values())
         if output is not None:
@@ -914,7 +939,7 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
             options = _Options(rule, threads, check_finite, fp8_rounding, seed, fp8_overflow,
                                alpha, allow_unmatched, bool(digests),
                                allow_overflow=bool(allow_overflow))
-            report.metadata = _FusedWriter(ckpt, sources, plan, layouts, options).write(
+            report.metadata = _FusedWriter(ckpt, sources, plan, layouts, options, quant).write(
                 output, order, report, progress, t0)
             report.peak_rss_mib = _peak_rss_mib()
         report.seconds = time.perf_counter() - t0
@@ -930,9 +955,11 @@ class _FusedWriter:
     ahead by a _Prefetcher), their rewritten scales right after them, fused biases, and every
     other tensor copied byte for byte."""
 
-    def __init__(self, ckpt, sources, plan, layouts, options):
+    def __init__(self, ckpt, sources, plan, layouts, options, quant=None):
         self.ckpt, self.sources, self.plan, self.layouts = ckpt, sources, plan, layouts
         self.options = options
+        self.quant = quant  # a quantize.Quantizing (fuse_checkpoint's ``to``), or None
+        self.output_names = list(ckpt.entries)
         self.delta = _delta_buffer(layouts)
         self.pending = {}  # rewritten scales, written right after their weight
         self.dtypes = {n: info.dtype for n, (_, info) in ckpt.entries.items()}
@@ -945,6 +972,10 @@ class _FusedWriter:
         metadata = _fused_metadata(self.ckpt.metadata, self.plan.reports, self.dtypes,
                                    self.plan.weights, self.options, _layout_counts(self.layouts),
                                    self.ckpt.path)
+        if self.quant is not None:
+            from .quantize import METADATA_KEY
+
+            metadata[METADATA_KEY] = self.quant.metadata_value()
         if self.options.digests:
             metadata[provenance.RECORD_KEY] = json.dumps(self._record(hashes, output_digests),
                                                          separators=(",", ":"))
@@ -959,14 +990,18 @@ class _FusedWriter:
             adapters.append((os.path.basename(r.path), r.sha256, r.strength, tensors))
         changed = [n for name in self.plan.weights for n in [name, *self.layouts[name].rewritten]]
         changed += list(self.plan.biases)
+        if self.quant is not None:
+            changed += [p for name in self.quant.planned for p in self.quant.parts(name)]
         if output_digests:  # the final record: every digest known, or the fuse fails
-            missing = [n for n in self.ckpt.entries if n not in output_digests]
+            missing = [n for n in self.output_names if n not in output_digests]
             if missing:
                 raise RuntimeError(f"no digest for tensor {missing[0]!r}: the record would "
                                    "be wrong, so nothing is written")
         return provenance.make_record(
             _version(), {k: getattr(options, k) for k in provenance.OPTIONS},
-            os.path.basename(self.ckpt.path), set(changed), adapters, {n: output_digests.get(n, blank) for n in self.ckpt.entries})
+            os.path.basename(self.ckpt.path), set(changed), adapters,
+            {n: output_digests.get(n, blank) for n in self.output_names},
+            quantize=self.quant.record() if self.quant is not None else None)
 
     def write(self, output, order, report, progress, t0):
         """Write and commit the output; returns its metadata."""
@@ -977,8 +1012,13 @@ class _FusedWriter:
         adapter_hashing = threading.Thread(target=_hash_all, daemon=True,
                                            args=(sources, hashes, self.options.digests))
         adapter_hashing.start()
-        entries = [(n, ckpt.entries[n][1].dtype, ckpt.entries[n][1].shape,
-                    ckpt.entries[n][1].nbytes) for n in order]
+        def entry(n):
+            return (n, ckpt.entries[n][1].dtype, ckpt.entries[n][1].shape,
+                    ckpt.entries[n][1].nbytes)
+
+        entries = (self.quant.entries(order, entry) if self.quant is not None else
+                   [entry(n) for n in order])
+        self.output_names = [e[0] for e in entries]
         done_gflop = 0.0
         # every output tensor is a base tensor of the same size, read and written once
         sizes = {n: ckpt.entries[n][1].nbytes for n in order}
@@ -1046,14 +1086,19 @@ class _FusedWriter:
                                   _delta_view(self.delta, layout), ckpt.path, self.sources)
             _note_overflows(report, name, layout, overflows)
             self.pending.update(zip(layout.rewritten, scales))
-            # Written from the read buffer, which is reused once the write is done.
-            writer.write(name, weight, release=functools.partial(reader.release, weight))
+            if self.quant is not None and name in self.quant.planned:
+                self.quant.write(writer, name, weight, self.options.threads)
+                reader.release(weight)
+            else:  # written from the read buffer, which is reused once the write is done
+                writer.write(name, weight, release=functools.partial(reader.release, weight))
             return plans.gflop(layout.shape, plan.weights[name], self.sources)
         if name in self.pending:
             writer.write(name, self.pending.pop(name))
         elif name in plan.biases:
             writer.write(name, fuse_bias(_read_tensor(ckpt, name),
                                          plans.bias_terms(plan.biases[name], self.sources)))
+        elif self.quant is not None and name in self.quant.planned:
+            self.quant.write(writer, name, _read_tensor(ckpt, name), self.options.threads)
         else:
             f, info = ckpt.entries[name]
             writer.copy(name, f.fileno(), info.begin, info.nbytes, f.path)

@@ -18,6 +18,7 @@ import numpy as np
 
 from .._validate import FP8_OVERFLOWS, FP8_ROUNDINGS, RULES, strength_f32
 from ..errors import Ltx2BlasError
+from ..quantized import QUANTIZE_FORMATS
 from .adapters import ALPHA_MODES
 from .safetensors import parse_json, read_into
 
@@ -286,7 +287,7 @@ def expand(listed, names):
     return None if digests is None else dict(zip(names, digests))
 
 
-def make_record(version, options, base_name, computed, adapters, output):
+def make_record(version, options, base_name, computed, adapters, output, quantize=None):
     """The record a fuse writes, of format 2 (every digest may still be PLACEHOLDER):
 
     ``options``: the OPTIONS as the fuse ran; ``computed``: the names of the base's tensors
@@ -301,7 +302,8 @@ def make_record(version, options, base_name, computed, adapters, output):
     digest of a computed tensor's base bytes is kept: it would hash each fused byte a second
     time, and a rebuild from the inputs checks those bytes (docs/verify.md).  Its size is
     bounded by RECORD_PER_OUTPUT_TENSOR, RECORD_PER_ADAPTER_TENSOR, RECORD_FIXED and
-    RECORD_PER_ADAPTER."""
+    RECORD_PER_ADAPTER.  ``quantize``: how the output's weights were quantised after the
+    fuse (``ltx2blas quantize`` or ``fuse --to``: QUANTIZE_KEYS), or None."""
     names = sorted(output)
     bits = bytearray((len(names) + 7) // 8)
     for i, name in enumerate(names):
@@ -315,7 +317,24 @@ def make_record(version, options, base_name, computed, adapters, output):
                       "tensors": digest_list(tensors)}
                      for name, digest, strength, tensors in adapters],
         "output": digest_list(output),
+        **({"quantize": dict(quantize)} if quantize is not None else {}),
     }
+
+
+#: A record's "quantize": the format, comfy_fp8's codes, comfy_int8's scales per row, and the
+#: globs that changed the owner's choice of layers (docs/quantize.md).
+QUANTIZE_KEYS = ("format", "fp8_format", "per_row", "include", "exclude")
+
+
+def _quantize_field(value):
+    if value is None:
+        return True
+    return (isinstance(value, dict) and set(value) == set(QUANTIZE_KEYS)
+            and value["format"] in QUANTIZE_FORMATS
+            and value["fp8_format"] in (None, "F8_E4M3", "F8_E5M2")
+            and isinstance(value["per_row"], bool)
+            and all(isinstance(g, list) and all(isinstance(x, str) for x in g)
+                    for g in (value["include"], value["exclude"])))
 
 
 def expand_output(record, names):
@@ -436,6 +455,7 @@ def _well_formed(record):
                      and _digest_list(record["output"])
                      and isinstance(record["base"]["read"], str))
                 and isinstance(record["adapters"], list)
+                and _quantize_field(record.get("quantize"))
                 and all((_digests if record["format"] == 1 else _digest_list)(a["tensors"])
                         and isinstance(a["sha256"], str)
                         and number(a["strength"]) and isinstance(a.get("file", ""), str)

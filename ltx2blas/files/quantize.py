@@ -3,6 +3,7 @@ quantize``): which weights (the format's owner's choice, and the user's globs), 
 markers each format's loader needs, and a streaming write.  The arithmetic is
 :func:`ltx2blas.quantized.quantize_weight`'s; docs/quantize.md says what each format is.
 """
+import contextlib
 import fnmatch
 import json
 import os
@@ -16,12 +17,12 @@ import numpy as np
 from .. import quantized as qz
 from .._threads import resolve_threads
 from .._validate import choice, progress_arg
-from ..errors import ArgumentError, printable
+from ..errors import ArgumentError, ShapeError, printable
 from . import keys as keymatch
 from . import provenance
 from .checkpoint import (Checkpoint, Progress, _path_arg, _peak_rss_mib, _version,
                          check_output_is_not_an_input)
-from .safetensors import SafetensorsWriter, header_bytes
+from .safetensors import MAX_HEADER, SafetensorsWriter, header_bytes
 
 FORMATS = qz.QUANTIZE_FORMATS
 #: The metadata entry naming what was quantised, and how.
@@ -92,6 +93,7 @@ class QuantizeReport:
     bytes_out: int = 0    # the output file's size
     largest_error: float = 0.0   # max |w - dequantised| / max |w| over sampled rows
     largest_error_at: str = ""
+    record_left_out: int = 0     # the header's size with the record, where it could not fit
     seconds: float = 0.0
     peak_rss_mib: float = 0.0
 
@@ -134,37 +136,116 @@ def _globs(values, name):
     return tuple(values)
 
 
-def _plan(ckpt, fmt, include, exclude, fp8_format, per_row):
-    """({weight name: its quantised tensors' shapes}, {kept weight: why}) in the base's order."""
-    chosen_by = CHOICES[fmt][1]
-    planned, kept = {}, {}
-    for name, (_, info) in ckpt.entries.items():
-        module = keymatch.model_module(name)
-        if module is None:
-            continue
+def _matches(globs, module, full):
+    return any(fnmatch.fnmatchcase(m, g) for g in globs for m in (module, full))
+
+
+class Quantizing:
+    """One checkpoint's weights quantised into one format (``quantize_checkpoint`` and
+    ``fuse_checkpoint(to=...)``): which weights (``planned``: name -> its tensors' dtypes and
+    shapes; ``kept``: chosen but kept, name -> why), the output's entries, and each weight
+    quantised and written.  ``entries_of``: {name: (dtype, shape)} of the input."""
+
+    def __init__(self, entries_of, fmt, include=None, exclude=None, fp8_format="F8_E4M3",
+                 per_row=False):
+        choice(fmt, FORMATS, "format")
+        if fp8_format not in ("F8_E4M3", "F8_E5M2") or fp8_format != "F8_E4M3" and \
+                fmt != "comfy_fp8":
+            raise ArgumentError(f"fp8_format F8_E5M2 is comfy_fp8's only; got {fp8_format!r} "
+                                f"for {fmt}")
+        if per_row and fmt != "comfy_int8":
+            raise ArgumentError(f"per_row is comfy_int8's, not {fmt}'s")
+        self.fmt, self.fp8_format, self.per_row = fmt, fp8_format, bool(per_row)
+        self.include, self.exclude = _globs(include, "include"), _globs(exclude, "exclude")
+        self.marker = _marker(fmt, fp8_format)
+        self.planned, self.kept = self._plan(entries_of)
+        self.largest_error, self.largest_error_at = 0.0, ""
+
+    def _plan(self, entries_of):
+        chosen_by = CHOICES[self.fmt][1]
+        planned, kept = {}, {}
+        for name, (dtype, shape) in entries_of.items():
+            module = keymatch.model_module(name)
+            if module is None:
+                continue
+            full = name[: -len(".weight")]
+            if not (chosen_by(module) or _matches(self.include, module, full)) or \
+                    _matches(self.exclude, module, full):
+                continue
+            if len(shape) != 2:
+                if _matches(self.include, module, full):
+                    kept[name] = f"not 2-D ({list(shape)})"
+                continue
+            if dtype != "BF16":
+                kept[name] = f"{dtype}, not bf16"
+                continue
+            if any(f"{full}.{c}" in entries_of for c in COMPANIONS):
+                kept[name] = "it has scales or a marker already"
+                continue
+            try:
+                planned[name] = qz.quantized_shapes(self.fmt, *shape, per_row=self.per_row)
+            except ShapeError as exc:  # the format cannot hold it
+                kept[name] = str(exc)
+                continue
+            if self.fp8_format == "F8_E5M2":
+                planned[name]["weight"] = ("F8_E5M2", planned[name]["weight"][1])
+        return planned, kept
+
+    @property
+    def choice_text(self):
+        return CHOICES[self.fmt][0] + (f"; include {', '.join(self.include)}"
+                                       if self.include else "") + (
+            f"; exclude {', '.join(self.exclude)}" if self.exclude else "")
+
+    def record(self):
+        """What a provenance record keeps of it (provenance.QUANTIZE_KEYS)."""
+        return {"format": self.fmt,
+                "fp8_format": self.fp8_format if self.fmt == "comfy_fp8" else None,
+                "per_row": self.per_row, "include": list(self.include),
+                "exclude": list(self.exclude)}
+
+    def metadata_value(self):
+        return json.dumps({**self.record(), "layers": CHOICES[self.fmt][0],
+                           "weights": len(self.planned), "ltx2blas": _version()},
+                          separators=(",", ":"))
+
+    def parts(self, name):
+        """The output's names of weight ``name``: the codes, the scales, the marker."""
         full = name[: -len(".weight")]
-        wanted = chosen_by(module) or any(fnmatch.fnmatchcase(m, g) for g in include
-                                           for m in (module, full))
-        if not wanted or any(fnmatch.fnmatchcase(m, g) for g in exclude for m in (module, full)):
-            continue
-        if len(info.shape) != 2:
-            if include and any(fnmatch.fnmatchcase(m, g) for g in include for m in (module, full)):
-                kept[name] = f"not 2-D ({list(info.shape)})"
-            continue
-        if info.dtype != "BF16":
-            kept[name] = f"{info.dtype}, not bf16"
-            continue
-        if any(f"{full}.{s}" in ckpt.entries for s in COMPANIONS):
-            kept[name] = "it has scales or a marker already"
-            continue
-        try:
-            planned[name] = qz.quantized_shapes(fmt, *info.shape, per_row=per_row)
-        except Exception as exc:  # noqa: BLE001  a ShapeError: the format cannot hold it
-            kept[name] = str(exc)
-            continue
-        if fmt == "comfy_fp8" and fp8_format == "F8_E5M2":
-            planned[name]["weight"] = ("F8_E5M2", planned[name]["weight"][1])
-    return planned, kept
+        out = [name if part == "weight" else f"{full}.weight_{part}"
+               for part in self.planned[name]]
+        return out + ([full + ".comfy_quant"] if self.marker is not None else [])
+
+    def entries(self, order, entry_of):
+        """The output's (name, dtype, shape, nbytes) for the input's names in ``order``, each
+        quantised weight followed by its scales and marker; ``entry_of(name)`` gives the
+        others' entry."""
+        out = []
+        for name in order:
+            if name not in self.planned:
+                out.append(entry_of(name))
+                continue
+            full = name[: -len(".weight")]
+            for part, (dtype, shape) in self.planned[name].items():
+                key = name if part == "weight" else f"{full}.weight_{part}"
+                out.append((key, dtype, tuple(shape), _nbytes(dtype, shape)))
+            if self.marker is not None:
+                out.append((full + ".comfy_quant", "U8", (self.marker.size,), self.marker.size))
+        return out
+
+    def write(self, writer, name, weight, threads):
+        """Quantise bf16 ``weight`` (the tensor ``name``) and write its parts; returns their
+        bytes."""
+        q = qz.quantize_weight(self.fmt, weight, threads=threads, fp8_format=self.fp8_format,
+                               per_row=self.per_row)
+        error = qz.quantization_error(self.fmt, weight, q, ERROR_ROWS, self.fp8_format)
+        if error > self.largest_error or not self.largest_error_at:
+            self.largest_error, self.largest_error_at = error, name
+        arrays = [q.weight, q.scale] + ([q.scale_2] if q.scale_2 is not None else []) + (
+            [self.marker] if self.marker is not None else [])
+        for key, array in zip(self.parts(name), arrays):
+            writer.write(key, array)
+        return sum(a.nbytes for a in arrays)
 
 
 def _marker(fmt, fp8_format):
@@ -176,30 +257,13 @@ def _marker(fmt, fp8_format):
                                                    np.uint8).copy()
 
 
-def _entries(ckpt, planned, marker):
-    """The output's entries in order: each base tensor as it is, a quantised weight followed by
-    its scales and marker."""
-    out = []
-    for name, (_, info) in ckpt.entries.items():
-        if name not in planned:
-            out.append((name, info.dtype, tuple(info.shape), info.nbytes))
-            continue
-        full = name[: -len(".weight")]
-        for part, (dtype, shape) in planned[name].items():
-            key = name if part == "weight" else f"{full}.weight_{part}"
-            out.append((key, dtype, tuple(shape), _nbytes(dtype, shape)))
-        if marker is not None:
-            out.append((full + ".comfy_quant", "U8", (marker.size,), marker.size))
-    return out
-
-
 def _nbytes(dtype, shape):
     return int(np.prod(shape, dtype=np.int64)) * (4 if dtype == "F32" else 1)
 
 
 def quantize_checkpoint(model, output, format, *, include=None, exclude=None,  # noqa: A002
                         fp8_format="F8_E4M3", per_row=False, threads=None, progress=None,
-                        dry_run=False):
+                        dry_run=False, digests=True):
     """Quantise a bf16 checkpoint's Linear weights into ``format``, writing a new checkpoint.
 
     Parameters
@@ -219,6 +283,11 @@ def quantize_checkpoint(model, output, format, *, include=None, exclude=None,  #
     per_row : bool
         comfy_int8 with one scale a row.
     threads, progress, dry_run : as for :func:`ltx2blas.fuse_checkpoint`.
+    digests : bool
+        Record the BLAKE3 of every tensor written and how the file was made
+        (``ltx2blas.provenance``, with its ``quantize`` entry), so that
+        :func:`ltx2blas.verify_checkpoint` checks the file alone and rebuilds it from the base
+        (default True).
 
     Returns
     -------
@@ -226,42 +295,46 @@ def quantize_checkpoint(model, output, format, *, include=None, exclude=None,  #
     """
     model = _path_arg(model, "model")
     output = None if dry_run and output is None else _path_arg(output, "output")
-    choice(format, FORMATS, "format")
-    include, exclude = _globs(include, "include"), _globs(exclude, "exclude")
-    if fp8_format not in ("F8_E4M3", "F8_E5M2") or fp8_format != "F8_E4M3" and \
-            format != "comfy_fp8":
-        raise ArgumentError(f"fp8_format F8_E5M2 is comfy_fp8's only; got {fp8_format!r} for "
-                            f"{format}")
-    if per_row and format != "comfy_int8":
-        raise ArgumentError(f"per_row is comfy_int8's, not {format}'s")
     threads = resolve_threads(threads)
     progress_arg(progress)
     t0 = time.perf_counter()
     with Checkpoint(model) as ckpt:
-        planned, kept = _plan(ckpt, format, include, exclude, fp8_format, per_row)
+        entries_of = {n: (info.dtype, tuple(info.shape)) for n, (_, info) in ckpt.entries.items()}
+        quant = Quantizing(entries_of, format, include, exclude, fp8_format, per_row)
         report = QuantizeReport(output=os.fspath(output) if output is not None else "",
-                                format=format, choice=CHOICES[format][0] + (
-                                    f"; include {', '.join(include)}" if include else "") + (
-                                    f"; exclude {', '.join(exclude)}" if exclude else ""),
-                                dry_run=bool(dry_run), tensors_total=len(ckpt.entries))
-        report.quantized = list(planned)
-        report.kept = kept
-        report.tensors_copied = len(ckpt.entries) - len(planned)
+                                format=format, choice=quant.choice_text, dry_run=bool(dry_run),
+                                tensors_total=len(ckpt.entries))
+        report.quantized, report.kept = list(quant.planned), quant.kept
+        report.tensors_copied = len(ckpt.entries) - len(quant.planned)
         report.bytes_in = sum(info.nbytes for _, info in ckpt.entries.values())
-        if not planned:
+        if not quant.planned:
+            kept = quant.kept
             raise ArgumentError(f"no weight of {printable(model)} is chosen for {format}"
                                 + (f" ({len(kept)} chosen but kept: "
                                    f"{printable(next(iter(kept)))}: {next(iter(kept.values()))})"
                                    if kept else "") + ": nothing to quantize, nothing written")
-        marker = _marker(format, fp8_format)
-        entries = _entries(ckpt, planned, marker)
+        entries = quant.entries(list(ckpt.entries), lambda n: (
+            n, ckpt.entries[n][1].dtype, tuple(ckpt.entries[n][1].shape),
+            ckpt.entries[n][1].nbytes))
+        names = [e[0] for e in entries]
+        computed = {p for name in quant.planned for p in quant.parts(name)}
         # a fused base's record names the bytes of its tensors, which these are not
         metadata = {k: v for k, v in ckpt.metadata.items() if k != provenance.RECORD_KEY}
-        metadata[METADATA_KEY] = json.dumps(
-            {"format": format, "fp8_format": fp8_format if format == "comfy_fp8" else None,
-             "per_row": bool(per_row), "layers": CHOICES[format][0], "include": list(include),
-             "exclude": list(exclude), "weights": len(planned), "ltx2blas": _version()},
-            separators=(",", ":"))
+        metadata[METADATA_KEY] = quant.metadata_value()
+
+        def record(output_digests):
+            return json.dumps(provenance.make_record(
+                _version(), DEFAULT_OPTIONS, os.path.basename(ckpt.path), computed, [],
+                {n: output_digests.get(n, provenance.PLACEHOLDER) for n in names},
+                quantize=quant.record()), separators=(",", ":"))
+
+        if digests:
+            with_record = dict(metadata, **{provenance.RECORD_KEY: record({})})
+            if len(header_bytes(entries, with_record)[0]) - 8 <= MAX_HEADER:
+                metadata = with_record
+            else:  # as a fuse does: the record never stops a file that fits without it
+                report.record_left_out = len(header_bytes(entries, with_record)[0]) - 8
+                digests = False
         header, _, data_len = header_bytes(entries, metadata)
         report.bytes_out = len(header) + data_len
         if output is not None:
@@ -269,20 +342,24 @@ def quantize_checkpoint(model, output, format, *, include=None, exclude=None,  #
         if dry_run:
             report.seconds = time.perf_counter() - t0
             return report
-        _write(ckpt, output, entries, metadata, planned, marker, format, fp8_format, per_row,
-               threads, progress, report, t0)
+        _write(ckpt, output, entries, metadata, quant, threads, progress, report, t0,
+               record if digests else None)
+        report.largest_error, report.largest_error_at = (quant.largest_error,
+                                                         quant.largest_error_at)
     report.seconds = time.perf_counter() - t0
     report.peak_rss_mib = _peak_rss_mib()
     return report
 
 
+#: The fuse options a quantising record names (it fuses nothing: the defaults).
+DEFAULT_OPTIONS = {"rule": "addmm", "alpha": "scale", "allow_unmatched": False,
+                   "fp8_rounding": "nearest", "seed": 0, "fp8_overflow": "saturate"}
 #: Rows of each weight the summary's error is measured on (evenly spaced).
 ERROR_ROWS = 16
 
 
-def _write(ckpt, output, entries, metadata, planned, marker, fmt, fp8_format, per_row, threads,
-           progress, report, t0):
-    weights = list(planned)
+def _write(ckpt, output, entries, metadata, quant, threads, progress, report, t0, record):
+    weights = list(quant.planned)
     following = dict(zip(weights, weights[1:]))
     ahead = {}
     total_bytes = report.bytes_in
@@ -300,30 +377,24 @@ def _write(ckpt, output, entries, metadata, planned, marker, fmt, fp8_format, pe
         size = info.nbytes // 2
         return f.read(name, buffers[slot[name]][:size].reshape(info.shape))
 
-    with SafetensorsWriter(output, entries, metadata) as writer:
+    with (provenance.Hasher(threads) if record is not None else contextlib.nullcontext()) \
+            as hasher, SafetensorsWriter(output, entries, metadata, hasher=hasher) as writer:
         for count, name in enumerate(ckpt.entries, 1):
             f, info = ckpt.entries[name]
-            if name in planned:
+            if name in quant.planned:
                 weight = ahead.pop(name).result() if name in ahead else read(name)
                 if name in following:
                     ahead[following[name]] = _Pending(read, following[name])
-                q = qz.quantize_weight(fmt, weight, threads=threads, fp8_format=fp8_format,
-                                       per_row=per_row)
-                error = qz.quantization_error(fmt, weight, q, ERROR_ROWS, fp8_format)
-                if error > report.largest_error or not report.largest_error_at:
-                    report.largest_error, report.largest_error_at = error, name
-                writer.write(name, q.weight)
-                writer.write(name[: -len(".weight")] + ".weight_scale", q.scale)
-                if q.scale_2 is not None:
-                    writer.write(name[: -len(".weight")] + ".weight_scale_2", q.scale_2)
-                if marker is not None:
-                    writer.write(name[: -len(".weight")] + ".comfy_quant", marker)
+                quant.write(writer, name, weight, threads)
             else:
                 writer.copy(name, f.fileno(), info.begin, info.nbytes, f.path)
             done_bytes += info.nbytes
             if progress is not None:
                 progress(Progress(count, len(ckpt.entries), 0.0, 0.0,
                                   time.perf_counter() - t0, name, done_bytes, total_bytes))
+        if record is not None:
+            writer.set_metadata(dict(metadata, **{provenance.RECORD_KEY: record(
+                writer.digests())}))
         writer.commit()
 
 

@@ -21,9 +21,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .. import _stop, reference
+from .. import _quant, _stop
+from .. import quantized as qz
 from .._threads import resolve_threads
-from .._validate import progress_arg, strength_f32, where
+from .._validate import bf16_to_f32, progress_arg, strength_f32, where
 from ..errors import ArgumentTypeError, printable
 from ..fuse import fuse_bias
 from . import adapters as plans
@@ -322,7 +323,9 @@ def verify_checkpoint(fused, model=None, loras=None, *, rule=None, alpha=None, t
         # The rebuild first: each tensor it compares byte for byte needs no digest of its own,
         # and the base's tensors it reads are hashed from the page cache as it goes.
         rebuilt, differing = {}, []
-        if model is not None and given and (record is None or current):
+        quantized = record is not None and record.get("quantize") is not None
+        if model is not None and (given or quantized and not record["adapters"]) and (
+                record is None or current):
             options = _options(record, given, rule, alpha)
             rebuilt, differing = _rebuild(ckpt, model, options, record, report, threads,
                                           workers, progress, t0)
@@ -418,7 +421,10 @@ def _status(report, record, current, history, rebuilt):
 
 def _origin(metadata, record, history):
     if record is not None:
-        return (f"fused by ltx2blas {_version_text(record.get('ltx2blas', '?'))}, contract "
+        quant = record.get("quantize")
+        made = "fused" if not quant else f"quantized to {quant['format']}" if not \
+            record["adapters"] else f"fused and quantized to {quant['format']}"
+        return (f"{made} by ltx2blas {_version_text(record.get('ltx2blas', '?'))}, contract "
                 f"{record['contract']}, {_count(len(record['adapters']), 'adapter')}")
     if history:
         return (f"fused by ltx2blas {_version_text(metadata.get('ltx2blas.version', '?'))}, "
@@ -551,7 +557,7 @@ def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read
             want = {n: computed.get(n, d) for n, d in record["output"].items()
                     if n not in computed or computed[n] is not None}
             unchecked = [n for n in computed if computed[n] is None]
-            if unchecked and not given:
+            if unchecked and not given and not record.get("quantize"):
                 report.reasons.append(
                     f"the {_count(len(unchecked), 'tensor')} the fuse computed from the base "
                     "(fused weights, their scales, biases) are checked by a rebuild: give the "
@@ -565,7 +571,8 @@ def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read
             got.update((n, None) for n in base.entries if n not in want and n not in computed)
             name = os.path.basename(model)
             for n in unchecked:
-                if n not in base.entries:
+                # a quantised weight's scales and marker are the output's own
+                if n not in base.entries and not record.get("quantize"):
                     report.add("base", n, f"recorded, but not in {name}")
             for n in [n for n in want if n not in computed and n in got and got[n] != want[n]
                       and own.get(n) == want[n]]:
@@ -650,6 +657,16 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
             entries = {n: (info.dtype, info.shape) for n, (_, info) in base.entries.items()}
             plan, layouts = _prepare(entries, base.metadata, lambda n: _read_tensor(base, n),
                                      sources, loras, options)
+            # a quantised output: its weights quantised again after the fuse (or from the
+            # base), by the record's format and choice of layers
+            quant = None
+            if has_record and record.get("quantize") is not None:
+                from .quantize import Quantizing
+
+                q = record["quantize"]
+                quant = Quantizing({n: (info.dtype, tuple(info.shape)) for n, (_, info) in
+                                    base.entries.items()}, q["format"], q["include"],
+                                   q["exclude"], q["fp8_format"] or "F8_E4M3", q["per_row"])
             run = _Options(options["rule"], threads, False, options["fp8_rounding"],
                            options["seed"], options["fp8_overflow"], options["alpha"],
                            options["allow_unmatched"], False,
@@ -666,7 +683,8 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
                     hasher.add_file(name, *base.entries[name])
                 return _read_tensor(base, name)
 
-            names = [n for n in base.entries if n in plan.weights or n in plan.biases]
+            names = [n for n in base.entries if n in plan.weights or n in plan.biases or
+                     quant is not None and n in quant.planned]
             weights = [n for n in names if n in plan.weights]
             following = dict(zip(weights, weights[1:]))
             total_gflop = sum(plans.gflop(layouts[n].shape, plan.weights[n], sources)
@@ -692,14 +710,21 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
                     loaded = plans.factors(plan.weights[name], sources, plan.reports)
                     _fuse_one(weight, loaded, layout, name, run, scales,
                               _delta_view(delta, layout), base.path, sources)
-                    _compare(ckpt, name, weight, original, report, layout.fmt, loaded,
-                             stored.result(), differing=differing if has_record else None,
-                             base=(lambda n=name: _read_tensor(base, n)) if has_record else None,
-                             recorded=record["output"].get(name) if has_record else None,
-                             hash_name=record["hash"] if has_record else None)
+                    if quant is not None and name in quant.planned:
+                        _compare_quantized(ckpt, quant, name, weight, report, threads, recorded)
+                    else:
+                        _compare(ckpt, name, weight, original, report, layout.fmt, loaded,
+                                 stored.result(), differing=differing if has_record else None,
+                                 base=(lambda n=name: _read_tensor(base, n)) if has_record
+                                 else None,
+                                 recorded=record["output"].get(name) if has_record else None,
+                                 hash_name=record["hash"] if has_record else None)
                     for c, s in zip(layout.rewritten, scales):
                         _compare(ckpt, c, s, None, report, None, None, **recorded(c))
                     done_gflop += plans.gflop(layout.shape, plan.weights[name], sources)
+                elif name not in plan.biases:  # quantised only, not fused
+                    _compare_quantized(ckpt, quant, name, read_base(name), report, threads,
+                                       recorded)
                 else:
                     bias = read_base(name)
                     _compare(ckpt, name, fuse_bias(bias, plans.bias_terms(plan.biases[name],
@@ -719,6 +744,17 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
             for s in sources:
                 s.close()
     return {name: digests.get(name) for name in read}, differing
+
+
+def _compare_quantized(ckpt, quant, name, weight, report, threads, recorded):
+    """A bf16 weight (fused again, or the base's) quantised again by the record's format and
+    each of its tensors compared with the file's."""
+    q = qz.quantize_weight(quant.fmt, weight, threads=threads, fp8_format=quant.fp8_format,
+                           per_row=quant.per_row)
+    arrays = [q.weight, q.scale] + ([q.scale_2] if q.scale_2 is not None else []) + (
+        [quant.marker] if quant.marker is not None else [])
+    for key, array in zip(quant.parts(name), arrays):
+        _compare(ckpt, key, array, None, report, None, None, **recorded(key))
 
 
 def _stored(ckpt, name):
@@ -741,7 +777,8 @@ def _compare(ckpt, name, rebuilt, original, report, fmt, loaded, stored=None, ba
         report.add("missing", name, "fused from the inputs but not in the file")
         return
     f, info = ckpt.entries[name]
-    rebuilt = np.ascontiguousarray(rebuilt)
+    # (ascontiguousarray would make a 0-d scale 1-d)
+    rebuilt = np.ascontiguousarray(rebuilt).reshape(np.shape(rebuilt))
     if info.nbytes != rebuilt.nbytes or list(info.shape) != list(rebuilt.shape):
         report.add("rebuilt", name, f"the file's {info.dtype} {list(info.shape)} is not the "
                                     f"rebuilt {list(rebuilt.shape)}")
@@ -939,7 +976,7 @@ def _magnitude(loaded, shape):
 
     def factor(key, bits, transpose=False):
         if key not in absolute:
-            v = np.abs(reference.bf16_widen(bits))
+            v = np.abs(bf16_to_f32(bits))
             absolute[key] = np.ascontiguousarray(v.T) if transpose else v
         return absolute[key]
 
@@ -984,6 +1021,12 @@ def _lokr_roles(ld):
     return dict(zip([r for r in LOKR_ROLES if r in ld.item.pair.keys], ld.arrays))
 
 
+def _bf16_bits(values):
+    """f32 values rounded to bf16 bits, nearest-even, in their shape."""
+    values = np.ascontiguousarray(values, np.float32)
+    return _quant.round_bf16(values.reshape(-1)).reshape(values.shape)
+
+
 def _rules(loaded):
     """{name: rule(W rows, unscaled deltas) -> bf16 bits}: other tools' arithmetic that the
     same inputs may have been fused by, each a plain restatement on sampled rows."""
@@ -992,17 +1035,17 @@ def _rules(loaded):
     def comfyui(w, deltas):
         # the weight in f32, each adapter's product f32(strength x alpha / rank) x its f32
         # product added in f32, rounded to bf16 once at the end
-        acc = reference.bf16_widen(w)
+        acc = bf16_to_f32(w)
         for d, s in zip(deltas, scales):
             acc = acc + s * d.astype(np.float32)
-        return reference.bf16_round(acc)
+        return _bf16_bits(acc)
 
     def peft(w, deltas):
         # PEFT's merge on a CPU: the f32 product times its scaling, rounded to bf16, added to
         # the bf16 weight
         for d, s in zip(deltas, scales):
-            w = reference.bf16_round(reference.bf16_widen(w) + reference.bf16_widen(
-                reference.bf16_round(d.astype(np.float32) * s)))
+            w = _bf16_bits(bf16_to_f32(w) + bf16_to_f32(
+                _bf16_bits(d.astype(np.float32) * s)))
         return w
 
     rules = {"ComfyUI's f32 add": comfyui}
