@@ -357,7 +357,8 @@ def _check_quantize_shape(fmt, rows, cols):
                          f"{NVFP4_GROUP}-element blocks (upstream pads none)")
 
 
-def quantize_weight(fmt, weight, *, threads=None, fp8_format="F8_E4M3", per_row=False):
+def quantize_weight(fmt, weight, *, threads=None, fp8_format="F8_E4M3", per_row=False,
+                    out=None):
     """A bf16 weight quantised into ``fmt`` by its owner's quantiser.
 
     Parameters
@@ -371,6 +372,9 @@ def quantize_weight(fmt, weight, *, threads=None, fp8_format="F8_E4M3", per_row=
         row with ``per_row``).
     weight : bf16 array [rows, cols]
         ml_dtypes.bfloat16 or uint16 bit patterns; finite.
+    out : uint8 array, optional
+        Memory for the codes (C-contiguous, at least their bytes), reused from one weight to
+        the next by the checkpoint quantiser: the returned codes are a view of it.
 
     Returns
     -------
@@ -400,10 +404,12 @@ def quantize_weight(fmt, weight, *, threads=None, fp8_format="F8_E4M3", per_row=
     if per_row and fmt != "comfy_int8":
         raise ArgumentError(f"per_row is comfy_int8's, not {fmt}'s")
     threads = resolve_threads(threads)
-    seen = Magnitudes(w)
-    if seen.first_nonfinite >= 0:
-        raise nonfinite_weight(seen.first_nonfinite, w, "bf16")
-    top = np.float32(seen.max)
+    # the largest magnitude on every thread; an inf or NaN shows as a largest magnitude that
+    # is not finite, and only then is the first one looked for
+    top, _ = _quant.bf16_absmax(w, False, threads)
+    top = np.float32(top)
+    if not np.isfinite(top):
+        raise nonfinite_weight(Magnitudes(w).first_nonfinite, w, "bf16")
     shapes = quantized_shapes(fmt, rows, cols, per_row)
     if fmt in COMFY_PAD:
         group = COMFY_PAD[fmt]
@@ -412,7 +418,16 @@ def quantize_weight(fmt, weight, *, threads=None, fp8_format="F8_E4M3", per_row=
             padded[:rows, :cols] = w
             w = padded
     flat = w.reshape(-1)
-    codes = np.empty(shapes["weight"][1], np.int8 if fmt == "comfy_int8" else np.uint8)
+    code_type = np.int8 if fmt == "comfy_int8" else np.uint8
+    size = int(np.prod(shapes["weight"][1], dtype=np.int64))
+    if out is None:
+        codes = np.empty(shapes["weight"][1], code_type)
+    else:
+        if not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and
+                out.flags.c_contiguous and out.size >= size):
+            raise ArgumentError(f"out must be a C-contiguous uint8 array of at least {size} "
+                                "bytes")
+        codes = out.reshape(-1)[:size].view(code_type).reshape(shapes["weight"][1])
     with np.errstate(divide="ignore", over="ignore"):
         if fmt == "fp8_scaled":       # upstream: m = f32(1 / amax) * 448; scale = 1 / m
             mult = (np.float32(1.0) / top) * np.float32(448.0)

@@ -168,6 +168,10 @@ class FuseReport:
                             f"(first: {printable(next(iter(self.quantized_kept)))}: "
                             f"{next(iter(self.quantized_kept.values()))})"
                             if self.quantized_kept else ""))
+            from .quantize import INPUT_SCALE_NOTE
+
+            if self.quantized_to in INPUT_SCALE_NOTE:
+                lines.append(INPUT_SCALE_NOTE[self.quantized_to])
         if self.record_left_out:
             lines.append(f"no provenance record written: with it the output's header would be "
                          f"{self.record_left_out:,} bytes, past the {_st.MAX_HEADER:,}-byte limit "

@@ -52,6 +52,15 @@ BLOCKWISE_EXCLUDED = ("patchify_proj", "adaln_single", "caption_projection", "pr
                       "to_gate_logits", "scale_shift_table")
 
 
+#: What the output lacks for a loader of the format: an activation scale per layer
+#: (``input_scale``), which calibration finds and the weights cannot give.
+INPUT_SCALE_NOTE = {
+    "fp8_scaled": "no input_scale written: upstream's fp8_scaled_mm loader needs one per layer "
+                  "(an activation calibration); its fp8 cast loader and ltx2blas need none",
+    "nvfp4": "no input_scale written: upstream's nvfp4-prequant with static activation scales "
+             "needs one per layer; with dynamic ones it needs none",
+}
+
 #: Tensors beside a weight that say it is stored scaled or quantised already.
 COMPANIONS = ("weight_scale", "weight_scale_2", "comfy_quant", "scale_weight", "input_scale")
 
@@ -114,6 +123,11 @@ class QuantizeReport:
             lines.append(f"  kept bf16: {len(self.kept)} chosen weights the format cannot hold: "
                          + "; ".join(f"{printable(n)} ({why})" for n, why in shown)
                          + ("; ..." if len(self.kept) > 5 else ""))
+        if self.format in INPUT_SCALE_NOTE:
+            lines.append(f"  {INPUT_SCALE_NOTE[self.format]}")
+        if self.record_left_out:
+            lines.append(f"  no provenance record written: with it the header would be "
+                         f"{self.record_left_out:,} bytes, past the limit readers enforce")
         if self.quantized and not self.dry_run:
             lines.append(f"  largest error: {self.largest_error:.3g} of the weight's largest "
                          f"magnitude ({printable(self.largest_error_at)}, sampled rows)")
@@ -160,6 +174,10 @@ class Quantizing:
         self.marker = _marker(fmt, fp8_format)
         self.planned, self.kept = self._plan(entries_of)
         self.largest_error, self.largest_error_at = 0.0, ""
+        # the codes of the weights go to two buffers in turns, each free again once the
+        # writer (and the hashing beside it) is done with it: fresh memory for every weight
+        # would cost its page faults, and a copy for the writer a pass
+        self._codes, self._turn = None, 0
 
     def _plan(self, entries_of):
         chosen_by = CHOICES[self.fmt][1]
@@ -236,14 +254,25 @@ class Quantizing:
     def write(self, writer, name, weight, threads):
         """Quantise bf16 ``weight`` (the tensor ``name``) and write its parts; returns their
         bytes."""
+        if self._codes is None:
+            size = max(_nbytes(*p["weight"]) for p in self.planned.values())
+            self._codes = [(np.empty(size, np.uint8), threading.Event()) for _ in range(2)]
+            for _, free in self._codes:
+                free.set()
+        codes, free = self._codes[self._turn]
+        self._turn ^= 1
+        _wait(free)
         q = qz.quantize_weight(self.fmt, weight, threads=threads, fp8_format=self.fp8_format,
-                               per_row=self.per_row)
+                               per_row=self.per_row, out=codes)
         error = qz.quantization_error(self.fmt, weight, q, ERROR_ROWS, self.fp8_format)
         if error > self.largest_error or not self.largest_error_at:
             self.largest_error, self.largest_error_at = error, name
         arrays = [q.weight, q.scale] + ([q.scale_2] if q.scale_2 is not None else []) + (
             [self.marker] if self.marker is not None else [])
-        for key, array in zip(self.parts(name), arrays):
+        keys = self.parts(name)
+        free.clear()
+        writer.write(keys[0], q.weight, release=free.set)
+        for key, array in zip(keys[1:], arrays[1:]):
             writer.write(key, array)
         return sum(a.nbytes for a in arrays)
 
@@ -396,6 +425,12 @@ def _write(ckpt, output, entries, metadata, quant, threads, progress, report, t0
             writer.set_metadata(dict(metadata, **{provenance.RECORD_KEY: record(
                 writer.digests())}))
         writer.commit()
+
+
+def _wait(event):
+    """Wait for a buffer the writer holds, in steps, so that a signal is seen between them."""
+    while not event.wait(0.1):
+        pass
 
 
 class _Pending:

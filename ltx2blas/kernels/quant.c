@@ -50,7 +50,9 @@ static inline __attribute__((always_inline)) uint32_t fp8_encode(float x, int e5
  * scalar under -ftrapping-math). */
 static inline uint32_t nonzero_mask(uint16_t h) { return 0u - (uint32_t)((h & 0x7FFFu) != 0); }
 
+#if defined(LTX_VARIANT_AVX512)
 static const float e2m1_midpoint[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+#endif
 
 /* The midpoints' f32 bits: a non-negative f32 orders as its bits do, so the comparisons are
  * of integers, which loops of them vectorise (GCC keeps a loop with f32 comparisons scalar
@@ -374,6 +376,42 @@ static inline float nvfp4_group_scale(float top, float t, uint32_t *code)
     return total > 0.0f ? 1.0f / total : 0.0f;
 }
 
+/* The value of an E4M3 code of a scale (0 to 0x7E, never NaN), by integer operations and one
+ * exact conversion, so that a loop of it vectorises (a table lookup would not). */
+static inline float e4m3_scale_value(uint32_t code)
+{
+    const uint32_t e = code >> 3, m = code & 7u;
+    const float sub = (float)m * 0x1p-9f;
+    const uint32_t normal = ((e + 120u) << 23) | (m << 20), keep_sub = 0u - (uint32_t)(e == 0);
+    return ltx_bits_f32((ltx_f32_bits(sub) & keep_sub) | (normal & ~keep_sub));
+}
+
+/* Groups a chunk of an NVFP4 row's pass takes at once: their scales are computed side by side
+ * (a loop over groups, which vectorises), then their codes. */
+#define NVFP4_CHUNK 256
+
+/* For groups 0..n-1 of largest magnitudes top[g] (f32 bits; finite) and the tensor's scale t
+ * > 0: code[g] = e4m3(min(f32(f32(top / 6) / t), 448)) and step[g] = f32(t * that code's
+ * value); NaN where both t and top are 0 is not possible here (t > 0). */
+static inline void nvfp4_group_steps(const uint32_t *top, ltx_idx n, float t, uint32_t *code,
+                                     float *step)
+{
+    for (ltx_idx g = 0; g < n; g++) {
+        const float s = (ltx_bits_f32(top[g]) / 6.0f) / t;
+        uint32_t a = ltx_f32_bits(s);
+        a = a > 0x43E00000u ? 0x43E00000u : a;  /* 448; s >= 0 */
+        code[g] = fp8_encode(ltx_bits_f32(a), 0);
+        step[g] = t * e4m3_scale_value(code[g]);
+    }
+}
+
+/* Sixteen E2M1 codes (one a uint32) into eight bytes, element 2j in byte j's high nibble. */
+static inline void nvfp4_pack16(const uint32_t *c, uint8_t *out)
+{
+    for (int j = 0; j < GROUP / 2; j++)
+        out[j] = (uint8_t)(c[2 * j] << 4 | c[2 * j + 1]);
+}
+
 #if defined(LTX_VARIANT_AVX512)
 /* The NVFP4 passes below in the AVX-512 builds, a group of 16 elements -- one vector -- at a
  * time, with the same f32
@@ -480,28 +518,50 @@ static void nvfp4_quantize_rows(const uint16_t *merged, float t, uint8_t *packed
         return;
     }
 #endif
+    if (!(t > 0.0f)) {  /* an all-zero tensor: scales 0, each code its zero (sign kept) */
+        for (ltx_idx r = r0; r < r1; r++)
+            for (ltx_idx g = 0; g < cols / GROUP; g++) {
+                uint32_t c[GROUP];
+                for (int j = 0; j < GROUP; j++)
+                    c[j] = e2m1_from_f32(ltx_bf16_value(merged[r * cols + g * GROUP + j]));
+                scales[ltx_nvfp4_scale_offset(r, g, padded_cols)] = 0;
+                nvfp4_pack16(c, packed + r * (cols / 2) + g * GROUP / 2);
+            }
+        return;
+    }
+    uint32_t top[NVFP4_CHUNK], code[NVFP4_CHUNK];
+    float step[NVFP4_CHUNK];
     for (ltx_idx r = r0; r < r1; r++) {
         const uint16_t *m = merged + r * cols;
         uint8_t *row = packed + r * (cols / 2);
-        for (ltx_idx g = 0; g < cols / GROUP; g++) {
-            const uint16_t *x = m + g * GROUP;
-            uint32_t top_bits = 0;  /* finite bf16: the bits order as the magnitudes */
-            for (ltx_idx j = 0; j < GROUP; j++) {
-                const uint32_t a = x[j] & 0x7FFFu;
-                top_bits = a > top_bits ? a : top_bits;
+        for (ltx_idx g0 = 0; g0 < cols / GROUP; g0 += NVFP4_CHUNK) {
+            const ltx_idx n = cols / GROUP - g0 < NVFP4_CHUNK ? cols / GROUP - g0 : NVFP4_CHUNK;
+            for (ltx_idx g = 0; g < n; g++) {  /* finite bf16: bits order as magnitudes */
+                const uint16_t *x = m + (g0 + g) * GROUP;
+                uint32_t best = 0;
+                for (int j = 0; j < GROUP; j++) {
+                    const uint32_t a = x[j] & 0x7FFFu;
+                    best = a > best ? a : best;
+                }
+                top[g] = best << 16;
             }
-            uint32_t sf;
-            const float inv = nvfp4_group_scale(ltx_bf16_value((uint16_t)top_bits), t, &sf);
-            scales[ltx_nvfp4_scale_offset(r, g, padded_cols)] = (uint8_t)sf;
-            uint32_t c[GROUP];
-            for (ltx_idx j = 0; j < GROUP; j++) {
-                /* a zero stays itself where inv is inf (a total below 2^-128) */
-                const float v = ltx_bf16_value(x[j]);
-                const uint32_t p = ltx_f32_bits(v * inv), keep = nonzero_mask(x[j]);
-                c[j] = e2m1_from_f32(ltx_bits_f32((p & keep) | (ltx_f32_bits(v) & ~keep)));
+            nvfp4_group_steps(top, n, t, code, step);
+            for (ltx_idx g = 0; g < n; g++) {
+                scales[ltx_nvfp4_scale_offset(r, g0 + g, padded_cols)] = (uint8_t)code[g];
+                /* inv = 1 / total, 0 for a zero total: the quotient taken for every group
+                 * and chosen by bits */
+                const uint32_t live = 0u - (uint32_t)(ltx_f32_bits(step[g]) != 0);
+                const float inv = ltx_bits_f32(ltx_f32_bits(1.0f / step[g]) & live);
+                const uint16_t *x = m + (g0 + g) * GROUP;
+                uint32_t c[GROUP];
+                for (int j = 0; j < GROUP; j++) {
+                    /* a zero stays itself where inv is inf (a total below 2^-128) */
+                    const float v = ltx_bf16_value(x[j]);
+                    const uint32_t p = ltx_f32_bits(v * inv), keep = nonzero_mask(x[j]);
+                    c[j] = e2m1_from_f32(ltx_bits_f32((p & keep) | (ltx_f32_bits(v) & ~keep)));
+                }
+                nvfp4_pack16(c, row + (g0 + g) * GROUP / 2);
             }
-            for (ltx_idx j = 0; j < GROUP / 2; j++)
-                row[g * GROUP / 2 + j] = (uint8_t)(c[2 * j] << 4 | c[2 * j + 1]);
         }
     }
 }
@@ -541,45 +601,57 @@ static void comfy_nvfp4_quantize_rows(uint8_t *packed, const uint8_t *old_scales
                                    ltx_idx padded_cols, float scale_2, const uint16_t *delta,
                                    float t, ltx_idx cols, ltx_idx r0, ltx_idx r1)
 {
-    float n[GROUP];
+    /* a chunk of groups at a time: their merged values, then their scales side by side, then
+     * their codes */
+    float n[NVFP4_CHUNK * GROUP], step[NVFP4_CHUNK];
+    uint32_t top[NVFP4_CHUNK], code[NVFP4_CHUNK];
     for (ltx_idx r = r0; r < r1; r++) {
         uint8_t *row = packed + r * (cols / 2);
         const uint16_t *d = delta + r * cols;
-        for (ltx_idx g = 0; g < cols / GROUP; g++) {
-            const ltx_idx at = ltx_nvfp4_scale_offset(r, g, padded_cols);
-            float top = 0.0f;
-            if (old_scales) {
-                const float total = scale_2 * ltx_fp8_table(0)[old_scales[at]];
-                for (ltx_idx j = 0; j < GROUP; j++) {
-                    const ltx_idx i = g * GROUP + j;
-                    const uint8_t byte = row[i / 2];
-                    n[j] = e2m1_value[(i % 2) ? (byte & 0xFu) : (byte >> 4)] * total +
-                           ltx_bf16_value(d[i]);
+        for (ltx_idx g0 = 0; g0 < cols / GROUP; g0 += NVFP4_CHUNK) {
+            const ltx_idx count = cols / GROUP - g0 < NVFP4_CHUNK ? cols / GROUP - g0
+                                                                  : NVFP4_CHUNK;
+            for (ltx_idx g = 0; g < count; g++) {
+                float *v = n + g * GROUP;
+                const ltx_idx i0 = (g0 + g) * GROUP;
+                if (old_scales) {
+                    const ltx_idx at = ltx_nvfp4_scale_offset(r, g0 + g, padded_cols);
+                    const float total = scale_2 * ltx_fp8_table(0)[old_scales[at]];
+                    for (int j = 0; j < GROUP; j++) {
+                        const uint8_t byte = row[(i0 + j) / 2];
+                        v[j] = e2m1_value[(j % 2) ? (byte & 0xFu) : (byte >> 4)] * total +
+                               ltx_bf16_value(d[i0 + j]);
+                    }
+                } else { /* a bf16 weight quantised: its values, -0.0 kept */
+                    for (int j = 0; j < GROUP; j++)
+                        v[j] = ltx_bf16_value(d[i0 + j]);
                 }
-            } else { /* a bf16 weight quantised: its values, -0.0 kept */
-                for (ltx_idx j = 0; j < GROUP; j++)
-                    n[j] = ltx_bf16_value(d[g * GROUP + j]);
+                uint32_t best = 0;  /* finite: the bits order as the magnitudes */
+                for (int j = 0; j < GROUP; j++) {
+                    const uint32_t a = ltx_f32_bits(v[j]) & 0x7FFFFFFFu;
+                    best = a > best ? a : best;
+                }
+                top[g] = best;
             }
-            uint32_t top_bits = 0;  /* finite: the bits order as the magnitudes */
-            for (ltx_idx j = 0; j < GROUP; j++) {
-                const uint32_t a = ltx_f32_bits(n[j]) & 0x7FFFFFFFu;
-                top_bits = a > top_bits ? a : top_bits;
+            for (ltx_idx g = 0; g < count; g++) {
+                /* t is 0 only for a bf16 weight whose scale_2 rounded to 0: a block of zeros
+                 * (0 / 0, NaN) takes scale 0, any other (x / 0) the largest */
+                const uint32_t a = ltx_f32_bits((ltx_bits_f32(top[g]) / 6.0f) / t);
+                const uint32_t nan = 0u - (uint32_t)(a > 0x7F800000u);
+                const uint32_t sat = a > 0x43E00000u ? 0x43E00000u : a;  /* 448 */
+                code[g] = fp8_encode(ltx_bits_f32(sat & ~nan), 0);
+                step[g] = t * e4m3_scale_value(code[g]);
             }
-            top = ltx_bits_f32(top_bits);
-            float s = (top / 6.0f) / t;
-            /* t is 0 only for a bf16 weight whose scale_2 rounded to 0: a block of zeros (0 /
-             * 0) takes scale 0, any other (x / 0) the largest */
-            s = s < 448.0f ? s : s == s ? 448.0f : 0.0f;
-            const uint32_t code = fp8_encode(s, 0);
-            scales[at] = (uint8_t)code;
-            const float step = t * ltx_fp8_table(0)[code];
-            /* else +0 codes: the quotients are dropped */
-            const uint32_t live = step > 0.0f ? 0xFFFFFFFFu : 0u;
-            uint32_t c[GROUP];
-            for (ltx_idx j = 0; j < GROUP; j++)
-                c[j] = e2m1_from_f32(n[j] / step) & live;
-            for (ltx_idx j = 0; j < GROUP / 2; j++)
-                row[g * GROUP / 2 + j] = (uint8_t)(c[2 * j] << 4 | c[2 * j + 1]);
+            for (ltx_idx g = 0; g < count; g++) {
+                scales[ltx_nvfp4_scale_offset(r, g0 + g, padded_cols)] = (uint8_t)code[g];
+                /* a zero step gives +0 codes: the quotients are dropped */
+                const uint32_t live = 0u - (uint32_t)(ltx_f32_bits(step[g]) != 0);
+                const float *v = n + g * GROUP;
+                uint32_t c[GROUP];
+                for (int j = 0; j < GROUP; j++)
+                    c[j] = e2m1_from_f32(v[j] / step[g]) & live;
+                nvfp4_pack16(c, row + (g0 + g) * GROUP / 2);
+            }
         }
     }
 }
