@@ -519,3 +519,58 @@ def quantization_error(fmt, weight, q, samples=16, fp8_format="F8_E4M3"):
         scale = q.scale.reshape(-1)[at] if q.scale.ndim == 2 else np.float32(q.scale)
         got = q.weight[at].astype(np.float32) * (scale[:, None] if np.ndim(scale) else scale)
     return float(np.max(np.abs(got.astype(np.float32) - values)) / top)
+
+
+#: The layouts (and plain fp8 casts) a quantised weight is read back from for quantising
+#: anew, each into bf16 by its owner's dequantisation (dequantize_bf16).
+DEQUANTIZED = ("fp8", "fp8_scaled", "comfy_fp8", "fp8_block", "fp6_block", "nvfp4",
+               "comfy_nvfp4", "comfy_mxfp8", "comfy_int8")
+
+
+def dequantize_bf16(layout, weight, *, scale=None, scale_2=None, fmt=None, threads=None):
+    """A stored weight's bf16 values as its owner's loader dequantises it (bf16 bits, uint16,
+    the stored shape; packed layouts unpacked):
+
+    ``fp8``         a plain F8_E4M3 / F8_E5M2 cast: bf16(code), exact
+    ``fp8_scaled``  upstream's fp8 cast: bf16(f32(code) * scale)
+    ``comfy_fp8``   comfy-kitchen: bf16(f32(code) * f32(bf16(scale)))
+    ``fp8_block``, ``fp6_block``, ``nvfp4``: upstream's rules, as :func:`dequantized`
+    ``comfy_nvfp4`` comfy-kitchen: t = bf16(f32(bf16(scale_2)) * f32(bf16(block scale))),
+                    bf16(e2m1 * f32(t))
+    ``comfy_mxfp8`` comfy-kitchen: bf16(f32(code) * 2^(e - 127)), 0 for e = 0
+    ``comfy_int8``  comfy-kitchen: bf16(f32(code) * scale), the scale one value or one a row
+    """
+    if layout not in DEQUANTIZED:
+        raise ArgumentError(f"layout must be one of {DEQUANTIZED}, got {layout!r}")
+    if layout in DEQUANTIZED_TO_BF16:
+        return dequantized(layout, weight, scale=scale, scale_2=scale_2, threads=threads)
+    if layout == "fp8":
+        codes, fmt = layout_codes(weight, layout, ("F8_E4M3", "F8_E5M2"), fmt)
+        values = _quant.fp8_values(fmt == "F8_E5M2")[codes]
+        return _round_bf16(values)
+    codes, fmt, block, second, rows, cols = _operands(layout, weight, scale, scale_2, fmt)
+    if layout in ("fp8_scaled", "comfy_fp8"):
+        s = np.float32(block.reshape(-1)[0])
+        if layout == "comfy_fp8":
+            s = _bf16_of(s)
+        return _round_bf16(_quant.fp8_values(fmt == "F8_E5M2")[codes] * s)
+    if layout == "comfy_int8":
+        s = block.reshape(-1, 1) if block.ndim == 2 else np.float32(block.reshape(-1)[0])
+        return _round_bf16(codes.view(np.int8).astype(np.float32) * s)
+    if layout == "comfy_mxfp8":
+        e = _tiled_rows(block, np.arange(rows), cols // MXFP8_GROUP).astype(np.int64)
+        step = np.where(e == 0, 0.0, np.ldexp(1.0, e - 127)).astype(np.float32)
+        return _round_bf16(_quant.fp8_values(False)[codes] * np.repeat(step, MXFP8_GROUP, 1))
+    # comfy_nvfp4
+    nibbles = np.stack([codes >> 4, codes & 0xF], axis=-1).reshape(rows, cols)
+    blocks = _quant.fp8_values(False)[_tiled_rows(block, np.arange(rows), cols // NVFP4_GROUP)]
+    widen = lambda bits: (bits.astype(np.uint32) << 16).view(np.float32)  # noqa: E731
+    s2 = _bf16_of(np.float32(second.reshape(-1)[0]))
+    total = widen(_quant.round_bf16((s2 * widen(_quant.round_bf16(
+        blocks.reshape(-1)))).astype(np.float32))).reshape(blocks.shape)
+    return _round_bf16(_E2M1[nibbles] * np.repeat(total, NVFP4_GROUP, 1))
+
+
+def _round_bf16(values):
+    values = np.ascontiguousarray(values, np.float32)
+    return _quant.round_bf16(values.reshape(-1)).reshape(values.shape)

@@ -205,17 +205,17 @@ def test_refusals(base, tmp_path):
     assert not (tmp_path / "o.safetensors").exists()
 
 
-def test_a_quantised_output_is_not_quantised_again_and_fuses(base, tmp_path, rng):
-    """The output's quantised weights carry scales (kept, named, if quantised again); ltx2blas
-    reads each of its layouts back and fuses an adapter into it."""
+def test_a_quantised_output_is_quantised_again_from_its_values_and_fuses(base, tmp_path, rng):
+    """The output's quantised weights are read back by their owner's rule when quantised again
+    (planned as such); ltx2blas reads each of its layouts back and fuses an adapter into it."""
     for fmt in ("fp8_scaled", "comfy_fp8", "nvfp4", "comfy_nvfp4", "comfy_mxfp8",
                 "comfy_int8", "fp8_block"):
         out = tmp_path / f"{fmt}.safetensors"
         report = quantize_checkpoint(base, out, fmt)
         again = quantize_checkpoint(out, None, "comfy_fp8", dry_run=True,
                                     include=["*proj_out"])
-        assert set(report.quantized) <= set(again.kept) and not set(again.quantized) & set(
-            report.quantized)
+        chosen = set(again.quantized) & set(report.quantized)
+        assert chosen and again.requantized == len(chosen) and not set(again.kept) & chosen
         module = report.quantized[0][len(P):-len(".weight")]
         shape = MODULES[module[len("transformer_blocks.0."):]]
         lora = ck.write(tmp_path / f"lora_{fmt}.safetensors", {
@@ -343,3 +343,67 @@ def test_fuse_to_on_the_command_line(base, tmp_path, rng, capsys):
                      "--no-digests", "-q"]) == 0
     with SafetensorsFile(plain) as f:
         assert "ltx2blas.provenance" not in f.metadata
+
+
+@pytest.mark.parametrize("first,then", [("comfy_fp8", "comfy_nvfp4"), ("fp8_scaled", "nvfp4"),
+                                        ("comfy_nvfp4", "comfy_mxfp8"),
+                                        ("comfy_int8", "fp8_block"), ("nvfp4", "comfy_fp8"),
+                                        ("comfy_mxfp8", "comfy_int8"), ("fp8_block", "fp8_scaled")])
+def test_a_quantised_base_is_read_back_by_its_owners_rule_and_quantised_anew(first, then, base,
+                                                                            tmp_path):
+    """Each stored weight is dequantised to bf16 as its owner's loader does
+    (quantized.dequantize_bf16; tested against the owners in test_quantize_loaders.py), then
+    quantised into the new format; its old scales and marker are left out, and verify
+    rebuilds the file from the quantised base."""
+    stored = tmp_path / "stored.safetensors"
+    quantize_checkpoint(base, stored, first)
+    out = tmp_path / "out.safetensors"
+    report = quantize_checkpoint(stored, out, then, include=["*proj_out"])
+    assert report.requantized and "read back by their owner's rule" in report.summary()
+    from ltx2blas.quantized import dequantize_bf16
+    from ltx2blas.files.quantize import source_layouts
+    from ltx2blas.files.checkpoint import Checkpoint
+    before, _ = read_all(stored)
+    after, metadata = read_all(out)
+    with Checkpoint(stored) as ckpt:
+        layouts = source_layouts(ckpt, {n: (i.dtype, tuple(i.shape))
+                                        for n, (_, i) in ckpt.entries.items()})
+    for name in report.quantized:
+        stem = name[: -len(".weight")]
+        if name in layouts:
+            lay = layouts[name]
+            weight = dequantize_bf16(lay.kind, before[name][2],
+                                     scale=before[lay.scale][2] if lay.scale else None,
+                                     scale_2=before[lay.scale_2][2] if lay.scale_2 else None)
+        else:
+            weight = before[name][2]
+        q = quantize_weight(then, weight)
+        assert after[name][2].tobytes() == q.weight.tobytes(), name
+        assert after[stem + ".weight_scale"][2].tobytes() == q.scale.tobytes()
+        if then not in COMFY:
+            assert stem + ".comfy_quant" not in after
+    assert not any(n.endswith(".comfy_quant") and n[: -len(".comfy_quant")] + ".weight"
+                   not in report.quantized and n not in before for n in after)
+    assert ltx2blas.verify_checkpoint(out).status == "verified"
+    full = ltx2blas.verify_checkpoint(out, stored)
+    assert full.status == "verified", full.summary()
+
+
+def test_comfyuis_metadata_markers_of_layers_quantised_anew_are_taken_out(base, tmp_path):
+    stored = tmp_path / "stored.safetensors"
+    quantize_checkpoint(base, stored, "comfy_fp8")
+    tensors, metadata = {}, {}
+    with SafetensorsFile(stored) as f:
+        for n, info in f.tensors.items():
+            if not n.endswith(".comfy_quant"):
+                tensors[n] = (info.dtype, f.read(n))
+        layers = {n[len(P):-len(".comfy_quant")]: {"format": "float8_e4m3fn"}
+                  for n in f.tensors if n.endswith(".comfy_quant")}
+    marked = ck.write(tmp_path / "marked.safetensors", tensors,
+                      {"_quantization_metadata": json.dumps({"format_version": "1.0",
+                                                             "layers": layers})})
+    out = tmp_path / "out.safetensors"
+    report = quantize_checkpoint(marked, out, "comfy_nvfp4")
+    assert report.requantized == len(layers)
+    _, metadata = read_all(out)
+    assert json.loads(metadata["_quantization_metadata"])["layers"] == {}

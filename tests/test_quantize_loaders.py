@@ -412,3 +412,48 @@ def test_upstream_dequantises_our_output_as_ltx2blas_does(files):
                                    scale_2=stored[stem + ".weight_scale_2"][2], threads=1)
             theirs = theirs.view(torch.int16).numpy().view(np.uint16)
             assert np.array_equal(positive_zero(theirs), positive_zero(mine)), (fmt, stem)
+
+
+# ---------------------------------------------------- reading a quantised base back to bf16
+
+@pytest.mark.parametrize("fmt,kw", COMFY_RUNS, ids=COMFY_IDS)
+def test_dequantize_bf16_is_comfyuis_own_dequantisation(eager, files, fmt, kw):
+    """quantized.dequantize_bf16, how `ltx2blas quantize` reads a ComfyUI layer back before
+    quantising it anew, is byte for byte comfy-kitchen's dequantisation to the model's bf16
+    (the layer as ComfyUI's loader builds it)."""
+    torch = _torch()
+    from ltx2blas.quantized import dequantize_bf16
+    out, report = files(fmt, **kw)
+    sd = load_torch(out)
+    stored, _ = read_all(out)
+    for stem in layers(report):
+        w = stored[stem + ".weight"][2]
+        rows, cols = load_torch(files.base)[stem + ".weight"].shape
+        theirs = comfy_layer(sd, stem, (rows, cols), torch.bfloat16).dequantize()
+        theirs = theirs.view(torch.int16).numpy().view(np.uint16)
+        mine = dequantize_bf16(fmt, w, scale=stored[stem + ".weight_scale"][2],
+                               scale_2=stored[stem + ".weight_scale_2"][2]
+                               if fmt == "comfy_nvfp4" else None,
+                               fmt=kw.get("fp8_format"))[:rows, :cols]
+        assert np.array_equal(theirs, mine), stem
+
+
+def test_dequantize_bf16_is_upstreams_own_dequantisation(files):
+    """The same for upstream's layouts: fp8_scaled as its fp8 cast folds it, fp8_block and
+    nvfp4 as its code dequantises them (-0.0 read as +0.0 where the rule adds +0.0)."""
+    torch = _torch()
+    from ltx2blas.quantized import dequantize_bf16
+    for fmt in ("fp8_scaled", "fp8_block", "nvfp4"):
+        out, report = files(fmt)
+        sd = load_torch(out)
+        stored, _ = read_all(out)
+        for stem in layers(report):
+            codes, scale = sd[stem + ".weight"], sd[stem + ".weight_scale"]
+            w, s = stored[stem + ".weight"][2], stored[stem + ".weight_scale"][2]
+            s2 = stored[stem + ".weight_scale_2"][2] if fmt == "nvfp4" else None
+            theirs = (upstream_fp8_cast(codes, scale) if fmt == "fp8_scaled" else
+                      upstream_blockwise_dequantize(codes, scale) if fmt == "fp8_block" else
+                      upstream_nvfp4_dequantize(codes, sd[stem + ".weight_scale_2"], scale))
+            theirs = theirs.view(torch.int16).numpy().view(np.uint16)
+            mine = dequantize_bf16(fmt, w, scale=s, scale_2=s2)
+            assert np.array_equal(positive_zero(theirs), positive_zero(mine)), (fmt, stem)

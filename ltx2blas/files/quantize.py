@@ -17,8 +17,9 @@ import numpy as np
 from .. import quantized as qz
 from .._threads import resolve_threads
 from .._validate import choice, progress_arg
-from ..errors import ArgumentError, ShapeError, printable
+from ..errors import ArgumentError, Ltx2BlasError, ShapeError, printable
 from . import keys as keymatch
+from . import layouts as layoutmod
 from . import provenance
 from .checkpoint import (Checkpoint, Progress, _path_arg, _peak_rss_mib, _version,
                          check_output_is_not_an_input)
@@ -98,6 +99,7 @@ class QuantizeReport:
     quantized: list = field(default_factory=list)   # names of the weights quantised
     kept: dict = field(default_factory=dict)        # weight chosen but kept bf16 -> why
     tensors_copied: int = 0
+    requantized: int = 0  # of the quantised, those stored quantised before (read back first)
     bytes_in: int = 0     # the input's tensor bytes
     bytes_out: int = 0    # the output file's size
     largest_error: float = 0.0   # max |w - dequantised| / max |w| over sampled rows
@@ -112,7 +114,9 @@ class QuantizeReport:
     def summary(self):
         verb = "would quantize" if self.dry_run else "quantized"
         lines = [f"{verb} {len(self.quantized)} of {self.tensors_total} tensors into "
-                 f"{self.format}; {self.tensors_copied} copied"]
+                 f"{self.format}; {self.tensors_copied} copied" + (
+                     f"; {self.requantized} of them stored quantised before, read back by "
+                     "their owner's rule" if self.requantized else "")]
         lines.append(f"  layers: {self.choice}")
         saved = self.bytes_in - self.bytes_out
         size = "at most " if self.dry_run else ""
@@ -161,7 +165,7 @@ class Quantizing:
     quantised and written.  ``entries_of``: {name: (dtype, shape)} of the input."""
 
     def __init__(self, entries_of, fmt, include=None, exclude=None, fp8_format="F8_E4M3",
-                 per_row=False):
+                 per_row=False, sources=None):
         choice(fmt, FORMATS, "format")
         if fp8_format not in ("F8_E4M3", "F8_E5M2") or fp8_format != "F8_E4M3" and \
                 fmt != "comfy_fp8":
@@ -172,14 +176,17 @@ class Quantizing:
         self.fmt, self.fp8_format, self.per_row = fmt, fp8_format, bool(per_row)
         self.include, self.exclude = _globs(include, "include"), _globs(exclude, "exclude")
         self.marker = _marker(fmt, fp8_format)
-        self.planned, self.kept = self._plan(entries_of)
+        # weights stored quantised (source_layouts): name -> Layout, read back to bf16 by their
+        # owner's rule and quantised anew; their old scales and markers are left out
+        self.sources, self.dropped = {}, set()
+        self.planned, self.kept = self._plan(entries_of, sources)
         self.largest_error, self.largest_error_at = 0.0, ""
         # the codes of the weights go to two buffers in turns, each free again once the
         # writer (and the hashing beside it) is done with it: fresh memory for every weight
         # would cost its page faults, and a copy for the writer a pass
         self._codes, self._turn = None, 0
 
-    def _plan(self, entries_of):
+    def _plan(self, entries_of, sources):
         chosen_by = CHOICES[self.fmt][1]
         planned, kept = {}, {}
         for name, (dtype, shape) in entries_of.items():
@@ -194,12 +201,20 @@ class Quantizing:
                 if _matches(self.include, module, full):
                     kept[name] = f"not 2-D ({list(shape)})"
                 continue
-            if dtype != "BF16":
-                kept[name] = f"{dtype}, not bf16"
-                continue
-            if any(f"{full}.{c}" in entries_of for c in COMPANIONS):
-                kept[name] = "it has scales or a marker already"
-                continue
+            stored = dtype != "BF16" or any(f"{full}.{c}" in entries_of for c in COMPANIONS)
+            if stored:
+                source = (sources or {}).get(name)
+                if source is None:
+                    kept[name] = (f"{dtype}, not bf16" if dtype != "BF16" else
+                                  "it has scales or a marker already")
+                    continue
+                if isinstance(source, Exception):
+                    kept[name] = str(source)
+                    continue
+                if source.kind not in qz.DEQUANTIZED:
+                    kept[name] = f"stored as {source.kind}, which is not read back"
+                    continue
+                shape = source.shape
             try:
                 planned[name] = qz.quantized_shapes(self.fmt, *shape, per_row=self.per_row)
             except ShapeError as exc:  # the format cannot hold it
@@ -207,7 +222,41 @@ class Quantizing:
                 continue
             if self.fp8_format == "F8_E5M2":
                 planned[name]["weight"] = ("F8_E5M2", planned[name]["weight"][1])
+            if stored:
+                self.sources[name] = source
+                self.dropped.update(n for n in (*source.rewritten, full + ".comfy_quant")
+                                    if n in entries_of)
         return planned, kept
+
+    def dequantize(self, ckpt, name, threads):
+        """The stored weight ``name`` of checkpoint ``ckpt`` read back into bf16 by its owner's
+        rule (a weight of ``sources``)."""
+        source = self.sources[name]
+        read = lambda n: ckpt.entries[n][0].read(n)  # noqa: E731
+        return qz.dequantize_bf16(
+            source.kind, read(name), scale=read(source.scale) if source.scale else None,
+            scale_2=read(source.scale_2) if source.scale_2 else None,
+            fmt=source.fmt if source.fmt in ("F8_E4M3", "F8_E5M2") else None, threads=threads)
+
+    def metadata(self, base):
+        """The base's metadata for the output: ComfyUI's _quantization_metadata without the
+        layers quantised anew (its reader would mark them with their old format)."""
+        metadata = dict(base)
+        raw = metadata.get("_quantization_metadata")
+        if raw is None or not self.sources:
+            return metadata
+        try:
+            data = json.loads(raw)
+            layers = data["layers"]
+        except (ValueError, TypeError, KeyError):
+            return metadata  # not read by the plan either: left as it is
+        modules = {n[: -len(".weight")] for n in self.sources}
+        for layer in list(layers):
+            if layer in modules or any(layer == m.split(".", 2)[-1] or
+                                       m.endswith("." + layer) for m in modules):
+                del layers[layer]
+        metadata["_quantization_metadata"] = json.dumps(data)
+        return metadata
 
     @property
     def choice_text(self):
@@ -240,6 +289,8 @@ class Quantizing:
         others' entry."""
         out = []
         for name in order:
+            if name in self.dropped:
+                continue
             if name not in self.planned:
                 out.append(entry_of(name))
                 continue
@@ -275,6 +326,26 @@ class Quantizing:
         for key, array in zip(keys[1:], arrays[1:]):
             writer.write(key, array)
         return sum(a.nbytes for a in arrays)
+
+
+def source_layouts(ckpt, entries_of):
+    """{weight: its Layout, or the error that says why it is not read} of every 2-D weight of
+    ``ckpt`` stored otherwise than plain bf16 (scaled, quantised, an fp8 cast)."""
+    configs, marker = layoutmod.comfy_configs(ckpt.metadata, entries_of,
+                                              lambda n: ckpt.entries[n][0].read(n))
+    out = {}
+    for name, (dtype, shape) in entries_of.items():
+        if not name.endswith(".weight") or len(shape) != 2:
+            continue
+        module = name[: -len(".weight")]
+        if dtype in ("BF16", "F16", "F32", "F64") and not any(
+                module + c in entries_of for c in layoutmod.COMPANIONS):
+            continue  # a plain float weight: bf16 is quantised, the others kept and named
+        try:
+            out[name] = layoutmod.detect(name, entries_of, configs, marker)
+        except Ltx2BlasError as exc:
+            out[name] = exc
+    return out
 
 
 def _marker(fmt, fp8_format):
@@ -329,12 +400,14 @@ def quantize_checkpoint(model, output, format, *, include=None, exclude=None,  #
     t0 = time.perf_counter()
     with Checkpoint(model) as ckpt:
         entries_of = {n: (info.dtype, tuple(info.shape)) for n, (_, info) in ckpt.entries.items()}
-        quant = Quantizing(entries_of, format, include, exclude, fp8_format, per_row)
+        quant = Quantizing(entries_of, format, include, exclude, fp8_format, per_row,
+                           source_layouts(ckpt, entries_of))
         report = QuantizeReport(output=os.fspath(output) if output is not None else "",
                                 format=format, choice=quant.choice_text, dry_run=bool(dry_run),
                                 tensors_total=len(ckpt.entries))
         report.quantized, report.kept = list(quant.planned), quant.kept
-        report.tensors_copied = len(ckpt.entries) - len(quant.planned)
+        report.tensors_copied = len(ckpt.entries) - len(quant.planned) - len(quant.dropped)
+        report.requantized = len(quant.sources)
         report.bytes_in = sum(info.nbytes for _, info in ckpt.entries.values())
         if not quant.planned:
             kept = quant.kept
@@ -348,7 +421,8 @@ def quantize_checkpoint(model, output, format, *, include=None, exclude=None,  #
         names = [e[0] for e in entries]
         computed = {p for name in quant.planned for p in quant.parts(name)}
         # a fused base's record names the bytes of its tensors, which these are not
-        metadata = {k: v for k, v in ckpt.metadata.items() if k != provenance.RECORD_KEY}
+        metadata = {k: v for k, v in quant.metadata(ckpt.metadata).items()
+                    if k != provenance.RECORD_KEY}
         metadata[METADATA_KEY] = quant.metadata_value()
 
         def record(output_digests):
@@ -388,7 +462,8 @@ ERROR_ROWS = 16
 
 
 def _write(ckpt, output, entries, metadata, quant, threads, progress, report, t0, record):
-    weights = list(quant.planned)
+    # the bf16 weights are read ahead; a stored quantised one is read back when its turn comes
+    weights = [n for n in quant.planned if n not in quant.sources]
     following = dict(zip(weights, weights[1:]))
     ahead = {}
     total_bytes = report.bytes_in
@@ -397,7 +472,7 @@ def _write(ckpt, output, entries, metadata, quant, threads, progress, report, t0
     # two buffers of the largest weight, taken in turns: weight k is read into one while k - 1
     # is quantised from the other (fresh memory for every weight costs its page faults, more
     # than the reading)
-    largest = max(ckpt.entries[n][1].nbytes for n in weights) // 2
+    largest = max((ckpt.entries[n][1].nbytes for n in weights), default=0) // 2
     buffers = [np.empty(largest, np.uint16), np.empty(largest, np.uint16)]
     slot = {name: i % 2 for i, name in enumerate(weights)}
 
@@ -410,7 +485,11 @@ def _write(ckpt, output, entries, metadata, quant, threads, progress, report, t0
             as hasher, SafetensorsWriter(output, entries, metadata, hasher=hasher) as writer:
         for count, name in enumerate(ckpt.entries, 1):
             f, info = ckpt.entries[name]
-            if name in quant.planned:
+            if name in quant.dropped:
+                pass  # an old scale or marker of a weight quantised anew
+            elif name in quant.sources:
+                quant.write(writer, name, quant.dequantize(ckpt, name, threads), threads)
+            elif name in quant.planned:
                 weight = ahead.pop(name).result() if name in ahead else read(name)
                 if name in following:
                     ahead[following[name]] = _Pending(read, following[name])

@@ -567,8 +567,12 @@ def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read
                               hash_name=record["hash"])
             report.inputs_hashed += len(got)
             got.update(read)
-            # a base tensor the record lacks needs no digest to be named
-            got.update((n, None) for n in base.entries if n not in want and n not in computed)
+            # a base tensor the record lacks needs no digest to be named; the old scales and
+            # markers of weights quantised anew are not in the output
+            quant = _quantizing(record, base)
+            dropped = quant.dropped if quant is not None else set()
+            got.update((n, None) for n in base.entries if n not in want and n not in computed
+                       and n not in dropped)
             name = os.path.basename(model)
             for n in unchecked:
                 # a quantised weight's scales and marker are the output's own
@@ -659,14 +663,7 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
                                      sources, loras, options)
             # a quantised output: its weights quantised again after the fuse (or from the
             # base), by the record's format and choice of layers
-            quant = None
-            if has_record and record.get("quantize") is not None:
-                from .quantize import Quantizing
-
-                q = record["quantize"]
-                quant = Quantizing({n: (info.dtype, tuple(info.shape)) for n, (_, info) in
-                                    base.entries.items()}, q["format"], q["include"],
-                                   q["exclude"], q["fp8_format"] or "F8_E4M3", q["per_row"])
+            quant = _quantizing(record, base) if has_record else None
             run = _Options(options["rule"], threads, False, options["fp8_rounding"],
                            options["seed"], options["fp8_overflow"], options["alpha"],
                            options["allow_unmatched"], False,
@@ -723,8 +720,10 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
                         _compare(ckpt, c, s, None, report, None, None, **recorded(c))
                     done_gflop += plans.gflop(layout.shape, plan.weights[name], sources)
                 elif name not in plan.biases:  # quantised only, not fused
-                    _compare_quantized(ckpt, quant, name, read_base(name), report, threads,
-                                       recorded)
+                    read.append(name)
+                    weight = (quant.dequantize(base, name, threads) if name in quant.sources
+                              else _read_tensor(base, name))
+                    _compare_quantized(ckpt, quant, name, weight, report, threads, recorded)
                 else:
                     bias = read_base(name)
                     _compare(ckpt, name, fuse_bias(bias, plans.bias_terms(plan.biases[name],
@@ -744,6 +743,19 @@ def _rebuild(ckpt, model, options, record, report, threads, workers, progress, t
             for s in sources:
                 s.close()
     return {name: digests.get(name) for name in read}, differing
+
+
+def _quantizing(record, base):
+    """The quantize.Quantizing a record's ``quantize`` entry made of checkpoint ``base``
+    (None for a record without one)."""
+    q = record.get("quantize")
+    if q is None:
+        return None
+    from .quantize import Quantizing, source_layouts
+
+    entries = {n: (info.dtype, tuple(info.shape)) for n, (_, info) in base.entries.items()}
+    return Quantizing(entries, q["format"], q["include"], q["exclude"],
+                      q["fp8_format"] or "F8_E4M3", q["per_row"], source_layouts(base, entries))
 
 
 def _compare_quantized(ckpt, quant, name, weight, report, threads, recorded):
