@@ -458,8 +458,8 @@ def build_parser():
                    help="seed of --fp8-rounding stochastic (default 0; bits differ per tensor "
                         "name)")
     p.add_argument("--no-digests", action="store_true",
-                   help="record no SHA-256 of the inputs and outputs in the metadata (faster on "
-                        "few cores; ltx2blas verify then needs the inputs)")
+                   help="record no digests of the adapters and the output in the metadata "
+                        "(faster on few cores; ltx2blas verify then needs the inputs)")
     p.add_argument("--json", action="store_true",
                    help="print the report as JSON (and no progress)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")

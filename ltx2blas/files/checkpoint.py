@@ -876,7 +876,7 @@ def fuse_checkpoint(model, loras, output, *, rule="addmm", threads=None, progres
         role), and list them in the report; by default that is an error and nothing is written.
     digests : bool
         Record in the output's metadata, beside the options, the SHA-256 of each adapter file
-        and the BLAKE3 of every base and adapter tensor read and of every tensor written
+        and the BLAKE3 of every adapter tensor and of every tensor written
         (``ltx2blas.provenance``), so that :func:`ltx2blas.verify_checkpoint` can check the
         file and rebuild it (default True).  Where that record would take the output's header
         past the 100,000,000-byte limit readers enforce, the file is written without it and
