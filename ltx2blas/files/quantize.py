@@ -119,9 +119,8 @@ class QuantizeReport:
                      "their owner's rule" if self.requantized else "")]
         lines.append(f"  layers: {self.choice}")
         saved = self.bytes_in - self.bytes_out
-        size = "at most " if self.dry_run else ""
-        lines.append(f"  size: {self.bytes_in / 1e9:.3f} GB in, {size}{self.bytes_out / 1e9:.3f} "
-                     f"GB out ({saved / 1e9:.3f} GB saved)")
+        lines.append(f"  size: {self.bytes_in / 1e9:.3f} GB in, {self.bytes_out / 1e9:.3f} GB "
+                     f"out ({saved / 1e9:.3f} GB saved)")
         if self.kept:
             shown = list(self.kept.items())[:5]
             lines.append(f"  kept bf16: {len(self.kept)} chosen weights the format cannot hold: "
