@@ -318,11 +318,21 @@ QUANTIZE_FORMATS = ("fp8_scaled", "comfy_fp8", "fp8_block", "nvfp4", "comfy_nvfp
 COMFY_PAD = {"comfy_nvfp4": NVFP4_GROUP, "comfy_mxfp8": MXFP8_GROUP}
 
 
+def round_bf16_bits(values):
+    """f32 values rounded to bf16 (nearest-even) as bits, uint16 in their shape."""
+    values = np.asarray(values, np.float32)  # (ascontiguousarray would make a scalar 1-d)
+    return _quant.round_bf16(np.ascontiguousarray(values.reshape(-1))).reshape(values.shape)
+
+
 def _bf16_of(value):
     """f32 ``value`` rounded to bf16 (nearest-even), as an f32: what torch's arithmetic in a
     bf16 tensor's dtype stores."""
-    bits = _quant.round_bf16(np.array([value], np.float32))
-    return (bits.astype(np.uint32) << 16).view(np.float32)[0]
+    return _widen(round_bf16_bits(value))[()]
+
+
+def _widen(bits):
+    """The f32 values of bf16 bits, exactly."""
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
 
 
 def quantized_shapes(fmt, rows, cols, per_row=False):
@@ -346,9 +356,20 @@ def quantized_shapes(fmt, rows, cols, per_row=False):
     return {"weight": ("I8", (rows, cols)), "scale": ("F32", (rows, 1) if per_row else ())}
 
 
-def _check_quantize_shape(fmt, rows, cols):
+def check_quantize_options(fmt, fp8_format="F8_E4M3", per_row=False):
+    """ArgumentError unless ``fmt`` is one of QUANTIZE_FORMATS and takes the options given."""
     if fmt not in QUANTIZE_FORMATS:
         raise ArgumentError(f"format must be one of {QUANTIZE_FORMATS}, got {fmt!r}")
+    if fp8_format not in ("F8_E4M3", "F8_E5M2") or (fp8_format != "F8_E4M3" and
+                                                     fmt != "comfy_fp8"):
+        raise ArgumentError(f"fp8_format F8_E5M2 is comfy_fp8's only, and the formats are "
+                            f"F8_E4M3 and F8_E5M2; got {fp8_format!r} for {fmt}")
+    if per_row and fmt != "comfy_int8":
+        raise ArgumentError(f"per_row is comfy_int8's, not {fmt}'s")
+
+
+def _check_quantize_shape(fmt, rows, cols):
+    check_quantize_options(fmt)
     if fmt == "fp8_block" and (rows % BLOCK or cols % BLOCK):
         raise ShapeError(f"a fp8_block weight of [{rows}, {cols}] is not made of 128 x 128 "
                          "blocks")
@@ -396,13 +417,8 @@ def quantize_weight(fmt, weight, *, threads=None, fp8_format="F8_E4M3", per_row=
     if w.ndim != 2:
         raise ShapeError(f"weight must be 2-D, got shape {w.shape}")
     rows, cols = w.shape
+    check_quantize_options(fmt, fp8_format, per_row)
     _check_quantize_shape(fmt, rows, cols)
-    if fp8_format not in ("F8_E4M3", "F8_E5M2") or (fp8_format != "F8_E4M3" and
-                                                     fmt != "comfy_fp8"):
-        raise ArgumentError(f"fp8_format F8_E5M2 is comfy_fp8's only, and the formats are "
-                            f"F8_E4M3 and F8_E5M2; got {fp8_format!r} for {fmt}")
-    if per_row and fmt != "comfy_int8":
-        raise ArgumentError(f"per_row is comfy_int8's, not {fmt}'s")
     threads = resolve_threads(threads)
     # the largest magnitude on every thread; an inf or NaN shows as a largest magnitude that
     # is not finite, and only then is the first one looked for
@@ -547,30 +563,23 @@ def dequantize_bf16(layout, weight, *, scale=None, scale_2=None, fmt=None, threa
     if layout == "fp8":
         codes, fmt = layout_codes(weight, layout, ("F8_E4M3", "F8_E5M2"), fmt)
         values = _quant.fp8_values(fmt == "F8_E5M2")[codes]
-        return _round_bf16(values)
+        return round_bf16_bits(values)
     codes, fmt, block, second, rows, cols = _operands(layout, weight, scale, scale_2, fmt)
     if layout in ("fp8_scaled", "comfy_fp8"):
         s = np.float32(block.reshape(-1)[0])
         if layout == "comfy_fp8":
             s = _bf16_of(s)
-        return _round_bf16(_quant.fp8_values(fmt == "F8_E5M2")[codes] * s)
+        return round_bf16_bits(_quant.fp8_values(fmt == "F8_E5M2")[codes] * s)
     if layout == "comfy_int8":
         s = block.reshape(-1, 1) if block.ndim == 2 else np.float32(block.reshape(-1)[0])
-        return _round_bf16(codes.view(np.int8).astype(np.float32) * s)
+        return round_bf16_bits(codes.view(np.int8).astype(np.float32) * s)
     if layout == "comfy_mxfp8":
         e = _tiled_rows(block, np.arange(rows), cols // MXFP8_GROUP).astype(np.int64)
         step = np.where(e == 0, 0.0, np.ldexp(1.0, e - 127)).astype(np.float32)
-        return _round_bf16(_quant.fp8_values(False)[codes] * np.repeat(step, MXFP8_GROUP, 1))
+        return round_bf16_bits(_quant.fp8_values(False)[codes] * np.repeat(step, MXFP8_GROUP, 1))
     # comfy_nvfp4
     nibbles = np.stack([codes >> 4, codes & 0xF], axis=-1).reshape(rows, cols)
     blocks = _quant.fp8_values(False)[_tiled_rows(block, np.arange(rows), cols // NVFP4_GROUP)]
-    widen = lambda bits: (bits.astype(np.uint32) << 16).view(np.float32)  # noqa: E731
     s2 = _bf16_of(np.float32(second.reshape(-1)[0]))
-    total = widen(_quant.round_bf16((s2 * widen(_quant.round_bf16(
-        blocks.reshape(-1)))).astype(np.float32))).reshape(blocks.shape)
-    return _round_bf16(_E2M1[nibbles] * np.repeat(total, NVFP4_GROUP, 1))
-
-
-def _round_bf16(values):
-    values = np.ascontiguousarray(values, np.float32)
-    return _quant.round_bf16(values.reshape(-1)).reshape(values.shape)
+    total = _widen(round_bf16_bits(s2 * _widen(round_bf16_bits(blocks))))
+    return round_bf16_bits(_E2M1[nibbles] * np.repeat(total, NVFP4_GROUP, 1))

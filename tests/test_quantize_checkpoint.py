@@ -407,3 +407,8 @@ def test_comfyuis_metadata_markers_of_layers_quantised_anew_are_taken_out(base, 
     assert report.requantized == len(layers)
     _, metadata = read_all(out)
     assert json.loads(metadata["_quantization_metadata"])["layers"] == {}
+
+
+def test_the_command_lines_format_names_are_the_library_s():
+    """The parser spells the formats out (it loads no compiled module); they are the same."""
+    assert set(cli.FORMATS_TEXT) == set(QUANTIZE_FORMATS)

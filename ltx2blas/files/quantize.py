@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import quantized as qz
 from .._threads import resolve_threads
-from .._validate import choice, progress_arg
+from .._validate import progress_arg
 from ..errors import ArgumentError, Ltx2BlasError, ShapeError, printable
 from . import keys as keymatch
 from . import layouts as layoutmod
@@ -165,13 +165,7 @@ class Quantizing:
 
     def __init__(self, entries_of, fmt, include=None, exclude=None, fp8_format="F8_E4M3",
                  per_row=False, sources=None):
-        choice(fmt, FORMATS, "format")
-        if fp8_format not in ("F8_E4M3", "F8_E5M2") or fp8_format != "F8_E4M3" and \
-                fmt != "comfy_fp8":
-            raise ArgumentError(f"fp8_format F8_E5M2 is comfy_fp8's only; got {fp8_format!r} "
-                                f"for {fmt}")
-        if per_row and fmt != "comfy_int8":
-            raise ArgumentError(f"per_row is comfy_int8's, not {fmt}'s")
+        qz.check_quantize_options(fmt, fp8_format, per_row)
         self.fmt, self.fp8_format, self.per_row = fmt, fp8_format, bool(per_row)
         self.include, self.exclude = _globs(include, "include"), _globs(exclude, "exclude")
         self.marker = _marker(fmt, fp8_format)
@@ -432,10 +426,11 @@ def quantize_checkpoint(model, output, format, *, include=None, exclude=None,  #
 
         if digests:
             with_record = dict(metadata, **{provenance.RECORD_KEY: record({})})
-            if len(header_bytes(entries, with_record)[0]) - 8 <= MAX_HEADER:
+            size = len(header_bytes(entries, with_record)[0]) - 8
+            if size <= MAX_HEADER:
                 metadata = with_record
             else:  # as a fuse does: the record never stops a file that fits without it
-                report.record_left_out = len(header_bytes(entries, with_record)[0]) - 8
+                report.record_left_out = size
                 digests = False
         header, _, data_len = header_bytes(entries, metadata)
         report.bytes_out = len(header) + data_len

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .. import _quant, _stop
+from .. import _stop
 from .. import quantized as qz
 from .._threads import resolve_threads
 from .._validate import bf16_to_f32, progress_arg, strength_f32, where
@@ -557,7 +557,8 @@ def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read
             want = {n: computed.get(n, d) for n, d in record["output"].items()
                     if n not in computed or computed[n] is not None}
             unchecked = [n for n in computed if computed[n] is None]
-            if unchecked and not given and not record.get("quantize"):
+            quant = _quantizing(record, base)
+            if unchecked and not given and quant is None:
                 report.reasons.append(
                     f"the {_count(len(unchecked), 'tensor')} the fuse computed from the base "
                     "(fused weights, their scales, biases) are checked by a rebuild: give the "
@@ -568,15 +569,17 @@ def _check_inputs(ckpt, record, model, given, rule, alpha, report, workers, read
             report.inputs_hashed += len(got)
             got.update(read)
             # a base tensor the record lacks needs no digest to be named; the old scales and
-            # markers of weights quantised anew are not in the output
-            quant = _quantizing(record, base)
-            dropped = quant.dropped if quant is not None else set()
+            # markers of weights quantised anew are not in the output, and their new ones
+            # not in the base
+            dropped, made = set(), set()
+            if quant is not None:
+                dropped = quant.dropped
+                made = {p for n in quant.planned for p in quant.parts(n)} - set(base.entries)
             got.update((n, None) for n in base.entries if n not in want and n not in computed
                        and n not in dropped)
             name = os.path.basename(model)
             for n in unchecked:
-                # a quantised weight's scales and marker are the output's own
-                if n not in base.entries and not record.get("quantize"):
+                if n not in base.entries and n not in made:
                     report.add("base", n, f"recorded, but not in {name}")
             for n in [n for n in want if n not in computed and n in got and got[n] != want[n]
                       and own.get(n) == want[n]]:
@@ -1033,12 +1036,6 @@ def _lokr_roles(ld):
     return dict(zip([r for r in LOKR_ROLES if r in ld.item.pair.keys], ld.arrays))
 
 
-def _bf16_bits(values):
-    """f32 values rounded to bf16 bits, nearest-even, in their shape."""
-    values = np.ascontiguousarray(values, np.float32)
-    return _quant.round_bf16(values.reshape(-1)).reshape(values.shape)
-
-
 def _rules(loaded):
     """{name: rule(W rows, unscaled deltas) -> bf16 bits}: other tools' arithmetic that the
     same inputs may have been fused by, each a plain restatement on sampled rows."""
@@ -1050,14 +1047,14 @@ def _rules(loaded):
         acc = bf16_to_f32(w)
         for d, s in zip(deltas, scales):
             acc = acc + s * d.astype(np.float32)
-        return _bf16_bits(acc)
+        return qz.round_bf16_bits(acc)
 
     def peft(w, deltas):
         # PEFT's merge on a CPU: the f32 product times its scaling, rounded to bf16, added to
         # the bf16 weight
         for d, s in zip(deltas, scales):
-            w = _bf16_bits(bf16_to_f32(w) + bf16_to_f32(
-                _bf16_bits(d.astype(np.float32) * s)))
+            w = qz.round_bf16_bits(bf16_to_f32(w) + bf16_to_f32(
+                qz.round_bf16_bits(d.astype(np.float32) * s)))
         return w
 
     rules = {"ComfyUI's f32 add": comfyui}
