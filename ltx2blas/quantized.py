@@ -379,7 +379,7 @@ def _check_quantize_shape(fmt, rows, cols):
 
 
 def quantize_weight(fmt, weight, *, threads=None, fp8_format="F8_E4M3", per_row=False,
-                    out=None):
+                    out=None, maxima=None):
     """A bf16 weight quantised into ``fmt`` by its owner's quantiser.
 
     Parameters
@@ -422,7 +422,12 @@ def quantize_weight(fmt, weight, *, threads=None, fp8_format="F8_E4M3", per_row=
     threads = resolve_threads(threads)
     # the largest magnitude on every thread; an inf or NaN shows as a largest magnitude that
     # is not finite, and only then is the first one looked for
-    top, _ = _quant.bf16_absmax(w, False, threads)
+    if maxima is None:
+        top, row_tops = _quant.bf16_absmax(w, per_row, threads)
+    else:
+        top, row_tops = maxima
+        if row_tops is None or np.shape(row_tops) != (rows,):
+            raise ArgumentError(f"maxima must be weight_maxima() of the [{rows}, {cols}] weight")
     top = np.float32(top)
     if not np.isfinite(top):
         raise nonfinite_weight(Magnitudes(w).first_nonfinite, w, "bf16")
@@ -444,48 +449,101 @@ def quantize_weight(fmt, weight, *, threads=None, fp8_format="F8_E4M3", per_row=
             raise ArgumentError(f"out must be a C-contiguous uint8 array of at least {size} "
                                 "bytes")
         codes = out.reshape(-1)[:size].view(code_type).reshape(shapes["weight"][1])
+    scale_2 = None
+    # each format's pass, on a run of whole rows: its bf16 rows, their codes and scales
     with np.errstate(divide="ignore", over="ignore"):
         if fmt == "fp8_scaled":       # upstream: m = f32(1 / amax) * 448; scale = 1 / m
             mult = (np.float32(1.0) / top) * np.float32(448.0)
-            scale = np.float32(1.0) / mult
-            _quant.scaled_fp8_quantize(flat, codes.reshape(-1), mult, np.float32(448.0), False,
-                                       False, threads)
-            return QuantizedWeight(codes, np.array(scale, np.float32))
-        if fmt == "comfy_fp8":        # ComfyUI: scale = bf16(amax / fmax), codes of bf16(w * r)
+            scales = np.array(np.float32(1.0) / mult, np.float32)
+
+            def run(wp, cp, sp):
+                _quant.scaled_fp8_quantize(wp.reshape(-1), cp.reshape(-1), mult,
+                                           np.float32(448.0), False, False, threads)
+        elif fmt == "comfy_fp8":      # ComfyUI: scale = bf16(amax / fmax), codes of bf16(w * r)
             fmax = np.float32(FP8[fp8_format].largest)
-            scale = _bf16_of(top / fmax)
-            recip = _bf16_of(np.float32(1.0) / scale)
-            _quant.scaled_fp8_quantize(flat, codes.reshape(-1), recip, fmax,
-                                       fp8_format == "F8_E5M2", True, threads)
-            return QuantizedWeight(codes, np.array(scale, np.float32))
-        if fmt == "fp8_block":
+            scales = np.array(_bf16_of(top / fmax), np.float32)
+            recip = _bf16_of(np.float32(1.0) / scales[()])
+
+            def run(wp, cp, sp):
+                _quant.scaled_fp8_quantize(wp.reshape(-1), cp.reshape(-1), recip, fmax,
+                                           fp8_format == "F8_E5M2", True, threads)
+        elif fmt == "fp8_block":
             scales = np.empty(shapes["scale"][1], np.float32)
-            _quant.block_quantize(w, False, codes, scales, threads)
-            return QuantizedWeight(codes, scales)
-        if fmt == "nvfp4":            # upstream's CUDA quantiser: t = amax * f32(1 / 2688)
+
+            def run(wp, cp, sp):
+                _quant.block_quantize(wp, False, cp, sp, threads)
+        elif fmt == "nvfp4":          # upstream's CUDA quantiser: t = amax * f32(1 / 2688)
             t = np.float32(top * np.float32(1.0 / 2688.0))
-            scales = np.zeros(shapes["scale"][1], np.uint8)
-            _quant.nvfp4_quantize(w, t, codes, scales, threads)
-            return QuantizedWeight(codes, scales, np.array(t, np.float32))
-        if fmt in COMFY_PAD:
+            scales, scale_2 = np.zeros(shapes["scale"][1], np.uint8), np.array(t, np.float32)
+
+            def run(wp, cp, sp):
+                _quant.nvfp4_quantize(wp, t, cp, sp, threads)
+        elif fmt in COMFY_PAD:
             nvfp4 = fmt == "comfy_nvfp4"
             scales = np.zeros(shapes["scale"][1], np.uint8)
             # scale_2 may round to 0 (an all-zero weight): the kernel gives a block of zeros
             # scale 0 and +0 codes there, where the owner's 0 / 0 makes them NaN
             t = _bf16_of(top / np.float32(2688.0)) if nvfp4 else np.float32(1)
-            _quant.comfy_tiled_quantize_weight(w, codes, scales, nvfp4, t, threads)
-            return QuantizedWeight(codes, scales, np.array(t, np.float32) if nvfp4 else None)
-        # comfy_int8: scale = max(f32(amax / 127), 1e-30), codes of bf16(w / bf16(scale))
-        if per_row:
-            _, row_tops = _quant.bf16_absmax(w, True, threads)
-            scale = np.maximum(row_tops / np.float32(127.0), np.float32(1e-30)).astype(
-                np.float32).reshape(rows, 1)
+            scale_2 = np.array(t, np.float32) if nvfp4 else None
+
+            def run(wp, cp, sp):
+                _quant.comfy_tiled_quantize_weight(wp, cp, sp, nvfp4, t, threads)
+        else:  # comfy_int8: scale = max(f32(amax / 127), 1e-30), codes of bf16(w / bf16(scale))
+            if per_row:
+                scales = np.maximum(np.asarray(row_tops, np.float32)[:rows] / np.float32(127.0),
+                                    np.float32(1e-30)).astype(np.float32).reshape(rows, 1)
+            else:
+                scales = np.array(max(top / np.float32(127.0), np.float32(1e-30)), np.float32)
+            divisor = (_quant.round_bf16(scales.reshape(-1)).astype(np.uint32) << 16).view(
+                np.float32)
+
+            def run(wp, cp, sp):
+                _quant.int8_quantize(wp, cp, sp, per_row, threads)
+        # the scales a run of rows r0:r1 takes (through the padding rows, for the last run)
+        by_rows = {"fp8_block": lambda r0, r1: scales[r0 // BLOCK:r1 // BLOCK],
+                   "comfy_int8": lambda r0, r1: divisor[r0:r1] if per_row else divisor}
+        part = by_rows.get(fmt, lambda r0, r1: scales[r0:r1 if r1 < rows else None]
+                           if scales.ndim == 2 else scales)
+        if np.may_share_memory(codes, w):
+            _over_itself(run, part, w, codes)
         else:
-            scale = np.array(max(top / np.float32(127.0), np.float32(1e-30)), np.float32)
-        divisor = (_quant.round_bf16(scale.reshape(-1)).astype(np.uint32) << 16).view(
-            np.float32)
-        _quant.int8_quantize(w, codes, divisor, per_row, threads)
-        return QuantizedWeight(codes, scale)
+            run(w, codes, part(0, w.shape[0]))
+    return QuantizedWeight(codes, scales, scale_2)
+
+
+#: Bytes of bf16 weight a stripe of the in-place pass covers, at least.
+STRIPE_BYTES = 4 << 20
+
+
+def _over_itself(run, part, w, codes):
+    """``run`` over the rows of ``w`` in stripes whose codes land on the memory of rows already
+    quantised: ``codes`` starts no later than ``w`` and a row's codes take at most half its
+    bytes, so stripe k >= 1 writes only below stripe k's own bf16.  Stripe 0's codes would
+    overwrite rows not yet read: they go aside and are copied in once it is done."""
+    rows, cols = w.shape
+    if codes.ctypes.data > w.ctypes.data:
+        raise ArgumentError("out may share the weight's memory only from its start or before")
+    step = round_up(max(1, STRIPE_BYTES // max(1, 2 * cols)), BLOCK)  # whole 128-row blocks
+    first = None
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        target = codes[r0:r1] if r0 else np.empty_like(codes[r0:r1])
+        run(w[r0:r1], target, part(r0, r1))
+        if first is not None:
+            codes[:len(first)] = first
+        first = target if r0 == 0 else None
+    if first is not None:
+        codes[:len(first)] = first
+
+
+def weight_maxima(weight, threads=None):
+    """(max |w|, each row's max |w|) of a bf16 weight [rows, cols], as f32 (an inf or NaN shows
+    as a maximum that is not finite): where :func:`quantize_weight`'s scales start."""
+    w = contiguous(bf16_bits(weight, "weight"), "weight")
+    if w.ndim != 2:
+        raise ShapeError(f"weight must be 2-D, got shape {w.shape}")
+    top, row_tops = _quant.bf16_absmax(w, True, resolve_threads(threads))
+    return np.float32(top), row_tops
 
 
 _E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
@@ -499,17 +557,28 @@ def _tiled_rows(tiled, rows, groups):
     return tiled.reshape(-1)[tile * 512 + (r % 128 % 32) * 16 + (r % 128 // 32) * 4 + c % 4]
 
 
-def quantization_error(fmt, weight, q, samples=16, fp8_format="F8_E4M3"):
+def error_rows(weight, samples=16):
+    """(row indices, those rows' bf16 bits, copied) of ``samples`` evenly spaced rows of a
+    weight: what :func:`quantization_error` compares, taken before the weight's memory takes
+    its codes."""
+    w = bf16_bits(weight, "weight")
+    rows = w.shape[0]
+    at = np.unique(np.linspace(0, rows - 1, min(samples, rows)).astype(np.int64))
+    return at, w[at].copy()
+
+
+def quantization_error(fmt, weight, q, samples=16, fp8_format="F8_E4M3", rows=None):
     """max |w - dequantised| / max |w| over ``samples`` evenly spaced rows of a weight and its
     quantize_weight result ``q``, each format dequantised by its owner's rule in f32 (0 where
     those rows are all zero): the summary's measure of what quantising cost, from a few rows
-    so that it costs no pass over the weight."""
+    so that it costs no pass over the weight.  ``rows``: error_rows(weight, samples), where
+    the weight's memory holds its codes now."""
     w = bf16_bits(weight, "weight")
-    rows, cols = w.shape
-    if not rows or not cols:
+    if not w.shape[0] or not w.shape[1]:
         return 0.0
-    at = np.unique(np.linspace(0, rows - 1, min(samples, rows)).astype(np.int64))
-    values = (w[at].astype(np.uint32) << 16).view(np.float32)
+    cols = w.shape[1]
+    at, sampled = error_rows(w, samples) if rows is None else rows
+    values = (sampled.astype(np.uint32) << 16).view(np.float32)
     top = float(np.max(np.abs(values)))
     if top == 0:
         return 0.0

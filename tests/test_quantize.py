@@ -89,6 +89,43 @@ def test_edges_are_the_reference_rule(fmt, kw, kind, rng, kernel_table):
     same(result(quantize_weight(fmt, w, threads=2, **kw)), expected(fmt, w, kw))
 
 
+@pytest.mark.parametrize("fmt,kw", FORMATS, ids=[f + "".join(f"-{v}" for v in kw.values())
+                                                 for f, kw in FORMATS])
+@pytest.mark.parametrize("shape", [(640, 256), (384, 160), (300, 48)],
+                         ids=["640x256", "384x160", "300x48"])
+def test_codes_over_the_weights_own_memory_are_the_reference_rule(fmt, kw, shape, rng,
+                                                                 kernel_table, monkeypatch):
+    """``out`` sharing the weight's memory, from its first byte or a few before (the checkpoint
+    quantiser's one buffer a weight): the stripes' codes land only on rows already read, for
+    several stripes (one of 128 rows here), on every kernel table; maxima given as the reader
+    takes them piece by piece.  Codes starting after the weight are refused (but for a weight
+    padded first, whose copy is quantised)."""
+    import ltx2blas.quantized as qz
+
+    monkeypatch.setattr(qz, "STRIPE_BYTES", 1)  # one 128-row block a stripe
+    rows, cols = shape
+    w = weight(rng, rows, cols)
+    try:
+        want = expected(fmt, w, kw)
+    except ValueError:
+        return
+    for threads, before in ((1, 0), (3, 1), (2, 7)):
+        memory = np.zeros(w.nbytes + 16, np.uint8)
+        held = memory[8:8 + w.nbytes].view(np.uint16).reshape(rows, cols)
+        held[...] = w
+        pieces = [qz.weight_maxima(held[r:r + 100], 1)[1] for r in range(0, rows, 100)]
+        row_tops = np.concatenate(pieces)
+        q = quantize_weight(fmt, held, threads=threads, out=memory[8 - before:],
+                            maxima=(row_tops.max(), row_tops), **kw)
+        same(result(q), want)
+    group = qz.COMFY_PAD.get(fmt)
+    if group and (rows % group or cols % group):
+        return  # quantised from a padded copy: the codes may go anywhere
+    held[...] = w
+    with pytest.raises(ArgumentError, match="from its start"):
+        quantize_weight(fmt, held, out=memory[10:], **kw)
+
+
 def test_the_stored_shapes_are_those_written(rng):
     w = weight(rng, 33, 48)
     for fmt, kw in FORMATS:

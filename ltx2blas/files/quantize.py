@@ -23,7 +23,7 @@ from . import layouts as layoutmod
 from . import provenance
 from .checkpoint import (Checkpoint, Progress, _path_arg, _peak_rss_mib, _version,
                          check_output_is_not_an_input)
-from .safetensors import MAX_HEADER, SafetensorsWriter, header_bytes
+from .safetensors import MAX_HEADER, SafetensorsWriter, header_bytes, page_aligned, read_into
 
 FORMATS = qz.QUANTIZE_FORMATS
 #: The metadata entry naming what was quantised, and how.
@@ -295,27 +295,40 @@ class Quantizing:
                 out.append((full + ".comfy_quant", "U8", (self.marker.size,), self.marker.size))
         return out
 
-    def write(self, writer, name, weight, threads):
-        """Quantise bf16 ``weight`` (the tensor ``name``) and write its parts; returns their
-        bytes."""
-        if self._codes is None:
-            size = max(_nbytes(*p["weight"]) for p in self.planned.values())
-            self._codes = [(np.empty(size, np.uint8), threading.Event()) for _ in range(2)]
-            for _, free in self._codes:
-                free.set()
-        codes, free = self._codes[self._turn]
-        self._turn ^= 1
-        _wait(free)
-        q = qz.quantize_weight(self.fmt, weight, threads=threads, fp8_format=self.fp8_format,
-                               per_row=self.per_row, out=codes)
-        error = qz.quantization_error(self.fmt, weight, q, ERROR_ROWS, self.fp8_format)
+    def write(self, writer, name, weight, threads, maxima=None, out=None, release=None):
+        """Quantise bf16 ``weight`` (the tensor ``name``; ``maxima``: its weight_maxima, where
+        the caller took them) and write its parts; returns their bytes.  ``out``: memory for
+        the codes that may be the weight's own (quantize_weight's ``out``), starting as far
+        into a page as the codes will into the file; ``release()`` is called once the writer
+        is done with it.  Without it the codes go to one of two buffers of this object's."""
+        keys = self.parts(name)
+        if out is None:
+            if self._codes is None:
+                # a page more than the largest codes: each weight's codes start as far into a
+                # page as they will into the file, so that the writer takes their whole pages
+                # from here
+                size = max(_nbytes(*p["weight"]) for p in self.planned.values()) + writer.ALIGN
+                self._codes = [(page_aligned(size), threading.Event()) for _ in range(2)]
+                for _, free in self._codes:
+                    free.set()
+            codes, free = self._codes[self._turn]
+            self._turn ^= 1
+            _wait(free)
+            free.clear()
+            out, release = codes[writer.file_offset(keys[0]) % writer.ALIGN:], free.set
+        sampled = qz.error_rows(weight, ERROR_ROWS)
+        try:
+            q = qz.quantize_weight(self.fmt, weight, threads=threads, fp8_format=self.fp8_format,
+                                   per_row=self.per_row, maxima=maxima, out=out)
+        except BaseException:
+            release()
+            raise
+        error = qz.quantization_error(self.fmt, weight, q, ERROR_ROWS, self.fp8_format, sampled)
         if error > self.largest_error or not self.largest_error_at:
             self.largest_error, self.largest_error_at = error, name
         arrays = [q.weight, q.scale] + ([q.scale_2] if q.scale_2 is not None else []) + (
             [self.marker] if self.marker is not None else [])
-        keys = self.parts(name)
-        free.clear()
-        writer.write(keys[0], q.weight, release=free.set)
+        writer.write(keys[0], q.weight, release=release)
         for key, array in zip(keys[1:], arrays[1:]):
             writer.write(key, array)
         return sum(a.nbytes for a in arrays)
@@ -453,6 +466,8 @@ DEFAULT_OPTIONS = {"rule": "addmm", "alpha": "scale", "allow_unmatched": False,
                    "fp8_rounding": "nearest", "seed": 0, "fp8_overflow": "saturate"}
 #: Rows of each weight the summary's error is measured on (evenly spaced).
 ERROR_ROWS = 16
+#: Bytes of a weight read at a time: a piece stays in the cache for its maxima to be taken.
+READ_PIECE = 1 << 20
 
 
 def _write(ckpt, output, entries, metadata, quant, threads, progress, report, t0, record):
@@ -464,16 +479,38 @@ def _write(ckpt, output, entries, metadata, quant, threads, progress, report, t0
     done_bytes = 0
 
     # two buffers of the largest weight, taken in turns: weight k is read into one while k - 1
-    # is quantised from the other (fresh memory for every weight costs its page faults, more
-    # than the reading)
-    largest = max((ckpt.entries[n][1].nbytes for n in weights), default=0) // 2
-    buffers = [np.empty(largest, np.uint16), np.empty(largest, np.uint16)]
+    # is quantised in the other, its codes over its own bf16 (fresh memory for every weight
+    # costs its page faults, more than the reading); a buffer is read into again once the
+    # writer is done with the codes it holds
+    largest = max((ckpt.entries[n][1].nbytes for n in weights), default=0)
+    buffers = [(page_aligned(largest + 2 * SafetensorsWriter.ALIGN), threading.Event())
+               for _ in range(2)]
+    for _, free in buffers:
+        free.set()
     slot = {name: i % 2 for i, name in enumerate(weights)}
 
     def read(name):
+        """The bf16 weight ``name``, its weight_maxima, and where its codes go: each piece's
+        maxima taken as soon as it is read, while it is still in the cache, so that
+        quantising needs no pass of its own to find them.  The codes start as far into a page
+        as they will into the file (the writer takes their whole pages from there), the
+        weight on the even byte at or after them."""
         f, info = ckpt.entries[name]
-        size = info.nbytes // 2
-        return f.read(name, buffers[slot[name]][:size].reshape(info.shape))
+        rows, cols = info.shape
+        memory, free = buffers[slot[name]]
+        _wait(free)
+        free.clear()
+        at = writer.file_offset(quant.parts(name)[0]) % writer.ALIGN
+        start = at + at % 2
+        weight = memory[start:start + info.nbytes].view(np.uint16).reshape(rows, cols)
+        row_tops = np.empty(rows, np.float32)
+        step = max(1, READ_PIECE // max(1, 2 * cols))
+        for r0 in range(0, rows, step):
+            piece = weight[r0:r0 + step]
+            read_into(f.fileno(), piece, info.begin + 2 * r0 * cols, f.path)
+            row_tops[r0:r0 + step] = qz.weight_maxima(piece, 1)[1]
+        maxima = (np.max(row_tops) if rows else np.float32(0)), row_tops
+        return weight, maxima, memory[at:], free.set
 
     with (provenance.Hasher(threads) if record is not None else contextlib.nullcontext()) \
             as hasher, SafetensorsWriter(output, entries, metadata, hasher=hasher) as writer:
@@ -484,10 +521,11 @@ def _write(ckpt, output, entries, metadata, quant, threads, progress, report, t0
             elif name in quant.sources:
                 quant.write(writer, name, quant.dequantize(ckpt, name, threads), threads)
             elif name in quant.planned:
-                weight = ahead.pop(name).result() if name in ahead else read(name)
+                weight, maxima, out, release = (ahead.pop(name).result() if name in ahead
+                                                else read(name))
                 if name in following:
                     ahead[following[name]] = _Pending(read, following[name])
-                quant.write(writer, name, weight, threads)
+                quant.write(writer, name, weight, threads, maxima, out, release)
             else:
                 writer.copy(name, f.fileno(), info.begin, info.nbytes, f.path)
             done_bytes += info.nbytes
