@@ -16,7 +16,13 @@ import signal
 import sys
 import threading
 
-from . import _stop
+# Idle OpenMP threads sleep instead of spinning: a command's reader, writer and hashing threads
+# share the cores with the kernels' team, and spinning between its parallel passes takes the
+# time they need.  Read by the OpenMP runtime when ltx2blas's kernels first load, so set before
+# any of them is imported; one set by the user is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+from . import _stop  # noqa: E402
 
 #: The library's keyword spellings in its messages, as this command spells them.
 _FLAGS = (("force=True", "--force"), ("allow_unmatched=True", "--allow-unmatched"),

@@ -511,29 +511,24 @@ def quantize_weight(fmt, weight, *, threads=None, fp8_format="F8_E4M3", per_row=
     return QuantizedWeight(codes, scales, scale_2)
 
 
-#: Bytes of bf16 weight a stripe of the in-place pass covers, at least.
-STRIPE_BYTES = 4 << 20
-
-
 def _over_itself(run, part, w, codes):
-    """``run`` over the rows of ``w`` in stripes whose codes land on the memory of rows already
-    quantised: ``codes`` starts no later than ``w`` and a row's codes take at most half its
-    bytes, so stripe k >= 1 writes only below stripe k's own bf16.  Stripe 0's codes would
-    overwrite rows not yet read: they go aside and are copied in once it is done."""
+    """``run`` over the rows of ``w`` in stripes whose codes land only on the memory of rows
+    already quantised: ``codes`` starts no later than ``w``, so the codes of rows r0:r1 may
+    be written once the bf16 of every row before r1 * (bytes of a row's codes) / (bytes of its
+    bf16) is read -- at least r1 / 2.  The stripes double (r1 = 2 r0 for fp8, 4 r0 for FP4:
+    a few parallel passes a weight, not one per fixed-size piece); the first one's codes
+    would overwrite its own unread rows, so they go aside and are copied in once it is done."""
     rows, cols = w.shape
     if codes.ctypes.data > w.ctypes.data:
         raise ArgumentError("out may share the weight's memory only from its start or before")
-    step = round_up(max(1, STRIPE_BYTES // max(1, 2 * cols)), BLOCK)  # whole 128-row blocks
-    first = None
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        target = codes[r0:r1] if r0 else np.empty_like(codes[r0:r1])
-        run(w[r0:r1], target, part(r0, r1))
-        if first is not None:
-            codes[:len(first)] = first
-        first = target if r0 == 0 else None
-    if first is not None:
-        codes[:len(first)] = first
+    growth = max(2, (2 * cols) // max(1, codes.strides[0]))
+    r1 = min(rows, BLOCK)  # whole 128-row blocks: fp8_block's and the tiled scales' rows
+    first = np.empty_like(codes[:r1])
+    run(w[:r1], first, part(0, r1))
+    codes[:r1] = first
+    while r1 < rows:
+        r0, r1 = r1, min(rows, r1 * growth)
+        run(w[r0:r1], codes[r0:r1], part(r0, r1))
 
 
 def weight_maxima(weight, threads=None):
