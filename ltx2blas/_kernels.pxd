@@ -12,8 +12,9 @@ cdef extern from "quant.h" nogil:
         float (*block_merge_rows)(const uint8_t *codes, int fp6, const float *scales,
                                   uint16_t *delta, ltx_idx cols, ltx_idx r0,
                                   ltx_idx r1) noexcept nogil
-        void (*block_quantize)(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj,
-                               int fp6, uint8_t *codes, float *scales) noexcept nogil
+        void (*block_quantize)(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj0,
+                               ltx_idx bj1, int fp6, uint8_t *codes,
+                               float *scales) noexcept nogil
         float (*nvfp4_merge_rows)(const uint8_t *packed, const uint8_t *scales,
                                   ltx_idx padded_cols, float scale_2, uint16_t *delta,
                                   ltx_idx cols, ltx_idx r0, ltx_idx r1) noexcept nogil

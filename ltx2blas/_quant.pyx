@@ -85,11 +85,16 @@ def block_quantize(const uint16_t[:, ::1] merged, bint fp6, uint8_t[:, ::1] code
                    float[:, ::1] scales, int threads):
     """Each 128 x 128 block of merged requantised into codes and its scale."""
     cdef const ltx_layout_passes *passes = kernels(True).layout
-    cdef Py_ssize_t cols = merged.shape[1], nb = scales.shape[1], blocks = scales.size, b
+    cdef Py_ssize_t cols = merged.shape[1], nb = scales.shape[1], t, b0
+    # a task: up to 32 blocks of one block row, read row by row (a block's own 128 x 128 would
+    # take 128 runs of 256 bytes, a page apart)
+    cdef Py_ssize_t per_task = 32, chunks = (nb + per_task - 1) // per_task
+    cdef Py_ssize_t tasks = scales.shape[0] * chunks
     with nogil:
-        for b in prange(blocks, num_threads=threads, schedule="dynamic"):
-            passes.block_quantize(&merged[0, 0], cols, b // nb, b % nb, fp6, &codes[0, 0],
-                               &scales[0, 0])
+        for t in prange(tasks, num_threads=threads, schedule="dynamic"):
+            b0 = (t % chunks) * per_task
+            passes.block_quantize(&merged[0, 0], cols, t // chunks, b0, min(b0 + per_task, nb),
+                                  fp6, &codes[0, 0], &scales[0, 0])
 
 
 def nvfp4_merge(const uint8_t[:, ::1] packed, const uint8_t[:, ::1] scales, float scale_2,

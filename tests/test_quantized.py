@@ -375,3 +375,24 @@ def test_dequantized_values_are_the_owners(rng, layout):
     assert np.array_equal(got[~zero], want[~zero]) and np.all(got[zero] == 0)
     with pytest.raises(errors.ArgumentError, match="dequantized reads"):
         quantized.dequantized("comfy_int8", weight, **kwargs)
+
+
+def test_comfy_mxfp8_exponents_just_above_a_power_of_two(rng):
+    """Groups whose largest merged value is 448 * 2^s times 1 + a few 2^-23 (a bf16 delta of m
+    2^(s - 14) on a code of 448): the exponent is the ceiling of log2 rounded to f32, which for
+    |s| >= 4 is s itself, not s + 1, where the excess is below half an ulp; the kernel takes
+    these from the log2 and the rest from the bits, byte for byte with the reference."""
+    rows, cols = 128, 256
+    groups = cols // 32
+    codes = np.full((rows, cols), 0x38, np.uint8)                  # 1.0 a code
+    codes[:, ::32] = 0x7E                                          # 448, each group's largest
+    s = rng.integers(-40, 20, (rows, groups))
+    m = rng.integers(-70, 71, (rows, groups))
+    mx = reference.to_tiled((s + 127).astype(np.int64))
+    delta = np.zeros((rows, cols), np.float32)
+    delta[:, ::32] = m * np.exp2(s - 14.0)
+    d = (delta.view(np.uint32) >> 16).astype(np.uint16)            # exact: m has < 8 bits
+    assert np.array_equal((d.astype(np.uint32) << 16).view(np.float32), delta)
+    adapters = [(d, 1.0)]                                          # a difference
+    got = quantized.fuse_quantized("comfy_mxfp8", codes, adapters, scale=mx)
+    same(got, reference.fuse_quantized("comfy_mxfp8", codes, (mx,), adapters))

@@ -288,8 +288,8 @@ static float block_merge_rows(const uint8_t *codes, int fp6, const float *scales
     return top;
 }
 
-static void block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj, int fp6,
-                        uint8_t *codes, float *scales)
+static void block_quantize_one(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj,
+                               int fp6, uint8_t *codes, float *scales)
 {
     const ltx_idx ldc = fp6 ? cols / 4 * 3 : cols;
     const uint16_t *m = merged + bi * BLOCK * cols + bj * BLOCK;
@@ -348,6 +348,60 @@ static void block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx
             } else {
                 for (int j = 0; j < 4; j++)
                     row[i + j] = (uint8_t)c[j];
+            }
+        }
+    }
+}
+
+#define BLOCK_RUN 32 /* blocks a call takes at most: their tops and factors on the stack */
+
+/* Blocks bj0..bj1 of block row bi. The fp8 case reads the 128 rows through all the blocks at
+ * once, two passes (the tops, then the codes), each row's run contiguous; the same operations
+ * per element as block_quantize_one, so the same bytes. */
+static void block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj0,
+                           ltx_idx bj1, int fp6, uint8_t *codes, float *scales)
+{
+#if defined(LTX_VARIANT_AVX512)
+    const int own = 1;
+#else
+    const int own = fp6 || bj1 - bj0 > BLOCK_RUN;
+#endif
+    if (own) {
+        for (ltx_idx bj = bj0; bj < bj1; bj++)
+            block_quantize_one(merged, cols, bi, bj, fp6, codes, scales);
+        return;
+    }
+    const ltx_idx n = bj1 - bj0;
+    uint32_t top[BLOCK_RUN];
+    float mult[BLOCK_RUN];
+    for (ltx_idx j = 0; j < n; j++)
+        top[j] = 0;
+    const uint16_t *m = merged + bi * BLOCK * cols + bj0 * BLOCK;
+    for (ltx_idx r = 0; r < BLOCK; r++)
+        for (ltx_idx j = 0; j < n; j++) {
+            const uint16_t *x = m + r * cols + j * BLOCK;
+            uint32_t best = top[j];
+            for (ltx_idx i = 0; i < BLOCK; i++) {
+                const uint32_t a = x[i] & 0x7FFFu;
+                best = a > best ? a : best;
+            }
+            top[j] = best;
+        }
+    for (ltx_idx j = 0; j < n; j++) {
+        /* inf for an all-zero block: its zeros are kept by the mask below */
+        mult[j] = (1.0f / ltx_bf16_value((uint16_t)top[j])) * 448.0f;
+        scales[bi * (cols / BLOCK) + bj0 + j] = 1.0f / mult[j];
+    }
+    for (ltx_idx r = 0; r < BLOCK; r++) {
+        const uint16_t *x = m + r * cols;
+        uint8_t *row = codes + (bi * BLOCK + r) * cols + bj0 * BLOCK;
+        for (ltx_idx j = 0; j < n; j++) {
+            const float f = mult[j];
+            for (ltx_idx i = j * BLOCK; i < (j + 1) * BLOCK; i++) {
+                const float v = ltx_bf16_value(x[i]);
+                const uint32_t p = ltx_f32_bits(v * f), keep = nonzero_mask(x[i]);
+                row[i] = (uint8_t)fp8_encode(ltx_bits_f32((p & keep) | (ltx_f32_bits(v) & ~keep)),
+                                             0);
             }
         }
     }
@@ -675,14 +729,29 @@ static float comfy_mxfp8_max_rows(const uint8_t *codes, const uint8_t *scales, l
     return top;
 }
 
-/* The E8M0 exponent of a group of largest magnitude top > 0, by comfy-kitchen's f32 steps; its
- * log2 is taken in double and rounded once to f32, the correctly rounded f32 log2. */
+/* The E8M0 exponent of a group of largest magnitude top > 0, by comfy-kitchen's f32 steps:
+ * ceil(f32(log2(needed))), the log2 correctly rounded to f32 (taken in double and rounded
+ * once). With needed = (1 + mant 2^-23) 2^k normal, that is k where mant = 0, and k + 1 where
+ * mant >= 64: log2 then exceeds k by at least log2(1 + 2^-17) > 1.1e-5, more than half an f32
+ * ulp (3.8e-6) of any value below 128 in magnitude, so its rounding stays above k. Only the
+ * rest (a mantissa within 63 units of a power of two, or a subnormal needed) takes the log2. */
 static inline uint32_t e8m0_for(float top)
 {
     float needed = top / 448.0f;
     needed = needed > 0x1p-127f ? needed : 0x1p-127f;
-    const int e = (int)ceilf((float)log2((double)needed)) + 127;
+    const uint32_t u = ltx_f32_bits(needed), mant = u & 0x7FFFFFu, biased = u >> 23;
+    const int e = biased != 0 && (mant == 0 || mant >= 64)
+                      ? (int)biased + (mant != 0)
+                      : (int)ceilf((float)log2((double)needed)) + 127;
     return (uint32_t)(e < 0 ? 0 : e > 254 ? 254 : e);
+}
+
+/* 1 / e8m0_value(e) exactly, 2^(127 - e) (2^-127 a subnormal), 0 for e = 0: a quotient by
+ * a power of two and the product by its reciprocal round the same real number, so they are
+ * the same f32. */
+static inline float e8m0_reciprocal(uint32_t e)
+{
+    return e == 0 ? 0.0f : e == 254 ? ltx_bits_f32(0x00400000u) : ltx_bits_f32((254u - e) << 23);
 }
 
 static void comfy_mxfp8_quantize_rows(uint8_t *codes, const uint8_t *old_scales, uint8_t *scales,
@@ -713,11 +782,11 @@ static void comfy_mxfp8_quantize_rows(uint8_t *codes, const uint8_t *old_scales,
             top = ltx_bits_f32(top_bits);
             const uint32_t e = top > 0.0f ? e8m0_for(top) : 0u;
             scales[at] = (uint8_t)e;
-            const float step = e8m0_value(e);
-            /* e = 0: zero codes, the quotients (by 0) dropped; else clamped to 448 by the
+            const float inverse = e8m0_reciprocal(e);
+            /* e = 0: zero codes, the products (by 0) dropped; else clamped to 448 by the
              * magnitude's bits */
             for (int j = 0; j < MX_GROUP; j++) {
-                const uint32_t q = ltx_f32_bits(n[j] / step), sign = q & 0x80000000u;
+                const uint32_t q = ltx_f32_bits(n[j] * inverse), sign = q & 0x80000000u;
                 uint32_t a = q & 0x7FFFFFFFu;
                 a = a > 0x43E00000u ? 0x43E00000u : a;  /* 448 */
                 const uint32_t code = fp8_encode(ltx_bits_f32(a | sign), 0);

@@ -41,10 +41,10 @@ struct ltx_layout_passes {
      * returns max |merged| over the rows. */
     float (*block_merge_rows)(const uint8_t *codes, int fp6, const float *scales,
                               uint16_t *delta, ltx_idx cols, ltx_idx r0, ltx_idx r1);
-    /* Block (bi, bj) of merged bf16 [rows, cols]: m = scale_max * f32(1 / max|merged|) (448,
-     * or 0.1172 for fp6), code = e4m3(f32(merged * m)), scale = f32(1 / m). */
-    void (*block_quantize)(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj,
-                           int fp6, uint8_t *codes, float *scales);
+    /* Blocks (bi, bj0..bj1) of merged bf16 [rows, cols], each: m = scale_max * f32(1 /
+     * max|merged|) (448, or 0.1172 for fp6), code = e4m3(f32(merged * m)), scale = f32(1 / m). */
+    void (*block_quantize)(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj0,
+                           ltx_idx bj1, int fp6, uint8_t *codes, float *scales);
 
     /* ---- NVFP4: packed E2M1 rows (element 2j in the high nibble), E4M3 block scales of 16
      * elements in the tiled layout of `padded_cols` columns, one f32 scale_2 ---- */
