@@ -518,8 +518,10 @@ def _write(ckpt, output, entries, metadata, quant, threads, progress, report, t0
             f, info = ckpt.entries[name]
             if name in quant.dropped:
                 pass  # an old scale or marker of a weight quantised anew
-            elif name in quant.sources:
-                quant.write(writer, name, quant.dequantize(ckpt, name, threads), threads)
+            elif name in quant.sources:  # read back into fresh memory: the codes go over it
+                weight = quant.dequantize(ckpt, name, threads)
+                quant.write(writer, name, weight, threads, out=weight.reshape(-1).view(np.uint8),
+                            release=_nothing)
             elif name in quant.planned:
                 weight, maxima, out, release = (ahead.pop(name).result() if name in ahead
                                                 else read(name))
@@ -536,6 +538,10 @@ def _write(ckpt, output, entries, metadata, quant, threads, progress, report, t0
             writer.set_metadata(dict(metadata, **{provenance.RECORD_KEY: record(
                 writer.digests())}))
         writer.commit()
+
+
+def _nothing():
+    pass
 
 
 def _wait(event):
