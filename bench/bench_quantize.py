@@ -105,9 +105,14 @@ def worker(request):
 
 
 def call(request):
-    """Run one timed call in a fresh process of this Python; its answer."""
+    """Run one timed call in a fresh process of this Python; its answer.  The process has the
+    OpenMP wait policy the ``ltx2blas`` command sets (idle threads sleep), unless the
+    environment sets one."""
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "passive")
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
-                           json.dumps(request)], stdout=subprocess.PIPE, check=True, text=True)
+                           json.dumps(request)], stdout=subprocess.PIPE, check=True, text=True,
+                          env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -429,7 +434,9 @@ def main(argv=None):
             machine = harness.machine()
             machine["cpu_model"] = cpu_model()
             harness.write_json(args.out, {"machine": machine, "load_average": load,
-                                          "argv": sys.argv[1:], "rows": rows, "peers": peers})
+                                          "argv": sys.argv[1:], "rows": rows, "peers": peers,
+                                          "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY",
+                                                                            "passive")})
     finally:
         if own:
             shutil.rmtree(folder, ignore_errors=True)

@@ -17,27 +17,25 @@ static inline float absf(float f) { return ltx_bits_f32(ltx_f32_bits(f) & 0x7FFF
 
 /* f32 -> fp8 code, nearest-even, past the largest finite code to the format's `over` (e4m3
  * saturates at 448, e5m2 goes to inf), the sign kept: torch's cast on the CPU for finite input.
- * Integer operations only, so that a loop of it vectorises (GCC keeps a loop scalar where an
- * f32 operation could trap only on one side of a choice). Above the smallest normal the f32
- * bits are rounded nearest-even at the fp8 mantissa and rebiased; below it the significand
- * (the implicit bit included) is shifted right to units of the subnormal quantum, 2^(1 - bias
- * - mant), nearest-even (a count of 2^mant quanta is the smallest normal's code). Finite
- * input only. */
+ * No choice between f32 operations, so that a loop of it vectorises (GCC keeps a loop scalar
+ * where an f32 operation could trap only on one side of a choice). Above the smallest normal
+ * the f32 bits are rounded nearest-even at the fp8 mantissa and rebiased. Below it the count
+ * of subnormal quanta, 2^(1 - bias - mant), is what the f32 sum |x| + 2^23 quantum holds in
+ * its low bits: that sum lies in the binade whose ulp is the quantum, so the addition rounds
+ * |x| to whole quanta, nearest-even (a count of 2^mant quanta is the smallest normal's code).
+ * Both are computed and the code chosen by integers. Finite input only. */
 static inline __attribute__((always_inline)) uint32_t fp8_encode(float x, int e5m2)
 {
     const uint32_t u = ltx_f32_bits(x), sign = (u >> 24) & 0x80u, a = u & 0x7FFFFFFFu;
     const int mant = LTX_FP8[e5m2].mant, bias = LTX_FP8[e5m2].bias;
     const uint32_t min_normal = (uint32_t)(127 - bias + 1) << 23;
-    const uint32_t e = a >> 23, sig = (a & 0x7FFFFFu) | (e ? 0x800000u : 0u);
-    /* x = sig * 2^(max(e, 1) - 150); in quanta: sig >> (151 - bias - mant - max(e, 1)); at
-     * least 21 here, at most 31 (a larger shift leaves 0 as well) */
-    uint32_t down = (uint32_t)(151 - bias - mant) - (e ? e : 1u);
-    down = down > 31u ? 31u : down;
-    const uint32_t sub = (sig + (1u << (down - 1)) - 1u + ((sig >> down) & 1u)) >> down;
+    const float magic = LTX_FP8[e5m2].quantum * 0x1p23f;
+    const uint32_t sub = ltx_f32_bits(ltx_bits_f32(a) + magic) - ltx_f32_bits(magic);
     const uint32_t shift = 23u - (uint32_t)mant;
     const uint32_t rounded = (a + (1u << (shift - 1)) - 1u + ((a >> shift) & 1u)) >> shift;
     const uint32_t normal = rounded - ((uint32_t)(127 - bias) << mant);
-    uint32_t code = a < min_normal ? sub : normal;
+    const uint32_t below = 0u - (uint32_t)(a < min_normal);  /* a mask: no branch to sink into */
+    uint32_t code = (sub & below) | (normal & ~below);
     code = code > LTX_FP8[e5m2].largest ? LTX_FP8[e5m2].over : code;
     return code | sign;
 }
