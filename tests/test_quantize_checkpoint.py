@@ -412,3 +412,31 @@ def test_comfyuis_metadata_markers_of_layers_quantised_anew_are_taken_out(base, 
 def test_the_command_lines_format_names_are_the_library_s():
     """The parser spells the formats out (it loads no compiled module); they are the same."""
     assert set(cli.FORMATS_TEXT) == set(QUANTIZE_FORMATS)
+
+
+@pytest.mark.parametrize("fmt", ["comfy_mxfp8", "comfy_nvfp4", "comfy_fp8"])
+def test_weights_padded_to_more_codes_than_their_bytes(fmt, tmp_path, rng):
+    """ComfyUI pads a tiled format's weight to whole 128-row tiles: a [3, 32] weight has more
+    codes than bf16 bytes, which cannot go over its own memory.  quantize and fuse --to write
+    such weights (and unpadded ones beside them) as quantize_weight makes them."""
+    shapes = {"attn1.to_q": (3, 32), "attn1.to_k": (130, 48), "ff.net.2": (256, 256)}
+    weights = {B + m + ".weight": random_bf16(rng, s, 0.02) for m, s in shapes.items()}
+    base = ck.write(tmp_path / "odd.safetensors", {k: ("BF16", v) for k, v in weights.items()})
+    out = tmp_path / "q.safetensors"
+    quantize_checkpoint(base, out, fmt, include=["*"], digests=False)
+    got, _ = read_all(out)
+    for name, w in weights.items():
+        assert got[name][2].tobytes() == quantize_weight(fmt, w).weight.tobytes(), name
+    tensors = {}
+    for module, (rows, cols) in shapes.items():
+        key = f"diffusion_model.transformer_blocks.0.{module}"
+        tensors[key + ".lora_A.weight"] = ("BF16", random_bf16(rng, (2, cols), 0.05))
+        tensors[key + ".lora_B.weight"] = ("BF16", random_bf16(rng, (rows, 2), 0.05))
+    lora = ck.write(tmp_path / "lora.safetensors", tensors)
+    fused, one, two = (tmp_path / f"{n}.safetensors" for n in ("fused", "one", "two"))
+    ltx2blas.fuse_checkpoint(base, [(lora, 1.0)], fused, digests=False)
+    quantize_checkpoint(fused, two, fmt, include=["*"], digests=False)
+    ltx2blas.fuse_checkpoint(base, [(lora, 1.0)], one, to=fmt, digests=False)
+    a, b = read_all(two)[0], read_all(one)[0]
+    assert list(a) != [] and {n: v[2].tobytes() for n, v in a.items()} == {
+        n: v[2].tobytes() for n, v in b.items()}

@@ -1091,8 +1091,9 @@ class _FusedWriter:
             _note_overflows(report, name, layout, overflows)
             self.pending.update(zip(layout.rewritten, scales))
             if self.quant is not None and name in self.quant.planned:
-                self.quant.write(writer, name, weight, self.options.threads)
-                reader.release(weight)
+                # the codes go over the fused weight, placed as the writer takes them
+                self.quant.write(writer, name, weight, self.options.threads,
+                                 release=functools.partial(reader.release, weight))
             else:  # written from the read buffer, which is reused once the write is done
                 writer.write(name, weight, release=functools.partial(reader.release, weight))
             return plans.gflop(layout.shape, plan.weights[name], self.sources)

@@ -157,6 +157,10 @@ def _matches(globs, module, full):
     return any(fnmatch.fnmatchcase(m, g) for g in globs for m in (module, full))
 
 
+def _nothing():
+    pass
+
+
 class Quantizing:
     """One checkpoint's weights quantised into one format (``quantize_checkpoint`` and
     ``fuse_checkpoint(to=...)``): which weights (``planned``: name -> its tensors' dtypes and
@@ -174,10 +178,6 @@ class Quantizing:
         self.sources, self.dropped = {}, set()
         self.planned, self.kept = self._plan(entries_of, sources)
         self.largest_error, self.largest_error_at = 0.0, ""
-        # the codes of the weights go to two buffers in turns, each free again once the
-        # writer (and the hashing beside it) is done with it: fresh memory for every weight
-        # would cost its page faults, and a copy for the writer a pass
-        self._codes, self._turn = None, 0
 
     def _plan(self, entries_of, sources):
         chosen_by = CHOICES[self.fmt][1]
@@ -295,27 +295,18 @@ class Quantizing:
                 out.append((full + ".comfy_quant", "U8", (self.marker.size,), self.marker.size))
         return out
 
-    def write(self, writer, name, weight, threads, maxima=None, out=None, release=None):
+    def write(self, writer, name, weight, threads, maxima=None, out=None, release=_nothing):
         """Quantise bf16 ``weight`` (the tensor ``name``; ``maxima``: its weight_maxima, where
-        the caller took them) and write its parts; returns their bytes.  ``out``: memory for
-        the codes that may be the weight's own (quantize_weight's ``out``), starting as far
-        into a page as the codes will into the file; ``release()`` is called once the writer
-        is done with it.  Without it the codes go to one of two buffers of this object's."""
+        the caller took them) and write its parts; returns their bytes.  The codes go over the
+        weight's own memory, which is consumed: from ``out`` (quantize_weight's, starting at the
+        weight's first byte or before it: as far into a page as the codes will be in the file,
+        for the writer to take their whole pages from there), else from its first byte.
+        ``release()`` is called once the writer is done with that memory."""
         keys = self.parts(name)
         if out is None:
-            if self._codes is None:
-                # a page more than the largest codes: each weight's codes start as far into a
-                # page as they will into the file, so that the writer takes their whole pages
-                # from here
-                size = max(_nbytes(*p["weight"]) for p in self.planned.values()) + writer.ALIGN
-                self._codes = [(page_aligned(size), threading.Event()) for _ in range(2)]
-                for _, free in self._codes:
-                    free.set()
-            codes, free = self._codes[self._turn]
-            self._turn ^= 1
-            _wait(free)
-            free.clear()
-            out, release = codes[writer.file_offset(keys[0]) % writer.ALIGN:], free.set
+            out = weight.reshape(-1).view(np.uint8)
+        if out.size < _nbytes(*self.planned[name]["weight"]):
+            out = None  # padded to more codes than the weight has bytes: memory of their own
         sampled = qz.error_rows(weight, ERROR_ROWS)
         try:
             q = qz.quantize_weight(self.fmt, weight, threads=threads, fp8_format=self.fp8_format,
@@ -520,8 +511,7 @@ def _write(ckpt, output, entries, metadata, quant, threads, progress, report, t0
                 pass  # an old scale or marker of a weight quantised anew
             elif name in quant.sources:  # read back into fresh memory: the codes go over it
                 weight = quant.dequantize(ckpt, name, threads)
-                quant.write(writer, name, weight, threads, out=weight.reshape(-1).view(np.uint8),
-                            release=_nothing)
+                quant.write(writer, name, weight, threads)
             elif name in quant.planned:
                 weight, maxima, out, release = (ahead.pop(name).result() if name in ahead
                                                 else read(name))
@@ -538,10 +528,6 @@ def _write(ckpt, output, entries, metadata, quant, threads, progress, report, t0
             writer.set_metadata(dict(metadata, **{provenance.RECORD_KEY: record(
                 writer.digests())}))
         writer.commit()
-
-
-def _nothing():
-    pass
 
 
 def _wait(event):
