@@ -1,5 +1,6 @@
 """The ltx2blas command: fuse adapter files into a checkpoint, verify a fused one, extract a
-LoRA from a fine-tuned checkpoint, show what this machine runs, and time a demonstration.
+LoRA from a fine-tuned checkpoint, resize a LoRA, quantise a checkpoint, show what this machine
+runs, and time a demonstration.
 
 Exit codes: 0 success; 1 a check failed (demo, verify); 2 bad arguments or inputs that do not
 fit (shapes, dtypes, keys, an already fused checkpoint); 3 a malformed file; 4 an I/O failure
@@ -270,6 +271,33 @@ def _cmd_quantize(args):
     if args.verbose:
         lines += [f"  {printable(name)}" for name in report.quantized]
         lines += [f"  kept: {printable(name)} ({why})" for name, why in report.kept.items()]
+    _print("\n".join(lines))
+    return 0
+
+
+def _cmd_resize(args):
+    from .errors import printable
+    from .files.resize import resize_lora
+
+    rules = {"rank": args.rank, "energy": args.energy, "sv_ratio": args.sv_ratio,
+             "sv_fro": args.sv_fro, "sv_cumulative": args.sv_cumulative}
+    given = [k for k, v in rules.items() if v is not None]
+    if len(given) != 1:
+        raise _argument_error("give one of --rank, --energy, --sv-ratio, --sv-fro, "
+                              "--sv-cumulative" + (f" (got {', '.join('--' + g.replace('_', '-') for g in given)})"
+                                                   if given else ""))
+    _check_output(args)
+    report = resize_lora(
+        args.lora, args.output, max_rank=args.max_rank, alpha=args.alpha, dtype=args.dtype,
+        progress=None if (args.quiet or args.json) else _ProgressPrinter(),
+        **{given[0]: rules[given[0]]})
+    if args.json:
+        _print(_json(report.as_dict()))
+        return 0
+    lines = [report.summary()]
+    if args.verbose:
+        lines += [f"  {printable(module)}  rank {a} -> {b}, kept {kept:.4f}"
+                  for module, (a, b, kept) in report.ranks.items()]
     _print("\n".join(lines))
     return 0
 
@@ -587,6 +615,40 @@ def build_parser():
                    help="list every weight quantised and every one kept")
     p.set_defaults(func=_cmd_quantize)
 
+    p = sub.add_parser("resize", help="re-factor a LoRA at a smaller rank, at the optimum",
+                       description="Re-factor every LoRA pair of a file at a smaller rank: the "
+                                   "best approximation of each pair's delta at that rank "
+                                   "(from a QR of each factor and a small SVD, no full delta), "
+                                   "its scale folded in and .alpha set to the new rank, keys in "
+                                   "the input's spelling.")
+    p.add_argument("lora", help="the LoRA .safetensors file")
+    p.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
+    p.add_argument("--rank", type=_positive_int, default=None, help="every module at this rank")
+    p.add_argument("--energy", type=_fraction, default=None,
+                   help="each module at the least rank keeping this fraction of its delta's "
+                        "Frobenius norm")
+    p.add_argument("--sv-ratio", type=float, default=None, metavar="X",
+                   help="kohya's rule: the singular values above the largest / X, plus one")
+    p.add_argument("--sv-fro", type=_fraction, default=None, metavar="F",
+                   help="kohya's rule: the least rank keeping fraction F of the Frobenius norm, "
+                        "plus one")
+    p.add_argument("--sv-cumulative", type=_fraction, default=None, metavar="F",
+                   help="kohya's rule: the least rank whose singular values sum to fraction F "
+                        "of their total, plus one")
+    p.add_argument("--max-rank", type=_positive_int, default=None,
+                   help="the largest rank --energy and the kohya rules may choose")
+    p.add_argument("--alpha", choices=("scale", "ignore"), default="scale",
+                   help="scale (default): the file's alpha is part of the delta, as ComfyUI, "
+                        "diffusers and kohya read it; ignore: as upstream LTX-2 reads it")
+    p.add_argument("--dtype", choices=("bf16", "f32"), default=None,
+                   help="the new factors' storage (default: bf16 unless every factor is f32)")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as JSON (and no progress)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="list every module with its old and new rank and fraction kept")
+    p.set_defaults(func=_cmd_resize, dry_run=False)
+
     p = sub.add_parser("demo", help="fuse an LTX-2-shaped adapter in memory, check it, time it",
                        description="Fuse an LTX-2-shaped adapter into a weight in memory, check "
                                    "the result against the reference loop, and time it against "
@@ -691,7 +753,7 @@ def main(argv=None):
     try:
         args = build_parser().parse_args(argv)
         # the commit of the output of fuse, extract and quantize is the command's result
-        _stop.state.final = args.func in (_cmd_fuse, _cmd_extract, _cmd_quantize)
+        _stop.state.final = args.func in (_cmd_fuse, _cmd_extract, _cmd_quantize, _cmd_resize)
         code = args.func(args)
         if _stop.state.signum is not None:
             # deferred: it came after the output was complete (exit 0, said so), or Python

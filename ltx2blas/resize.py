@@ -25,7 +25,8 @@ from ._threads import blas_single_threaded
 from ._validate import bf16_bits, bf16_to_f32, choice, contiguous, is_bf16, ndarray
 from .errors import ArgumentError, DTypeError, NonFiniteInputError, ShapeError
 
-__all__ = ["Resized", "resize_lora_weight", "lowrank_svd", "RANK_RULES"]
+__all__ = ["Resized", "resize_lora_weight", "lowrank_svd", "rank_rule", "choose_rank",
+           "RANK_RULES"]
 
 #: The ways a new rank is chosen, each a keyword of resize_lora_weight.
 RANK_RULES = ("rank", "energy", "sv_ratio", "sv_fro", "sv_cumulative")
@@ -100,11 +101,9 @@ def _kohya_rank(s, rule, target):
     return max(1, min(index, n - 1)) + 1
 
 
-def choose_rank(s, norm_sq, full, *, rank=None, energy=None, sv_ratio=None, sv_fro=None,
-                sv_cumulative=None, max_rank=None):
-    """The new rank for singular values ``s`` (descending) of a delta of squared norm
-    ``norm_sq`` whose full SVD has ``full`` values (min(out, in); those past len(s) are 0), by
-    the one rule given; ``max_rank`` caps the dynamic rules."""
+def rank_rule(rank=None, energy=None, sv_ratio=None, sv_fro=None, sv_cumulative=None,
+              max_rank=None):
+    """(rule, value) of the one rule given, its value checked; ArgumentError otherwise."""
     given = {k: v for k, v in (("rank", rank), ("energy", energy), ("sv_ratio", sv_ratio),
                                ("sv_fro", sv_fro), ("sv_cumulative", sv_cumulative))
              if v is not None}
@@ -113,16 +112,26 @@ def choose_rank(s, norm_sq, full, *, rank=None, energy=None, sv_ratio=None, sv_f
                             f"{', '.join(given) or 'none'}")
     (rule, value), = given.items()
     if rule == "rank":
-        if int(value) != value or value < 1:
+        if isinstance(value, bool) or int(value) != value or value < 1:
             raise ArgumentError(f"rank must be a positive integer, got {value!r}")
-        return int(value)
+        return rule, int(value)
     value = float(value)
     if rule in ("energy", "sv_fro", "sv_cumulative") and not 0.0 < value <= 1.0:
         raise ArgumentError(f"{rule} must be in (0, 1], got {value!r}")
     if rule == "sv_ratio" and not value >= 1.0:
         raise ArgumentError(f"sv_ratio must be at least 1, got {value!r}")
-    if max_rank is not None and (int(max_rank) != max_rank or max_rank < 1):
+    if max_rank is not None and (isinstance(max_rank, bool) or int(max_rank) != max_rank
+                                 or max_rank < 1):
         raise ArgumentError(f"max_rank must be a positive integer, got {max_rank!r}")
+    return rule, value
+
+
+def choose_rank(s, norm_sq, full, rule, value, max_rank=None):
+    """The new rank for singular values ``s`` (descending) of a delta of squared norm
+    ``norm_sq`` whose full SVD has ``full`` values (min(out, in); those past len(s) are 0), by
+    a rank_rule; ``max_rank`` caps the dynamic rules."""
+    if rule == "rank":
+        return value
     if rule == "energy":
         if norm_sq == 0.0:
             return 0
@@ -167,13 +176,13 @@ def resize_lora_weight(lora_a, lora_b, *, scale=1.0, rank=None, energy=None, sv_
         0).  Byte for byte the same for any thread count.
     """
     choice(dtype, ("bf16", "f32"), "dtype")
+    rule, value = rank_rule(rank, energy, sv_ratio, sv_fro, sv_cumulative, max_rank)
     u, s, v = lowrank_svd(lora_a, lora_b, scale)
     out_f, in_f = u.shape[0], v.shape[0]
     r = np.shape(lora_a)[0]
     norm_sq = float(np.sum(s ** 2))
-    k = choose_rank(s, norm_sq, min(out_f, in_f), rank=rank, energy=energy, sv_ratio=sv_ratio,
-                    sv_fro=sv_fro, sv_cumulative=sv_cumulative, max_rank=max_rank)
-    if rank is not None and k > len(s):
+    k = choose_rank(s, norm_sq, min(out_f, in_f), rule, value, max_rank)
+    if rule == "rank" and k > len(s):
         raise ShapeError(f"rank {k} is larger than the LoRA's product allows: "
                          f"min(rank {r}, out {out_f}, in {in_f}) = {len(s)}")
     k = min(k, len(s))

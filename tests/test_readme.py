@@ -43,7 +43,7 @@ def stand_ins(folder, rng):
 
 
 def test_the_readme_has_the_examples_this_test_runs():
-    assert len(blocks("python")) == 2 and len(command_blocks()) == 5
+    assert len(blocks("python")) == 2 and len(command_blocks()) == 6
 
 
 def test_the_readme_is_a_guide_of_at_most_250_lines():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from ltx2blas.errors import ArgumentError, NonFiniteInputError, ShapeError
-from ltx2blas.resize import choose_rank, lowrank_svd, resize_lora_weight
+from ltx2blas.resize import lowrank_svd, rank_rule, resize_lora_weight
 
 
 def lora(rng, out, inn, r, decay=None):
@@ -130,4 +130,4 @@ def test_refusals(rng):
     with pytest.raises(NonFiniteInputError, match=r"\(3, 4\)"):
         resize_lora_weight(nan, b, rank=2)
     with pytest.raises(ArgumentError):
-        choose_rank(np.ones(3), 3.0, 3, energy=0.5, max_rank=0)
+        rank_rule(energy=0.5, max_rank=0)

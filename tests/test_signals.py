@@ -103,6 +103,8 @@ def command(which, files, tmp_path, rng):
         return ["fuse", model, "--lora", lora, "-o", out, "-q"]
     if which == "quantize":
         return ["quantize", model, "-o", out, "--format", "comfy_nvfp4", "-q"]
+    if which == "resize":
+        return ["resize", lora, "-o", out, "--rank", "2", "-q"]
     return ["extract", tuned(tmp_path, rng, model), "--base", model, "-o", out, "--rank", "2",
             "-q"]
 
@@ -184,7 +186,7 @@ os.replace = replace
 """
 
 
-@pytest.mark.parametrize("which", ["fuse", "extract", "quantize"])
+@pytest.mark.parametrize("which", ["fuse", "extract", "quantize", "resize"])
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_signal_before_the_rename_leaves_the_destination_as_it_was(files, tmp_path, rng,
                                                                      which, sig):
@@ -199,7 +201,7 @@ def complete(path):
         return len(f.tensors)
 
 
-@pytest.mark.parametrize("which", ["fuse", "extract", "quantize"])
+@pytest.mark.parametrize("which", ["fuse", "extract", "quantize", "resize"])
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
 @pytest.mark.parametrize("when", ["during", "after"])
 def test_a_signal_at_the_rename_finds_the_output_complete_and_says_so(files, tmp_path, rng,
@@ -214,7 +216,7 @@ def test_a_signal_at_the_rename_finds_the_output_complete_and_says_so(files, tmp
         f"ltx2blas: {sig} came after the output was complete: {out} is written in full and in "
         "place"], r.stderr
     assert r.stdout.startswith({"fuse": "fused ", "extract": "extracted ",
-                                "quantize": "quantized "}[which]), r.stdout
+                                "quantize": "quantized ", "resize": "resized "}[which]), r.stdout
     assert complete(out) > 0 and temps(tmp_path) == []
 
 

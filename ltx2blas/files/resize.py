@@ -1,0 +1,263 @@
+"""A LoRA file re-factored at a smaller rank (``ltx2blas resize``).
+
+Every LoRA module of the file (a lora_A / lora_B pair in any spelling the fuse reads: upstream
+LTX-2's trainer, PEFT and diffusers, kohya, ComfyUI) is re-factored by
+:func:`ltx2blas.resize.resize_lora_weight`: its delta's scale (alpha / rank, or PEFT's from the
+file's metadata; none under ``alpha="ignore"``, as upstream LTX-2 reads its files) is folded
+into the new factors, and each pair gets an ``.alpha`` equal to its new rank, so that every
+loader, those that read alpha and those that do not, applies the same delta.  Keys keep the
+input's spelling and order; tensors of no LoRA pair (biases of the up projection, unknown keys)
+are copied as they are.  Modules that are no sum of a low-rank product -- DoRA, LoHa, LoKr, full
+differences -- are refused with the reason before anything is written.
+"""
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..errors import ArgumentError, DTypeError, FormatError, ShapeError, counted, printable
+from ..resize import RANK_RULES, rank_rule, resize_lora_weight
+from .._validate import choice
+from . import keys as keymatch
+from . import peft
+from .adapters import ALPHA_MODES, AdapterReport, Source, _scale_rule
+from .checkpoint import Progress, check_output_is_not_an_input
+from .safetensors import SafetensorsWriter, output_path
+
+METADATA_KEY = "ltx2blas.resized"
+#: kohya's metadata entries of the network's rank and alpha, rewritten to the new largest rank
+#: (alpha = rank: a scale of 1, as the pairs' own alphas).
+KOHYA_DIM, KOHYA_ALPHA = "ss_network_dim", "ss_network_alpha"
+#: What each role that resize cannot re-factor belongs to.
+NOT_A_PRODUCT = {"magnitude": "DoRA (its magnitudes rescale the whole weight: not a sum of "
+                              "deltas)",
+                 "dora_scale": "DoRA (its magnitudes rescale the whole weight: not a sum of "
+                               "deltas)",
+                 "diff": "a full difference (no low-rank product to re-factor)",
+                 "diff_b": "a full difference (no low-rank product to re-factor)"}
+
+
+@dataclass
+class ResizeReport:
+    output: str
+    rule: str                     # one of resize.RANK_RULES
+    value: object                 # its rank or target
+    max_rank: object = None
+    alpha: str = "scale"
+    alpha_source: str = ""        # where the scales folded in came from
+    ranks: dict = field(default_factory=dict)   # module -> (old rank, new rank, fraction kept)
+    copied: list = field(default_factory=list)  # tensors written as they were
+    seconds: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def as_dict(self):
+        out = asdict(self)
+        out["ranks"] = {m: {"rank_in": a, "rank": b, "kept": k}
+                        for m, (a, b, k) in self.ranks.items()}
+        return out
+
+    def summary(self):
+        old = [a for a, _, _ in self.ranks.values()]
+        new = [b for _, b, _ in self.ranks.values()]
+        kept = [k for _, _, k in self.ranks.values()]
+        how = f"rank {self.value}" if self.rule == "rank" else f"{self.rule} {self.value:g}" + (
+            f" (at most rank {self.max_rank})" if self.max_rank is not None else "")
+        lines = [f"resized {counted(len(new), 'LoRA module')} by {how} into "
+                 f"{printable(self.output)} ({self.bytes_written / 2**20:.1f} MiB, from "
+                 f"{self.bytes_read / 2**20:.1f} MiB)"]
+        if new:
+            lines.append(f"ranks {min(old)}-{max(old)} -> {min(new)}-{max(new)} (median "
+                         f"{int(np.median(new))}); fraction of each delta's Frobenius norm kept: "
+                         f"least {min(kept):.4f}, median {float(np.median(kept)):.4f} (the "
+                         "optimum at each rank)")
+        lines.append("scale folded into the factors: " + (
+            self.alpha_source or "none (no alpha)") + "; each pair's .alpha is its new rank"
+            if self.alpha == "scale" else
+            "scale folded into the factors: none (alpha='ignore', as upstream LTX-2 reads the "
+            "file); each pair's .alpha is its new rank")
+        if self.copied:
+            shown = ", ".join(map(printable, self.copied[:3]))
+            lines.append(f"{counted(len(self.copied), 'other tensor')} copied as they were "
+                         f"({shown}{', ...' if len(self.copied) > 3 else ''})")
+        lines.append(f"{self.seconds:.1f} s")
+        return "\n".join(lines)
+
+
+def _modules(source):
+    """({module: {role: key}} of the LoRA pairs in file order, [keys copied as they are]);
+    FormatError naming a module resize cannot re-factor."""
+    modules, copied = {}, []
+    for key in source.keys:
+        module, suffix = keymatch.split_key(key)
+        if module is None:
+            copied.append(key)
+            continue
+        if suffix in keymatch.REFUSED:
+            raise FormatError(f"{source.name}: {key!r} belongs to {keymatch.REFUSED[suffix]} "
+                              "adapter, which resize does not re-factor; nothing written")
+        role = keymatch.ROLES[suffix]
+        if role in NOT_A_PRODUCT or role in keymatch.LOHA_ROLES + keymatch.LOKR_ROLES:
+            kind = NOT_A_PRODUCT.get(role) or (
+                "a LoHa (a Hadamard product of two low-rank products)" if role.startswith("hada")
+                else "a LoKr (a Kronecker product)")
+            raise FormatError(f"{source.name}: module {module!r} is {kind}: resize re-factors "
+                              "LoRA pairs only; nothing written")
+        if role == "up_bias":
+            copied.append(key)
+            continue
+        pair = modules.setdefault(module, {})
+        if role in pair:
+            raise FormatError(f"{source.name}: module {module!r} has two {role} tensors "
+                              f"({pair[role]!r}, {key!r})")
+        pair[role] = key
+    for module, pair in modules.items():
+        missing = [r for r in ("down", "up") if r not in pair]
+        if missing:
+            raise FormatError(f"{source.name}: module {module!r} has no "
+                              f"{' or '.join('lora_A' if r == 'down' else 'lora_B' for r in missing)}"
+                              " tensor")
+    if not modules:
+        raise FormatError(f"{source.name}: no LoRA pair (lora_A / lora_B, lora_down / lora_up) "
+                          "to resize")
+    return modules, copied
+
+
+def _factor(source, key):
+    dtype = source.dtype(key)
+    if dtype not in ("BF16", "F16", "F32"):
+        raise DTypeError(f"{source.name}: {key!r} is {dtype}; resize reads bf16, f16 and f32 "
+                         "factors")
+    return source.array(key)
+
+
+def resize_lora(lora, output, *, rank=None, energy=None, sv_ratio=None, sv_fro=None,
+                sv_cumulative=None, max_rank=None, alpha="scale", dtype=None, progress=None):
+    """Resize the LoRA file ``lora`` into ``output`` (see the module docstring).
+
+    Parameters
+    ----------
+    rank, energy, sv_ratio, sv_fro, sv_cumulative : one of them
+        As for :func:`ltx2blas.resize.resize_lora_weight`, for every module.
+    max_rank : int, optional
+        A cap on the per-module ranks of the dynamic rules.
+    alpha : "scale" (default) or "ignore"
+        Whether the file's alpha (its ``.alpha`` tensors or PEFT metadata) is part of the delta
+        resized, as ComfyUI, diffusers and kohya read it, or not, as upstream LTX-2 does.
+    dtype : "bf16", "f32" or None
+        The new factors' storage; None: bf16 unless every factor is stored f32.
+    progress : callable, optional
+        Called with a :class:`~ltx2blas.files.checkpoint.Progress` after each module.
+
+    Returns
+    -------
+    ResizeReport
+    """
+    rule, value = rank_rule(rank, energy, sv_ratio, sv_fro, sv_cumulative, max_rank)
+    choice(alpha, ALPHA_MODES, "alpha")
+    if dtype is not None:
+        choice(dtype, ("bf16", "f32"), "dtype")
+    output_path(output)  # a missing folder, a folder or a device: refused by name, first
+    t0 = time.perf_counter()
+    source = Source(lora)
+    try:
+        check_output_is_not_an_input(os.fspath(output), [source.name])
+        return _resize(source, output, rule, value, max_rank, alpha, dtype, progress, t0)
+    finally:
+        source.close()
+
+
+def _resize(source, output, rule, value, max_rank, alpha, dtype, progress, t0):
+    modules, copied = _modules(source)
+    report = ResizeReport(output=os.fspath(output), rule=rule, value=value,
+                          max_rank=max_rank if rule != "rank" else None, alpha=alpha,
+                          copied=copied)
+    if dtype is None:
+        stored = {source.dtype(p[r]) for p in modules.values() for r in ("down", "up")}
+        dtype = "f32" if stored == {"F32"} else "bf16"
+    configs, _ = (peft.read_configs(source.metadata, source.name) if alpha == "scale"
+                  else ({}, []))
+    scales = AdapterReport(path=source.name, strength=1.0, alpha_mode=alpha)
+    results = {}
+    sizes = {m: sum(int(np.prod(source.shape(k))) for k in p.values()) for m, p in
+             modules.items()}
+    total = sum(sizes.values())
+    done = 0
+    for count, (module, roles) in enumerate(modules.items(), 1):
+        a, b = _factor(source, roles["down"]), _factor(source, roles["up"])
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise ShapeError(f"{source.name}: {module}: lora_A {list(a.shape)} and lora_B "
+                             f"{list(b.shape)} are not the factors of one product")
+        pair = keymatch.Pair(module, "lora", dict(roles))
+        scale = _scale_rule(configs, source, pair, a.shape[0], alpha, scales)(1.0)
+        try:
+            new = resize_lora_weight(a, b, scale=scale, dtype=dtype, max_rank=max_rank,
+                                     **{rule: value})
+        except (ShapeError, ArgumentError) as exc:
+            raise type(exc)(f"{printable(module)}: {exc}") from None
+        results[module] = new
+        report.ranks[module] = (int(a.shape[0]), new.rank, new.kept)
+        done += sizes[module]
+        if progress is not None:
+            progress(Progress(count, len(modules), 0.0, 0.0, time.perf_counter() - t0, module,
+                              done, total))
+    report.alpha_source = scales.alpha_source
+    entries, arrays = _layout(source, modules, results, dtype)
+    metadata = {k: v for k, v in source.metadata.items() if k != peft.METADATA_KEY}
+    largest = max(r.rank for r in results.values())
+    for key in (KOHYA_DIM, KOHYA_ALPHA):
+        if key in metadata:
+            metadata[key] = str(largest)
+    metadata[METADATA_KEY] = json.dumps({
+        "rule": rule, "value": value, "max_rank": report.max_rank, "alpha": alpha,
+        "dtype": dtype, "modules": {m: {"rank_in": a, "rank": b, "kept": round(k, 6)}
+                                    for m, (a, b, k) in report.ranks.items()}},
+        separators=(",", ":"))
+    with SafetensorsWriter(output, entries, metadata) as writer:
+        for name, dtype_name, shape, nbytes in entries:
+            if name in arrays:
+                writer.write(name, arrays[name])
+            else:
+                info = source.file.tensors[name]
+                writer.copy(name, source.file.fileno(), info.begin, info.nbytes, source.name)
+        writer.commit()
+        report.bytes_written = writer.size
+    report.bytes_read = source.file.size
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _layout(source, modules, results, dtype):
+    """The output's entries in the input's order (a pair's alpha after its lora_B where the
+    input had none) and the arrays written for the pairs."""
+    store = "BF16" if dtype == "bf16" else "F32"
+    role_of = {key: (module, role) for module, roles in modules.items()
+               for role, key in roles.items()}
+    entries, arrays = [], {}
+
+    def add(name, array, dtype_name):
+        array = np.ascontiguousarray(array)
+        entries.append((name, dtype_name, tuple(array.shape), array.nbytes))
+        arrays[name] = array
+
+    for key in source.keys:
+        if key not in role_of:
+            info = source.file.tensors[key]
+            entries.append((key, info.dtype, tuple(info.shape), info.nbytes))
+            continue
+        module, role = role_of[key]
+        new = results[module]
+        if role == "down":
+            add(key, new.lora_a, store)
+        elif role == "up":
+            add(key, new.lora_b, store)
+            if "alpha" not in modules[module]:
+                add(module + ".alpha", np.array(new.rank, np.float32), "F32")
+        else:  # alpha
+            add(key, np.array(new.rank, np.float32), "F32")
+    return entries, arrays
+
+
+__all__ = ["resize_lora", "ResizeReport", "RANK_RULES"]

@@ -1,0 +1,198 @@
+"""ltx2blas resize / resize_lora on files: each pair as resize_lora_weight makes it, the scale
+folded in and .alpha the new rank, keys and order kept, the result fused back through
+ltx2blas fuse, and what cannot be resized refused before anything is written."""
+import json
+
+import numpy as np
+import pytest
+
+import ltx2blas
+from ltx2blas import cli, reference
+from ltx2blas.errors import ArgumentError, FormatError, ShapeError
+from ltx2blas.files.resize import resize_lora
+from ltx2blas.files.safetensors import SafetensorsFile
+from ltx2blas.resize import resize_lora_weight
+
+import ckpt_helpers as ck
+from helpers import random_bf16
+
+
+def low_rank_lora(rng, path, spelling="comfy", rank=16, alpha=8.0, modules=ck.MODULES):
+    """A LoRA of ``rank`` on every module of ck.MODULES, with a decaying spectrum (a trained
+    one's falls off); kohya/ComfyUI keys with .alpha, or upstream's (``ltx``) without."""
+    tensors = {}
+    for module, (out, inn) in modules.items():
+        a = random_bf16(rng, (rank, inn), 0.1)
+        b = reference.bf16_round((reference.bf16_widen(random_bf16(rng, (out, rank), 0.1))
+                                  * 0.8 ** np.arange(rank)).astype(np.float32))
+        if spelling == "comfy":
+            tensors[f"diffusion_model.{module}.lora_down.weight"] = ("BF16", a)
+            tensors[f"diffusion_model.{module}.lora_up.weight"] = ("BF16", b)
+            tensors[f"diffusion_model.{module}.alpha"] = ("F32", np.array(alpha, np.float32))
+        else:
+            tensors[f"diffusion_model.{module}.lora_A.weight"] = ("BF16", a)
+            tensors[f"diffusion_model.{module}.lora_B.weight"] = ("BF16", b)
+    return ck.write(path, tensors, {"ss_network_dim": str(rank), "ss_network_alpha": str(alpha)})
+
+
+def tensors(path):
+    with SafetensorsFile(path) as f:
+        return {n: f.read(n) for n in f.tensors}, dict(f.metadata), list(f.tensors)
+
+
+def test_each_pair_is_resize_lora_weight_of_its_scaled_delta(rng, tmp_path):
+    """kohya/ComfyUI keys with alpha 8 at rank 16: each new pair is resize_lora_weight of the
+    pair at scale 8 / 16, its .alpha the new rank; the keys in the input's order; kohya's
+    network dim and alpha the new rank."""
+    lora = low_rank_lora(rng, tmp_path / "in.safetensors")
+    out = tmp_path / "out.safetensors"
+    report = resize_lora(lora, out, rank=4)
+    before, _, order_in = tensors(lora)
+    after, metadata, order_out = tensors(out)
+    assert order_out == order_in
+    for module in ck.MODULES:
+        stem = f"diffusion_model.{module}"
+        want = resize_lora_weight(before[stem + ".lora_down.weight"],
+                                  before[stem + ".lora_up.weight"], scale=0.5, rank=4)
+        assert after[stem + ".lora_down.weight"].tobytes() == want.lora_a.tobytes()
+        assert after[stem + ".lora_up.weight"].tobytes() == want.lora_b.tobytes()
+        assert after[stem + ".alpha"] == np.float32(4)
+        assert report.ranks[stem] == (16, 4, pytest.approx(want.kept))
+    assert metadata["ss_network_dim"] == metadata["ss_network_alpha"] == "4"
+    recorded = json.loads(metadata["ltx2blas.resized"])
+    assert recorded["rule"] == "rank" and recorded["value"] == 4
+    assert "resized 4 LoRA modules by rank 4" in report.summary()
+    assert "its .alpha tensors" in report.summary()
+
+
+def test_the_resized_file_fuses_to_the_optimum(rng, tmp_path):
+    """Fused back through ltx2blas fuse: each weight is W + B'A' at scale 1 (alpha = rank),
+    byte for byte fuse_loras of the new factors, and its distance from the original fuse's
+    delta is the optimum's to within the bf16 rounding of the factors and of the weight."""
+    base = ck.write(tmp_path / "model.safetensors", ck.model(rng))
+    lora = low_rank_lora(rng, tmp_path / "in.safetensors")
+    out = tmp_path / "out.safetensors"
+    resize_lora(lora, out, sv_fro=0.95)
+    fused = tmp_path / "fused.safetensors"
+    ltx2blas.fuse_checkpoint(base, [(out, 1.0)], fused, digests=False)
+    model_tensors, _, _ = tensors(base)
+    new, _, _ = tensors(out)
+    old, _, _ = tensors(lora)
+    got, _, _ = tensors(fused)
+    for module in ck.MODULES:
+        stem = f"diffusion_model.{module}"
+        w = model_tensors[f"model.diffusion_model.{module}.weight"]
+        a, b = new[stem + ".lora_down.weight"], new[stem + ".lora_up.weight"]
+        assert got[f"model.diffusion_model.{module}.weight"].tobytes() == \
+            ltx2blas.fuse_loras(w, [(a, b, 1.0)]).tobytes()
+        delta = 0.5 * (reference.bf16_widen(old[stem + ".lora_up.weight"]).astype(np.float64)
+                       @ reference.bf16_widen(old[stem + ".lora_down.weight"]).astype(np.float64))
+        s = np.linalg.svd(delta, compute_uv=False)
+        k = a.shape[0]
+        best = np.sqrt(np.sum(s[k:] ** 2))
+        approx = reference.bf16_widen(b).astype(np.float64) @ reference.bf16_widen(a).astype(
+            np.float64)
+        # bf16 factors: each element's relative rounding 2^-8 at most, on the kept part
+        assert np.linalg.norm(delta - approx) <= best + 2.0 ** -7 * np.sqrt(np.sum(s[:k] ** 2))
+
+
+def test_upstream_keys_gain_an_alpha_and_alpha_ignore(rng, tmp_path):
+    """Upstream LTX-2's keys (no alpha): scale 1 folded, an .alpha added after each lora_B.  A
+    kohya file under alpha='ignore' (as upstream reads it): its alpha not folded in."""
+    lora = low_rank_lora(rng, tmp_path / "in.safetensors", spelling="ltx")
+    out = tmp_path / "out.safetensors"
+    resize_lora(lora, out, rank=3)
+    after, _, order = tensors(out)
+    stem = "diffusion_model." + next(iter(ck.MODULES))
+    assert order.index(stem + ".alpha") == order.index(stem + ".lora_B.weight") + 1
+    assert after[stem + ".alpha"] == np.float32(3)
+    before, _, _ = tensors(lora)
+    want = resize_lora_weight(before[stem + ".lora_A.weight"], before[stem + ".lora_B.weight"],
+                              rank=3)
+    assert after[stem + ".lora_A.weight"].tobytes() == want.lora_a.tobytes()
+    kohya = low_rank_lora(rng, tmp_path / "k.safetensors")
+    ignored = tmp_path / "ignored.safetensors"
+    report = resize_lora(kohya, ignored, rank=3, alpha="ignore")
+    before, _, _ = tensors(kohya)
+    after, _, _ = tensors(ignored)
+    stem = "diffusion_model." + next(iter(ck.MODULES))
+    want = resize_lora_weight(before[stem + ".lora_down.weight"],
+                              before[stem + ".lora_up.weight"], rank=3)
+    assert after[stem + ".lora_down.weight"].tobytes() == want.lora_a.tobytes()
+    assert "alpha='ignore'" in report.summary()
+
+
+def test_dynamic_rules_and_the_command_line(rng, tmp_path, capsys):
+    lora = low_rank_lora(rng, tmp_path / "in.safetensors")
+    out = tmp_path / "out.safetensors"
+    assert cli.main([ "resize", str(lora), "-o", str(out), "--sv-fro", "0.9", "--max-rank",
+                     "6", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["rule"] == "sv_fro" and data["max_rank"] == 6
+    ranks = {m: v["rank"] for m, v in data["ranks"].items()}
+    assert all(1 <= r <= 6 for r in ranks.values())
+    before, _, _ = tensors(lora)
+    for module, r in ranks.items():
+        want = resize_lora_weight(before[module + ".lora_down.weight"],
+                                  before[module + ".lora_up.weight"], scale=0.5, sv_fro=0.9,
+                                  max_rank=6)
+        assert want.rank == r
+    assert cli.main(["resize", str(lora), "-o", str(tmp_path / "v.safetensors"), "--energy",
+                     "0.99", "-v", "-q"]) == 0
+    text = capsys.readouterr().out
+    assert "resized 4 LoRA modules by energy 0.99" in text and "rank 16 -> " in text
+
+
+def test_refusals_write_nothing(rng, tmp_path, capsys):
+    lora = low_rank_lora(rng, tmp_path / "in.safetensors")
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(ShapeError, match="larger than the LoRA's product allows"):
+        resize_lora(lora, out, rank=17)
+    with pytest.raises(ArgumentError, match="is an input file"):
+        resize_lora(lora, lora, rank=2)
+    with pytest.raises(ArgumentError, match="give one of"):
+        resize_lora(lora, out)
+    assert cli.main(["resize", str(lora), "-o", str(out)]) == 2
+    assert cli.main(["resize", str(lora), "-o", str(out), "--rank", "2", "--energy",
+                     "0.5"]) == 2
+    module = "diffusion_model." + next(iter(ck.MODULES))
+    before, _, _ = tensors(lora)
+    dora = dict((k, ("BF16" if v.dtype == np.uint16 else "F32", v)) for k, v in before.items())
+    dora[module + ".lora_magnitude_vector"] = ("BF16", random_bf16(rng, (64,), 1.0))
+    path = ck.write(tmp_path / "dora.safetensors", dora)
+    with pytest.raises(FormatError, match="DoRA"):
+        resize_lora(path, out, rank=2)
+    loha = {module + ".hada_w1_a": ("BF16", random_bf16(rng, (64, 4))),
+            module + ".hada_w1_b": ("BF16", random_bf16(rng, (4, 48))),
+            module + ".hada_w2_a": ("BF16", random_bf16(rng, (64, 4))),
+            module + ".hada_w2_b": ("BF16", random_bf16(rng, (4, 48)))}
+    with pytest.raises(FormatError, match="LoHa"):
+        resize_lora(ck.write(tmp_path / "loha.safetensors", loha), out, rank=2)
+    half = {k: v for k, v in dora.items() if not k.endswith(".lora_up.weight")
+            and "magnitude" not in k}
+    with pytest.raises(FormatError, match="has no lora_B"):
+        resize_lora(ck.write(tmp_path / "half.safetensors", half), out, rank=2)
+    capsys.readouterr()
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_peft_metadata_scale_is_folded_and_the_metadata_left_out(rng, tmp_path):
+    """A diffusers file (no .alpha; PEFT's lora_adapter_metadata, r 8, lora_alpha 4): the scale
+    4 / 8 folded in, each pair given .alpha = its new rank, the metadata that described the old
+    ranks left out; the result fuses as the original's optimum, at scale 1."""
+    from test_peft_metadata import MODULES, diffusers_adapter, metadata
+
+    adapter = diffusers_adapter(rng, {m: 8 for m in MODULES})
+    lora = ck.write(tmp_path / "d.safetensors", adapter, metadata(lora_alpha=4))
+    out = tmp_path / "out.safetensors"
+    report = resize_lora(lora, out, rank=2)
+    after, meta, _ = tensors(out)
+    assert "lora_adapter_metadata" not in meta
+    for m in MODULES:
+        stem = "transformer." + m
+        want = resize_lora_weight(adapter[stem + ".lora_A.weight"][1],
+                                  adapter[stem + ".lora_B.weight"][1], scale=0.5, rank=2)
+        assert after[stem + ".lora_A.weight"].tobytes() == want.lora_a.tobytes()
+        assert after[stem + ".alpha"] == np.float32(2)
+    assert "lora_adapter_metadata" in report.summary()
