@@ -35,7 +35,10 @@ Each peer's bytes are checked equal to ltx2blas's; the ratio is the peer's time 
 
     python bench/bench_quantize.py [--blocks 1] [--formats all] [--threads 1,2] [--repeats 5]
                                    [--dir DIR] [--out-dir DIR] [--peers] [--no-checkpoint]
-                                   [--out FILE.json]
+                                   [--no-digests] [--out FILE.json]
+
+``--no-digests`` quantises without the provenance record's digests (the BLAKE3 pass over the
+output), to show what that pass costs.
 """
 import argparse
 import json
@@ -95,7 +98,8 @@ def worker(request):
         answer["seconds"] = time.perf_counter() - t0
     else:
         report = quantize_checkpoint(request["quantize"], request["out"], request["format"],
-                                     threads=request["threads"])
+                                     threads=request["threads"],
+                                     digests=request.get("digests", True))
         answer["seconds"] = time.perf_counter() - t0
         answer["bytes_out"] = report.bytes_out
         answer["weights"] = len(report.quantized)
@@ -149,7 +153,8 @@ def largest_weight_bytes(model):
         return max(int(np.prod(m.read(n).shape)) * 2 for n in m.tensors if n.endswith(".weight"))
 
 
-def run_checkpoint(model, out_dir, formats, threads_list, repeats, settle=0.25, log=print):
+def run_checkpoint(model, out_dir, formats, threads_list, repeats, settle=0.25, log=print,
+                   digests=True):
     size = os.path.getsize(model)
     largest = largest_weight_bytes(model)
     fuse_bound = (2 * largest + STAGING) / 2**20
@@ -167,7 +172,8 @@ def run_checkpoint(model, out_dir, formats, threads_list, repeats, settle=0.25, 
 
     for fmt in formats:
         for n, threads in enumerate(threads_list):
-            qreq = {"quantize": model, "out": out_path, "format": fmt, "threads": threads}
+            qreq = {"quantize": model, "out": out_path, "format": fmt, "threads": threads,
+                    "digests": digests}
             creq = {"copy": model, "out": copy_path}
             # the untimed round; the first thread count's output is checked
             timed(creq, copy_path)
@@ -194,7 +200,7 @@ def run_checkpoint(model, out_dir, formats, threads_list, repeats, settle=0.25, 
             peak = max(q["peak_rss_mib"] for q in quants)
             beyond = max(q["peak_rss_mib"] - q["rss_before_mib"] for q in quants)
             row = {
-                "format": fmt, "threads": threads, "out_dir": out_dir,
+                "format": fmt, "threads": threads, "out_dir": out_dir, "digests": digests,
                 "checkpoint_bytes": size, "bytes_out": first["bytes_out"],
                 "weights": first["weights"],
                 "seconds": best, "median_seconds": median,
@@ -401,6 +407,8 @@ def main(argv=None):
     parser.add_argument("--no-checkpoint", action="store_true",
                         help="skip the checkpoint rows (with --peers: the peers alone)")
     parser.add_argument("--out", default=None, help="write the rows and the machine as JSON")
+    parser.add_argument("--no-digests", action="store_true",
+                        help="quantize without the provenance record's digests (digests=False)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -427,7 +435,8 @@ def main(argv=None):
             load = f.read().split()[:3]
         print(f"load average {' '.join(load)}")
         if not args.no_checkpoint:
-            rows = run_checkpoint(model, out_dir, formats, threads_list, args.repeats)
+            rows = run_checkpoint(model, out_dir, formats, threads_list, args.repeats,
+                                  digests=not args.no_digests)
         if args.peers:
             peers = run_peers(model, threads_list, args.repeats)
         if args.out:

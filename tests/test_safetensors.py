@@ -216,3 +216,39 @@ def test_direct_writes_from_the_callers_memory(tmp_path, rng, monkeypatch):
         assert f.metadata == {"note": "direct"}
         for i, values in enumerate(data):
             assert np.array_equal(f.read(f"t{i}"), values)
+
+
+def test_a_large_copy_goes_through_the_writers_own_buffers(tmp_path):
+    """A tensor of at least COPY_CHUNK bytes copied to a direct (O_DIRECT) output: read into the
+    writer's two page-aligned buffers at the offset its bytes have in the output, written and
+    hashed from there -- the bytes and digests as a plain copy's, whatever the offsets (an
+    odd-sized tensor before it, a size that is no whole number of pages or chunks)."""
+    from ltx2blas.files import provenance
+    from ltx2blas.files.safetensors import SafetensorsFile, SafetensorsWriter
+
+    rng = np.random.default_rng(7)
+    big = SafetensorsWriter.COPY_CHUNK * 4 + 4099  # past the size from which it writes directly
+    tensors = {"a": rng.integers(0, 256, 3, dtype=np.uint8),
+               "b": rng.integers(0, 256, big, dtype=np.uint8),
+               "c": rng.integers(0, 256, 5, dtype=np.uint8)}
+    source = tmp_path / "in.safetensors"
+    with SafetensorsWriter(source, [(n, "U8", v.shape, v.nbytes) for n, v in tensors.items()],
+                           direct=False) as w:
+        for n, v in tensors.items():
+            w.write(n, v)
+        w.commit()
+    out = tmp_path / "out.safetensors"
+    with SafetensorsFile(source) as f, provenance.Hasher(2) as hasher:
+        entries = [(n, "U8", tuple(i.shape), i.nbytes) for n, i in f.tensors.items()]
+        with SafetensorsWriter(out, entries, hasher=hasher) as w:
+            direct = type(w._sink).__name__ == "_DirectSink"
+            for n, i in f.tensors.items():
+                w.copy(n, f.fileno(), i.begin, i.nbytes, f.path)
+            digests = w.digests()
+            w.commit()
+    if not direct:
+        pytest.skip("this folder's file system takes no O_DIRECT writes")
+    with SafetensorsFile(out) as f:
+        for n, v in tensors.items():
+            assert f.read(n).tobytes() == v.tobytes(), n
+            assert digests[n] == provenance.digest_of(v), n

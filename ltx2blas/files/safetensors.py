@@ -707,12 +707,20 @@ class SafetensorsWriter:
         elif array.nbytes:
             self._sink.append(data)
 
+    #: Bytes a copy reads at a time into one of the writer's two copy buffers (a tensor of at
+    #: least this much, to a direct sink, goes through them; smaller ones through the sink's
+    #: staging).
+    COPY_CHUNK = 8 << 20
+
     def copy(self, name, source_fd, offset, nbytes, source_path="input"):
         """The next tensor's data copied byte for byte from another file."""
         self._next(name, nbytes)
         done = 0
         if self._hasher is not None and not nbytes:
             self._hasher.add(name, b"")
+        if isinstance(self._sink, _DirectSink) and nbytes >= self.COPY_CHUNK:
+            self._copy_owned(name, source_fd, offset, nbytes, source_path)
+            return
         while done < nbytes:
             chunk = os.pread(source_fd, min(nbytes - done, 1 << 24), offset + done)
             if not chunk:
@@ -721,6 +729,39 @@ class SafetensorsWriter:
             done += len(chunk)
             if self._hasher is not None:  # bytes do not change: hashed in the background
                 self._hasher.add(name, chunk, last=done == nbytes)
+
+    def _copy_owned(self, name, source_fd, offset, nbytes, source_path):
+        """A large tensor copied through two page-aligned buffers of the writer's own, each read
+        into at the offset from a page boundary its bytes have in the output, so that the
+        sink writes their whole pages from there (no staging copy) while the other is read;
+        each is hashed from there too, and read into again once both are done with it."""
+        if not hasattr(self, "_copy_buffers"):
+            self._copy_buffers = [(page_aligned(self.COPY_CHUNK + self.ALIGN),
+                                   threading.Event()) for _ in range(2)]
+            for _, free in self._copy_buffers:
+                free.set()
+            self._copy_turn = 0
+        done, position = 0, self.file_offset(name)
+        while done < nbytes:
+            memory, free = self._copy_buffers[self._copy_turn]
+            self._copy_turn ^= 1
+            while not free.wait(0.1):  # in steps: a signal is seen between them
+                pass
+            free.clear()
+            at = (position + done) % self.ALIGN
+            n = min(nbytes - done, self.COPY_CHUNK - at)
+            view = memory[at:at + n]
+            try:
+                read_into(source_fd, view, offset + done, source_path)
+            except BaseException:
+                free.set()
+                raise
+            done += n
+            release = free.set
+            if self._hasher is not None:
+                release = _after_both(release)
+                self._hasher.add(name, view, last=done == nbytes, on_done=release)
+            self._sink.append_owned(view, release)
 
     def digests(self):
         """{tensor: SHA-256 of its bytes} of every tensor written so far (with a hasher)."""

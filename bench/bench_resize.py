@@ -1,0 +1,95 @@
+"""ltx2blas.resize.resize_lora_weight against kohya-ss resize_lora.py's arithmetic, per module.
+
+kohya's per module (networks/resize_lora.py, as written): the delta ``up @ down`` formed in f32,
+``torch.linalg.svd`` of it (full matrices, f32), then the first k columns; the timing covers
+those steps.  ltx2blas's: resize_lora_weight (QR of each factor, an r x r SVD, f64), the same
+rank.  Interleaved (harness.interleaved), with ``torch.set_num_threads(t)`` for kohya's and the
+BLAS at one thread inside ltx2blas (its contract) -- ltx2blas takes no ``threads``: its work is
+O((out + in) r^2) on one thread.
+
+Each shape's error is checked against the optimum: ||delta - B'A'||_F (f64, the new factors in
+f32) over sqrt(sum of the squared singular values past k) of an f64 SVD of the formed delta,
+and the same for kohya's result.  The factors have a decaying spectrum (0.97^i), as a trained
+LoRA's does.
+
+    python bench/bench_resize.py [--threads 1,2] [--repeats 3] [--out FILE.json]
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+#: (out, in, rank, new rank): LTX-2's attention projection and feed-forward shapes at the ranks
+#: its LoRAs ship (the distilled LoRA's 384, trained LoRAs' 128), cut to 32.
+SHAPES = ((4096, 4096, 128, 32), (4096, 4096, 384, 32), (16384, 4096, 128, 32))
+
+
+def factors(out, inn, r, rng):
+    a = (rng.standard_normal((r, inn)) * 0.05).astype(np.float32)
+    b = (rng.standard_normal((out, r)) * 0.05 * 0.97 ** np.arange(r)).astype(np.float32)
+    return a, b
+
+
+def kohya(torch, a, b, k):
+    """kohya's steps: the delta formed, its full SVD in f32, the first k columns (up takes S)."""
+    up, down = torch.from_numpy(b), torch.from_numpy(a)
+    full = up @ down
+    u, s, vh = torch.linalg.svd(full)
+    return (u[:, :k] @ torch.diag(s[:k])).numpy(), vh[:k, :].numpy()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    import torch
+
+    from ltx2blas.resize import resize_lora_weight
+
+    rng = np.random.default_rng(0)
+    rows = []
+    print(f"CPU: {harness.machine().get('cpu', '?')}; torch {torch.__version__}")
+    for out, inn, r, k in SHAPES:
+        a, b = factors(out, inn, r, rng)
+        delta = b.astype(np.float64) @ a.astype(np.float64)
+        t0 = time.perf_counter()
+        s = np.linalg.svd(delta, compute_uv=False)
+        optimum = float(np.sqrt(np.sum(s[k:] ** 2)))
+        svd_s = time.perf_counter() - t0
+        ours = resize_lora_weight(a, b, rank=k, dtype="f32")
+        ours_err = float(np.linalg.norm(delta - ours.lora_b.astype(np.float64)
+                                        @ ours.lora_a.astype(np.float64)))
+        torch.set_num_threads(1)
+        ku, kv = kohya(torch, a, b, k)
+        kohya_err = float(np.linalg.norm(delta - ku.astype(np.float64) @ kv.astype(np.float64)))
+        for t in harness.thread_counts(args.threads):
+            torch.set_num_threads(t)
+            times = harness.interleaved({
+                "ltx2blas": lambda: resize_lora_weight(a, b, rank=k, dtype="f32"),
+                "kohya": lambda: kohya(torch, a, b, k)}, repeats=args.repeats)
+            row = {"shape": [out, inn], "rank": r, "new_rank": k, "threads": t,
+                   "ltx2blas_s": times["ltx2blas"]["min"], "kohya_s": times["kohya"]["min"],
+                   "kohya_over_ltx2blas": times["kohya"]["min"] / times["ltx2blas"]["min"],
+                   "error_over_optimum": ours_err / optimum,
+                   "kohya_error_over_optimum": kohya_err / optimum,
+                   "f64_svd_s": svd_s, "n": {n: v["n"] for n, v in times.items()}}
+            rows.append(row)
+            print(f"{out} x {inn} rank {r} -> {k}, {t} thread(s): ltx2blas "
+                  f"{row['ltx2blas_s'] * 1e3:.1f} ms, kohya {row['kohya_s']:.2f} s: "
+                  f"{row['kohya_over_ltx2blas']:.0f} x; error / optimum ltx2blas "
+                  f"{row['error_over_optimum']:.6f}, kohya {row['kohya_error_over_optimum']:.6f}",
+                  flush=True)
+    if args.out:
+        harness.write_json(args.out, {"machine": harness.machine(), "torch": torch.__version__,
+                                      "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
