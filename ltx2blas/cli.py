@@ -289,7 +289,7 @@ def _cmd_resize(args):
     _check_output(args)
     report = resize_lora(
         args.lora, args.output, max_rank=args.max_rank, alpha=args.alpha, dtype=args.dtype,
-        progress=None if (args.quiet or args.json) else _ProgressPrinter(),
+        threads=args.threads, progress=None if (args.quiet or args.json) else _ProgressPrinter(),
         **{given[0]: rules[given[0]]})
     if args.json:
         _print(_json(report.as_dict()))
@@ -642,6 +642,9 @@ def build_parser():
                         "diffusers and kohya read it; ignore: as upstream LTX-2 reads it")
     p.add_argument("--dtype", choices=("bf16", "f32"), default=None,
                    help="the new factors' storage (default: bf16 unless every factor is f32)")
+    p.add_argument("--threads", type=_thread_count, default=None,
+                   help="threads (default: every CPU this process may use; the same bytes for "
+                        "any count)")
     p.add_argument("--json", action="store_true",
                    help="print the report as JSON (and no progress)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")

@@ -8,8 +8,8 @@ from a QR factorisation of each factor and the SVD of an r x r matrix,
 -- O((out + in) r^2) work, no out x in matrix.  Keeping the k largest singular values is the
 best rank-k approximation of the delta in the Frobenius norm (Eckart and Young), up to the f64
 rounding of these steps: an exact optimum, not an estimate.  The work is LAPACK's and the BLAS's
-in f64 on one thread (:func:`ltx2blas._threads.blas_single_threaded`): the same bytes for any
-thread count.
+in f64, each call on one BLAS thread (:func:`ltx2blas._threads.blas_single_threaded`; the two
+QR factorisations side by side on two threads): the same bytes for any thread count.
 
 The rank is given (``rank``), or chosen per weight: ``energy`` (the least rank keeping that
 fraction of the Frobenius norm, as ``extract``), or kohya-ss's dynamic rules as its
@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _quant
-from ._threads import blas_single_threaded
+from ._threads import blas_single_threaded, resolve_threads
 from ._validate import bf16_bits, bf16_to_f32, choice, contiguous, is_bf16, ndarray
 from .errors import ArgumentError, DTypeError, NonFiniteInputError, ShapeError
 
@@ -65,9 +65,10 @@ def _f64(x, name):
     return a
 
 
-def lowrank_svd(lora_a, lora_b, scale=1.0):
-    """(U [out, k], s [k], V [in, k]) with ``scale * lora_b @ lora_a = U diag(s) V^T``, s
-    descending, k = min(r, out, in): the thin SVD from the factors (f64, one thread)."""
+def _factored(lora_a, lora_b, scale, threads):
+    """(Qb, Um, s, Vm^T, Qa) with scale * B A = (Qb Um) diag(s) (Qa Vm)^T; Qb and Qa as LAPACK's
+    Householder reflectors (geqrf), applied by _times_q, never formed.  The two factorisations
+    run side by side where ``threads`` > 1, each on one BLAS thread: the same bytes either way."""
     from scipy.linalg import qr, svd
 
     a, b = _f64(lora_a, "lora_a"), _f64(lora_b, "lora_b")
@@ -77,12 +78,49 @@ def lowrank_svd(lora_a, lora_b, scale=1.0):
     scale = float(scale)
     if not np.isfinite(scale):
         raise ArgumentError(f"scale must be finite, got {scale!r}")
+
+    def qr_of(x):
+        (reflectors, tau), r = qr(x, mode="raw", check_finite=False)
+        return (reflectors, tau), r[:min(x.shape)]
+
     with blas_single_threaded():
-        qb, rb = qr(b, mode="economic", check_finite=False)
-        qa, ra = qr(a.T, mode="economic", check_finite=False)
+        if resolve_threads(threads) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(2) as pool:
+                (qb, rb), (qa, ra) = pool.map(qr_of, (b, a.T))
+        else:
+            (qb, rb), (qa, ra) = qr_of(b), qr_of(a.T)
         um, s, vmt = svd(scale * (rb @ ra.T), full_matrices=False, check_finite=False,
                          lapack_driver="gesdd")
-        return qb @ um, s, qa @ vmt.T
+    return qb, um, s, vmt, qa
+
+
+def _times_q(q, c):
+    """Q @ c for the thin Q [m, n] of a geqrf (its reflectors and tau) and c [n, k]: c padded
+    with zero rows to m and the reflectors applied (LAPACK's ormqr), O(m n k)."""
+    from scipy.linalg import lapack
+
+    reflectors, tau = q
+    m = reflectors.shape[0]
+    padded = np.zeros((m, c.shape[1]), np.float64, order="F")
+    padded[:c.shape[0]] = c
+    if c.shape[1] == 0 or tau.size == 0:
+        return np.array(padded)
+    # a wide factor (more columns than rows) has min(m, n) reflectors, in its first columns
+    out, _, info = lapack.dormqr("L", "N", reflectors[:, :tau.size], tau, padded,
+                                 lwork=max(1, 64 * c.shape[1]), overwrite_c=1)
+    if info != 0:
+        raise ArgumentError(f"LAPACK dormqr failed (info {info})")
+    return np.asarray(out)
+
+
+def lowrank_svd(lora_a, lora_b, scale=1.0, threads=None):
+    """(U [out, k], s [k], V [in, k]) with ``scale * lora_b @ lora_a = U diag(s) V^T``, s
+    descending, k = min(r, out, in): the thin SVD from the factors (f64)."""
+    qb, um, s, vmt, qa = _factored(lora_a, lora_b, scale, threads)
+    with blas_single_threaded():
+        return _times_q(qb, um), s, _times_q(qa, vmt.T)
 
 
 def _kohya_rank(s, rule, target):
@@ -147,7 +185,8 @@ def choose_rank(s, norm_sq, full, rule, value, max_rank=None):
 
 
 def resize_lora_weight(lora_a, lora_b, *, scale=1.0, rank=None, energy=None, sv_ratio=None,
-                       sv_fro=None, sv_cumulative=None, max_rank=None, dtype="bf16"):
+                       sv_fro=None, sv_cumulative=None, max_rank=None, dtype="bf16",
+                       threads=None):
     """One LoRA module re-factored at a new rank: the best approximation of its delta
     ``scale * lora_b @ lora_a`` at that rank, from the factors alone.
 
@@ -166,6 +205,8 @@ def resize_lora_weight(lora_a, lora_b, *, scale=1.0, rank=None, energy=None, sv_
         A cap on the dynamic rules' rank (kohya's ``--new_rank`` in dynamic mode).
     dtype : "bf16" (default) or "f32"
         The new factors' storage.
+    threads : int or None
+        Two or more: the two factors' QR factorisations side by side.
 
     Returns
     -------
@@ -177,8 +218,8 @@ def resize_lora_weight(lora_a, lora_b, *, scale=1.0, rank=None, energy=None, sv_
     """
     choice(dtype, ("bf16", "f32"), "dtype")
     rule, value = rank_rule(rank, energy, sv_ratio, sv_fro, sv_cumulative, max_rank)
-    u, s, v = lowrank_svd(lora_a, lora_b, scale)
-    out_f, in_f = u.shape[0], v.shape[0]
+    qb, um, s, vmt, qa = _factored(lora_a, lora_b, scale, threads)
+    out_f, in_f = qb[0].shape[0], qa[0].shape[0]
     r = np.shape(lora_a)[0]
     norm_sq = float(np.sum(s ** 2))
     k = choose_rank(s, norm_sq, min(out_f, in_f), rule, value, max_rank)
@@ -188,9 +229,11 @@ def resize_lora_weight(lora_a, lora_b, *, scale=1.0, rank=None, energy=None, sv_
     k = min(k, len(s))
     kept = 1.0 if norm_sq == 0.0 else float(np.sqrt(min(1.0, float(np.sum(s[:k] ** 2)) / norm_sq)))
     root = np.sqrt(s[:k])
+    with blas_single_threaded():  # only the k columns kept: (Qb Um)[:, :k] = Qb Um[:, :k]
+        u, v = _times_q(qb, um[:, :k]), _times_q(qa, vmt[:k].T)
     # + 0.0: a zero singular value's column is +0, not the -0 of a negative vector entry
-    b = np.ascontiguousarray((u[:, :k] * root + 0.0).astype(np.float32))
-    a = np.ascontiguousarray((v[:, :k] * root + 0.0).T.astype(np.float32))
+    b = np.ascontiguousarray((u * root + 0.0).astype(np.float32))
+    a = np.ascontiguousarray((v * root + 0.0).T.astype(np.float32))
     if dtype == "bf16":
         a = _quant.round_bf16(a.reshape(-1)).reshape(a.shape)
         b = _quant.round_bf16(b.reshape(-1)).reshape(b.shape)

@@ -99,7 +99,8 @@ def test_a_zero_delta(rng):
 
 
 def test_the_same_bytes_for_any_thread_count(rng):
-    """The QR, the SVD and the products run on one BLAS thread whatever the caller's limits."""
+    """The QR, the SVD and the products run on one BLAS thread whatever the caller's limits,
+    the two QR factorisations side by side with ``threads`` >= 2."""
     from threadpoolctl import threadpool_limits
 
     a, b = lora(rng, 640, 512, 48, decay=0.95)
@@ -107,6 +108,9 @@ def test_the_same_bytes_for_any_thread_count(rng):
     for n in (1, 2, 4):
         with threadpool_limits(n):
             again = resize_lora_weight(a, b, rank=16)
+        assert again.lora_a.tobytes() == first.lora_a.tobytes()
+        assert again.lora_b.tobytes() == first.lora_b.tobytes()
+        again = resize_lora_weight(a, b, rank=16, threads=n)  # the QRs side by side from 2
         assert again.lora_a.tobytes() == first.lora_a.tobytes()
         assert again.lora_b.tobytes() == first.lora_b.tobytes()
 

@@ -134,7 +134,8 @@ def _factor(source, key):
 
 
 def resize_lora(lora, output, *, rank=None, energy=None, sv_ratio=None, sv_fro=None,
-                sv_cumulative=None, max_rank=None, alpha="scale", dtype=None, progress=None):
+                sv_cumulative=None, max_rank=None, alpha="scale", dtype=None, threads=None,
+                progress=None):
     """Resize the LoRA file ``lora`` into ``output`` (see the module docstring).
 
     Parameters
@@ -148,6 +149,8 @@ def resize_lora(lora, output, *, rank=None, energy=None, sv_ratio=None, sv_fro=N
         resized, as ComfyUI, diffusers and kohya read it, or not, as upstream LTX-2 does.
     dtype : "bf16", "f32" or None
         The new factors' storage; None: bf16 unless every factor is stored f32.
+    threads : int or None
+        As for resize_lora_weight (the same bytes for any count).
     progress : callable, optional
         Called with a :class:`~ltx2blas.files.checkpoint.Progress` after each module.
 
@@ -164,12 +167,13 @@ def resize_lora(lora, output, *, rank=None, energy=None, sv_ratio=None, sv_fro=N
     source = Source(lora)
     try:
         check_output_is_not_an_input(os.fspath(output), [source.name])
-        return _resize(source, output, rule, value, max_rank, alpha, dtype, progress, t0)
+        return _resize(source, output, rule, value, max_rank, alpha, dtype, threads, progress,
+                       t0)
     finally:
         source.close()
 
 
-def _resize(source, output, rule, value, max_rank, alpha, dtype, progress, t0):
+def _resize(source, output, rule, value, max_rank, alpha, dtype, threads, progress, t0):
     modules, copied = _modules(source)
     report = ResizeReport(output=os.fspath(output), rule=rule, value=value,
                           max_rank=max_rank if rule != "rank" else None, alpha=alpha,
@@ -194,7 +198,7 @@ def _resize(source, output, rule, value, max_rank, alpha, dtype, progress, t0):
         scale = _scale_rule(configs, source, pair, a.shape[0], alpha, scales)(1.0)
         try:
             new = resize_lora_weight(a, b, scale=scale, dtype=dtype, max_rank=max_rank,
-                                     **{rule: value})
+                                     threads=threads, **{rule: value})
         except (ShapeError, ArgumentError) as exc:
             raise type(exc)(f"{printable(module)}: {exc}") from None
         results[module] = new
