@@ -1,6 +1,6 @@
 """The ltx2blas command: fuse adapter files into a checkpoint, verify a fused one, extract a
-LoRA from a fine-tuned checkpoint, resize a LoRA, quantise a checkpoint, show what this machine
-runs, and time a demonstration.
+LoRA from a fine-tuned checkpoint, resize or merge LoRAs, quantise a checkpoint, show what this
+machine runs, and time a demonstration.
 
 Exit codes: 0 success; 1 a check failed (demo, verify); 2 bad arguments or inputs that do not
 fit (shapes, dtypes, keys, an already fused checkpoint); 3 a malformed file; 4 an I/O failure
@@ -297,6 +297,33 @@ def _cmd_resize(args):
     lines = [report.summary()]
     if args.verbose:
         lines += [f"  {printable(module)}  rank {a} -> {b}, kept {kept:.4f}"
+                  for module, (a, b, kept) in report.ranks.items()]
+    _print("\n".join(lines))
+    return 0
+
+
+def _cmd_merge(args):
+    from .errors import printable
+    from .files.resize import merge_loras
+
+    rules = {"rank": args.rank, "energy": args.energy, "sv_ratio": args.sv_ratio,
+             "sv_fro": args.sv_fro, "sv_cumulative": args.sv_cumulative}
+    given = [k for k, v in rules.items() if v is not None]
+    if len(given) != 1:
+        raise _argument_error("give one of --rank, --energy, --sv-ratio, --sv-fro, "
+                              "--sv-cumulative")
+    _check_output(args)
+    report = merge_loras(
+        [_lora_arg(item) for item in args.loras], args.output, max_rank=args.max_rank,
+        keys=args.keys, alpha=args.alpha, dtype=args.dtype, threads=args.threads,
+        progress=None if (args.quiet or args.json) else _ProgressPrinter(),
+        **{given[0]: rules[given[0]]})
+    if args.json:
+        _print(_json(report.as_dict()))
+        return 0
+    lines = [report.summary()]
+    if args.verbose:
+        lines += [f"  {printable(module)}  ranks {a} -> {b}, kept {kept:.4f}"
                   for module, (a, b, kept) in report.ranks.items()]
     _print("\n".join(lines))
     return 0
@@ -652,6 +679,43 @@ def build_parser():
                    help="list every module with its old and new rank and fraction kept")
     p.set_defaults(func=_cmd_resize, dry_run=False)
 
+    p = sub.add_parser("merge", help="merge LoRAs into one, at the optimum for its rank",
+                       description="Merge LoRA files into one LoRA whose every module is the "
+                                   "best approximation, at its rank, of the sum of the inputs' "
+                                   "deltas at their strengths (the factors stacked, exact, then "
+                                   "re-factored as resize does).")
+    p.add_argument("loras", nargs="+", metavar="LORA[:STRENGTH]",
+                   help="the LoRA files, each with its strength (1.0 by default)")
+    p.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
+    p.add_argument("--rank", type=_positive_int, default=None,
+                   help="each module at this rank at most (at least the inputs' ranks added "
+                        "keeps the sum whole)")
+    p.add_argument("--energy", type=_fraction, default=None,
+                   help="each module at the least rank keeping this fraction of its summed "
+                        "delta's Frobenius norm")
+    p.add_argument("--sv-ratio", type=float, default=None, metavar="X", help="kohya's rule")
+    p.add_argument("--sv-fro", type=_fraction, default=None, metavar="F", help="kohya's rule")
+    p.add_argument("--sv-cumulative", type=_fraction, default=None, metavar="F",
+                   help="kohya's rule")
+    p.add_argument("--max-rank", type=_positive_int, default=None,
+                   help="the largest rank --energy and the kohya rules may choose")
+    p.add_argument("--keys", choices=("ltx", "diffusers", "comfy"), default=None,
+                   help="the output's key spelling (default: the first input's)")
+    p.add_argument("--alpha", choices=("scale", "ignore"), default="scale",
+                   help="scale (default): each file's alpha is part of its delta; ignore: as "
+                        "upstream LTX-2 reads them")
+    p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16",
+                   help="the factors' storage (default bf16)")
+    p.add_argument("--threads", type=_thread_count, default=None,
+                   help="threads (default: every CPU this process may use; the same bytes for "
+                        "any count)")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as JSON (and no progress)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="list every module with its ranks and fraction kept")
+    p.set_defaults(func=_cmd_merge, dry_run=False)
+
     p = sub.add_parser("demo", help="fuse an LTX-2-shaped adapter in memory, check it, time it",
                        description="Fuse an LTX-2-shaped adapter into a weight in memory, check "
                                    "the result against the reference loop, and time it against "
@@ -756,7 +820,8 @@ def main(argv=None):
     try:
         args = build_parser().parse_args(argv)
         # the commit of the output of fuse, extract and quantize is the command's result
-        _stop.state.final = args.func in (_cmd_fuse, _cmd_extract, _cmd_quantize, _cmd_resize)
+        _stop.state.final = args.func in (_cmd_fuse, _cmd_extract, _cmd_quantize, _cmd_resize,
+                                        _cmd_merge)
         code = args.func(args)
         if _stop.state.signum is not None:
             # deferred: it came after the output was complete (exit 0, said so), or Python

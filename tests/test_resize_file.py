@@ -196,3 +196,93 @@ def test_peft_metadata_scale_is_folded_and_the_metadata_left_out(rng, tmp_path):
         assert after[stem + ".lora_A.weight"].tobytes() == want.lora_a.tobytes()
         assert after[stem + ".alpha"] == np.float32(2)
     assert "lora_adapter_metadata" in report.summary()
+
+
+# ---- merge ----
+
+def test_merge_of_stacked_loras_is_exact_where_the_rank_allows(rng, tmp_path):
+    """Two LoRAs (kohya keys with alpha 8 at rank 16; upstream keys at rank 6, no alpha) at
+    strengths 0.8 and -0.5: at --rank 22, the sum of the ranks, every module's delta is the
+    summed delta to the factors' f32 rounding; below it the optimum of the sum (checked by an f64
+    SVD of the formed sum); keys in the first input's spelling, .alpha the rank; fused back by
+    ltx2blas fuse at scale 1."""
+    from ltx2blas.files.resize import merge_loras
+
+    first = low_rank_lora(rng, tmp_path / "a.safetensors")
+    second = low_rank_lora(rng, tmp_path / "b.safetensors", spelling="ltx", rank=6)
+    old_a, _, _ = tensors(first)
+    old_b, _, _ = tensors(second)
+
+    def summed(module):
+        stem = f"diffusion_model.{module}"
+        w = lambda t, k: reference.bf16_widen(t[k]).astype(np.float64)  # noqa: E731
+        return (0.8 * 0.5 * w(old_a, stem + ".lora_up.weight") @ w(old_a, stem + ".lora_down.weight")
+                - 0.5 * w(old_b, stem + ".lora_B.weight") @ w(old_b, stem + ".lora_A.weight"))
+
+    whole = tmp_path / "whole.safetensors"
+    report = merge_loras([(first, 0.8), (second, -0.5)], whole, rank=22, dtype="f32")
+    got, metadata, order = tensors(whole)
+    assert report.keys == "comfy" and report.exact == len(ck.MODULES)
+    for module in ck.MODULES:
+        stem = f"diffusion_model.{module}"
+        assert got[stem + ".alpha"] == np.float32(22)
+        product = got[stem + ".lora_up.weight"].astype(np.float64) @ \
+            got[stem + ".lora_down.weight"].astype(np.float64)
+        delta = summed(module)
+        # f32 factors of a rank-22 SVD: 2^-23 relative on each, a few times ||delta||
+        assert np.linalg.norm(product - delta) <= 1e-6 * np.linalg.norm(delta)
+    assert json.loads(metadata["ltx2blas.merged"])["inputs"][1] == {"file": "b.safetensors",
+                                                                     "strength": -0.5}
+    small = tmp_path / "small.safetensors"
+    merge_loras([(first, 0.8), (second, -0.5)], small, rank=5, dtype="f32")
+    got, _, _ = tensors(small)
+    for module in ck.MODULES:
+        stem = f"diffusion_model.{module}"
+        delta = summed(module)
+        s = np.linalg.svd(delta, compute_uv=False)
+        best = np.sqrt(np.sum(s[5:] ** 2))
+        product = got[stem + ".lora_up.weight"].astype(np.float64) @ \
+            got[stem + ".lora_down.weight"].astype(np.float64)
+        assert np.linalg.norm(product - delta) <= 1.001 * best + 1e-6 * np.linalg.norm(delta)
+    base = ck.write(tmp_path / "model.safetensors", ck.model(rng))
+    fused = tmp_path / "fused.safetensors"
+    ltx2blas.fuse_checkpoint(base, [(small, 1.0)], fused, digests=False)
+    model_tensors, _, _ = tensors(base)
+    out, _, _ = tensors(fused)
+    for module in ck.MODULES:
+        stem = f"diffusion_model.{module}"
+        w = model_tensors[f"model.diffusion_model.{module}.weight"]
+        # f32 factors: the fuse takes them rounded to bf16, as it does any f32 adapter
+        a = reference.bf16_round(got[stem + ".lora_down.weight"])
+        b = reference.bf16_round(got[stem + ".lora_up.weight"])
+        assert out[f"model.diffusion_model.{module}.weight"].tobytes() == \
+            ltx2blas.fuse_loras(w, [(a, b, 1.0)]).tobytes()
+
+
+def test_merge_refusals_and_the_command_line(rng, tmp_path, capsys):
+    from ltx2blas.files.resize import merge_loras
+
+    first = low_rank_lora(rng, tmp_path / "a.safetensors")
+    other = {m: (s[0] * 2, s[1]) for m, s in ck.MODULES.items()}
+    wrong = low_rank_lora(rng, tmp_path / "w.safetensors", modules=other)
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(ShapeError, match="differ in shape"):
+        merge_loras([(first, 1.0), (wrong, 1.0)], out, rank=4)
+    with pytest.raises(ArgumentError, match="is an input file"):
+        merge_loras([(first, 1.0)], first, rank=4)
+    module = "diffusion_model." + next(iter(ck.MODULES))
+    before, _, _ = tensors(first)
+    dora = dict((k, ("BF16" if v.dtype == np.uint16 else "F32", v)) for k, v in before.items())
+    dora[module + ".lora_magnitude_vector"] = ("BF16", random_bf16(rng, (64,), 1.0))
+    with pytest.raises(FormatError, match="DoRA"):
+        merge_loras([(first, 1.0), (ck.write(tmp_path / "d.safetensors", dora), 1.0)], out,
+                    rank=4)
+    assert not out.exists()
+    second = low_rank_lora(rng, tmp_path / "b.safetensors", spelling="ltx", rank=4)
+    assert cli.main(["merge", f"{first}:0.7", str(second), "-o", str(out), "--energy", "0.99",
+                     "--keys", "ltx", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["keys"] == "ltx" and data["inputs"][0]["strength"] == 0.7
+    merged, _, _ = tensors(out)
+    assert "diffusion_model." + next(iter(ck.MODULES)) + ".lora_A.weight" in merged
+    assert cli.main(["merge", str(first), "-o", str(tmp_path / "x.safetensors")]) == 2

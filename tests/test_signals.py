@@ -105,6 +105,8 @@ def command(which, files, tmp_path, rng):
         return ["quantize", model, "-o", out, "--format", "comfy_nvfp4", "-q"]
     if which == "resize":
         return ["resize", lora, "-o", out, "--rank", "2", "-q"]
+    if which == "merge":
+        return ["merge", lora, f"{lora}:0.5", "-o", out, "--rank", "2", "-q"]
     return ["extract", tuned(tmp_path, rng, model), "--base", model, "-o", out, "--rank", "2",
             "-q"]
 
@@ -186,7 +188,7 @@ os.replace = replace
 """
 
 
-@pytest.mark.parametrize("which", ["fuse", "extract", "quantize", "resize"])
+@pytest.mark.parametrize("which", ["fuse", "extract", "quantize", "resize", "merge"])
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_signal_before_the_rename_leaves_the_destination_as_it_was(files, tmp_path, rng,
                                                                      which, sig):
@@ -201,7 +203,7 @@ def complete(path):
         return len(f.tensors)
 
 
-@pytest.mark.parametrize("which", ["fuse", "extract", "quantize", "resize"])
+@pytest.mark.parametrize("which", ["fuse", "extract", "quantize", "resize", "merge"])
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
 @pytest.mark.parametrize("when", ["during", "after"])
 def test_a_signal_at_the_rename_finds_the_output_complete_and_says_so(files, tmp_path, rng,
@@ -216,7 +218,8 @@ def test_a_signal_at_the_rename_finds_the_output_complete_and_says_so(files, tmp
         f"ltx2blas: {sig} came after the output was complete: {out} is written in full and in "
         "place"], r.stderr
     assert r.stdout.startswith({"fuse": "fused ", "extract": "extracted ",
-                                "quantize": "quantized ", "resize": "resized "}[which]), r.stdout
+                                "quantize": "quantized ", "resize": "resized ",
+                                "merge": "merged "}[which]), r.stdout
     assert complete(out) > 0 and temps(tmp_path) == []
 
 

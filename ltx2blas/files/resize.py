@@ -265,3 +265,195 @@ def _layout(source, modules, results, dtype):
 
 
 __all__ = ["resize_lora", "ResizeReport", "RANK_RULES"]
+
+
+# ---- merge ----
+
+MERGE_METADATA_KEY = "ltx2blas.merged"
+#: The output spellings (ltx2blas extract's): upstream LTX-2's trainer, diffusers', ComfyUI's.
+MERGE_KEYS = ("ltx", "diffusers", "comfy")
+
+
+@dataclass
+class MergeReport:
+    output: str
+    inputs: list                  # [(path, strength)]
+    rule: str
+    value: object
+    max_rank: object = None
+    keys: str = "ltx"
+    ranks: dict = field(default_factory=dict)   # module -> (sum of ranks, new rank, kept)
+    exact: int = 0                # modules whose sum is kept whole (rank at least the sum)
+    seconds: float = 0.0
+    bytes_written: int = 0
+
+    def as_dict(self):
+        out = asdict(self)
+        out["inputs"] = [{"path": p, "strength": s} for p, s in self.inputs]
+        out["ranks"] = {m: {"sum_of_ranks": a, "rank": b, "kept": k}
+                        for m, (a, b, k) in self.ranks.items()}
+        return out
+
+    def summary(self):
+        new = [b for _, b, _ in self.ranks.values()]
+        kept = [k for _, _, k in self.ranks.values()]
+        how = f"rank {self.value}" if self.rule == "rank" else f"{self.rule} {self.value:g}"
+        lines = [f"merged {counted(len(self.inputs), 'LoRA')} into {counted(len(new), 'module')} "
+                 f"by {how} ({self.keys} keys) into {printable(self.output)} "
+                 f"({self.bytes_written / 2**20:.1f} MiB)",
+                 f"ranks {min(new)}-{max(new)}; {self.exact} of {len(new)} modules keep the sum "
+                 f"whole (rank at least its inputs' ranks added); fraction of each summed delta's "
+                 f"Frobenius norm kept: least {min(kept):.4f}, median "
+                 f"{float(np.median(kept)):.4f} (the optimum at each rank)",
+                 f"{self.seconds:.1f} s"]
+        return "\n".join(lines)
+
+
+def _ltx_module(module):
+    """(an adapter module's LTX-2 module name, whether it is kohya's flattened spelling)."""
+    name, prefix = keymatch.strip_prefix(module)
+    if prefix in keymatch.FLAT_PREFIXES:
+        return name, True
+    if prefix == "transformer.":  # diffusers' names
+        name = keymatch.to_ltx(name)
+    return name, False
+
+
+def _spelling(modules):
+    """The extract spelling closest to a file's: comfy for lora_down / lora_up, diffusers for
+    ``transformer.`` names, else upstream's trainer's."""
+    roles = next(iter(modules.values()))
+    if ".lora_down" in roles["down"] or "_lora.down" in roles["down"]:
+        return "comfy"
+    return "diffusers" if roles["down"].startswith("transformer.") else "ltx"
+
+
+def merge_loras(inputs, output, *, rank=None, energy=None, sv_ratio=None, sv_fro=None,
+                sv_cumulative=None, max_rank=None, keys=None, alpha="scale", dtype="bf16",
+                threads=None, progress=None):
+    """One LoRA whose every module is the best approximation, at the rank the rule gives, of
+    ``sum_i strength_i * delta_i`` over the ``inputs`` [(path, strength)] that have it.
+
+    LoRA pairs stack exactly: the factors, each input's scale and strength folded into its B,
+    are concatenated (rank the sum of theirs) and re-factored as resize_lora_weight does, so a
+    rank at least the sum keeps the sum whole, up to the factors' storage.  ``rank`` is each
+    module's largest (a module whose inputs' ranks add up to less keeps that); the other rules
+    as for resize.  Keys in ``keys`` (ltx2blas extract's spellings; default the first input's),
+    each pair's .alpha its rank.  DoRA, LoHa, LoKr, full differences and tensors of no LoRA pair
+    are refused, naming them, before anything is written.
+    """
+    rule, value = rank_rule(rank, energy, sv_ratio, sv_fro, sv_cumulative, max_rank)
+    choice(alpha, ALPHA_MODES, "alpha")
+    choice(dtype, ("bf16", "f32"), "dtype")
+    if keys is not None:
+        choice(keys, MERGE_KEYS, "keys")
+    inputs = [(os.fspath(p), float(s)) for p, s in inputs]
+    if len(inputs) < 1:
+        raise ArgumentError("merge needs at least one input LoRA")
+    for path, strength in inputs:
+        if not np.isfinite(strength):
+            raise ArgumentError(f"{path}: strength {strength} is not finite")
+    output_path(output)
+    t0 = time.perf_counter()
+    sources = []
+    try:
+        for path, _ in inputs:
+            sources.append(Source(path))
+        check_output_is_not_an_input(os.fspath(output), [s.name for s in sources])
+        return _merge(sources, inputs, output, rule, value, max_rank, keys, alpha, dtype,
+                      threads, progress, t0)
+    finally:
+        for source in sources:
+            source.close()
+
+
+def _merge(sources, inputs, output, rule, value, max_rank, keys, alpha, dtype, threads,
+           progress, t0):
+    from .extract import _names
+
+    terms, order, flat = {}, [], {}
+    first_modules = None
+    for index, (source, (_, strength)) in enumerate(zip(sources, inputs)):
+        modules, copied = _modules(source)
+        if copied:
+            shown = ", ".join(map(printable, copied[:3]))
+            raise FormatError(f"{source.name}: {counted(len(copied), 'tensor')} of no LoRA pair "
+                              f"({shown}{', ...' if len(copied) > 3 else ''}): merge takes LoRA "
+                              "pairs only; nothing written")
+        if first_modules is None:
+            first_modules = modules
+        configs, _ = (peft.read_configs(source.metadata, source.name) if alpha == "scale"
+                      else ({}, []))
+        scales = AdapterReport(path=source.name, strength=strength, alpha_mode=alpha)
+        for module, roles in modules.items():
+            a, b = _factor(source, roles["down"]), _factor(source, roles["up"])
+            if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+                raise ShapeError(f"{source.name}: {module}: lora_A {list(a.shape)} and lora_B "
+                                 f"{list(b.shape)} are not the factors of one product")
+            pair = keymatch.Pair(module, "lora", dict(roles))
+            scale = _scale_rule(configs, source, pair, a.shape[0], alpha, scales)(strength)
+            name, is_flat = _ltx_module(module)
+            (flat if is_flat else terms).setdefault(name, []).append((index, module, a, b,
+                                                                      scale))
+            if not is_flat and name not in order:
+                order.append(name)
+    for name, entries in flat.items():  # kohya's flattened names, by the dotted ones given
+        dotted = [m for m in order if m.replace(".", "_") == name]
+        if not dotted:
+            raise FormatError(f"{sources[entries[0][0]].name}: module {entries[0][1]!r} is in "
+                              "kohya's flattened spelling, which names no module without the "
+                              "model; merge it with an input that spells the same modules with "
+                              "dots, or convert it first")
+        terms[dotted[0]].extend(entries)
+    keys = keys or _spelling(first_modules)
+    report = MergeReport(output=os.fspath(output), inputs=inputs, rule=rule, value=value,
+                         max_rank=max_rank if rule != "rank" else None, keys=keys)
+    entries, arrays = [], {}
+    for count, name in enumerate(order, 1):
+        parts = terms[name]
+        shapes = {(b.shape[0], a.shape[1]) for _, _, a, b, _ in parts}
+        if len(shapes) != 1:
+            listed = "; ".join(f"{sources[i].name}: [{b.shape[0]}, {a.shape[1]}]"
+                               for i, _, a, b, _ in parts)
+            raise ShapeError(f"module {printable(name)}: the inputs' deltas differ in shape "
+                             f"({listed}); nothing written")
+        a = np.concatenate([_as_f64(x) for _, _, x, _, _ in parts], axis=0)
+        b = np.concatenate([_as_f64(y) * s for _, _, _, y, s in parts], axis=1)
+        bound = min(a.shape[0], b.shape[0], a.shape[1])
+        rules = {rule: min(value, bound) if rule == "rank" else value}
+        new = resize_lora_weight(a, b, dtype=dtype, max_rank=max_rank, threads=threads,
+                                 **rules)
+        report.ranks[name] = (int(a.shape[0]), new.rank, new.kept)
+        report.exact += new.rank >= a.shape[0] or new.kept >= 1.0
+        a_key, b_key, alpha_key = _names(name, keys)
+        store = "BF16" if dtype == "bf16" else "F32"
+        for key, array, dtype_name in ((a_key, new.lora_a, store), (b_key, new.lora_b, store),
+                                       (alpha_key, np.array(new.rank, np.float32), "F32")):
+            entries.append((key, dtype_name, tuple(array.shape), array.nbytes))
+            arrays[key] = np.ascontiguousarray(array)
+        if progress is not None:
+            progress(Progress(count, len(order), 0.0, 0.0, time.perf_counter() - t0, name, 0,
+                              0))
+    metadata = {MERGE_METADATA_KEY: json.dumps({
+        "inputs": [{"file": os.path.basename(p), "strength": s} for p, s in inputs],
+        "rule": rule, "value": value, "max_rank": report.max_rank, "alpha": alpha,
+        "dtype": dtype, "keys": keys,
+        "modules": {m: {"sum_of_ranks": a, "rank": b, "kept": round(k, 6)}
+                    for m, (a, b, k) in report.ranks.items()}}, separators=(",", ":"))}
+    with SafetensorsWriter(output, entries, metadata) as writer:
+        for name, *_ in entries:
+            writer.write(name, arrays[name])
+        writer.commit()
+        report.bytes_written = writer.size
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _as_f64(x):
+    """A factor's values in f64 (bf16 bits widened exactly)."""
+    if x.dtype == np.uint16:
+        return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return x.astype(np.float64)
+
+
+__all__ += ["merge_loras", "MergeReport", "MERGE_KEYS"]
