@@ -12,7 +12,12 @@ f32) over sqrt(sum of the squared singular values past k) of an f64 SVD of the f
 and the same for kohya's result.  The factors have a decaying spectrum (0.97^i), as a trained
 LoRA's does.
 
-    python bench/bench_resize.py [--threads 1,2] [--repeats 3] [--out FILE.json]
+``--merge`` adds a merge of two rank-128 LoRAs (4096 x 4096) to ranks 32 and 256 (the sum:
+exact) against kohya-ss networks/svd_merge_lora.py's arithmetic (the summed delta formed, its
+full SVD, the factors clamped to their 0.99 quantile); ``--merge-only`` runs only that.
+
+    python bench/bench_resize.py [--threads 1,2] [--repeats 3] [--merge | --merge-only]
+                                 [--out FILE.json]
 """
 import argparse
 import os
@@ -44,11 +49,71 @@ def kohya(torch, a, b, k):
     return (u[:, :k] @ torch.diag(s[:k])).numpy(), vh[:k, :].numpy()
 
 
+def kohya_merge(torch, pairs, k):
+    """kohya's svd_merge_lora steps for LoRA pairs [(down, up, ratio)]: the summed delta formed,
+    its full SVD (f32), the first k columns, both factors clamped to the 0.99 quantile of their
+    values."""
+    full = None
+    for down, up, ratio in pairs:
+        term = ratio * (torch.from_numpy(up) @ torch.from_numpy(down))
+        full = term if full is None else full + term
+    u, s, vh = torch.linalg.svd(full)
+    u = u[:, :k] @ torch.diag(s[:k])
+    vh = vh[:k, :]
+    hi = torch.quantile(torch.cat([u.flatten(), vh.flatten()]), 0.99)
+    return u.clamp(-hi, hi).numpy(), vh.clamp(-hi, hi).numpy()
+
+
+def merge_rows(torch, threads_list, repeats, rng):
+    """Two rank-128 LoRAs of a 4096 x 4096 module at strengths 0.8 and 0.5, merged to rank 32
+    (and to 256, the sum: exact): ltx2blas's stacked factors re-factored against kohya's
+    svd_merge_lora arithmetic; the error of each against the optimum of the summed delta."""
+    from ltx2blas.resize import resize_lora_weight
+
+    (a1, b1), (a2, b2) = factors(4096, 4096, 128, rng), factors(4096, 4096, 128, rng)
+    delta = 0.8 * (b1.astype(np.float64) @ a1.astype(np.float64)) + \
+        0.5 * (b2.astype(np.float64) @ a2.astype(np.float64))
+    s = np.linalg.svd(delta, compute_uv=False)
+    a = np.concatenate([a1, a2]).astype(np.float64)
+    b = np.concatenate([b1 * 0.8, b2 * 0.5], axis=1).astype(np.float64)
+    rows = []
+    for k in (32, 256):
+        optimum = float(np.sqrt(np.sum(s[k:] ** 2)))
+        ours = resize_lora_weight(a, b, rank=k, dtype="f32")
+        ours_err = float(np.linalg.norm(delta - ours.lora_b.astype(np.float64)
+                                        @ ours.lora_a.astype(np.float64)))
+        torch.set_num_threads(1)
+        ku, kv = kohya_merge(torch, [(a1, b1, 0.8), (a2, b2, 0.5)], k)
+        kohya_err = float(np.linalg.norm(delta - ku.astype(np.float64) @ kv.astype(np.float64)))
+        scale = optimum if optimum > 0 else float(np.linalg.norm(delta))
+        for t in harness.thread_counts(threads_list):
+            torch.set_num_threads(t)
+            times = harness.interleaved({
+                "ltx2blas": lambda: resize_lora_weight(a, b, rank=k, dtype="f32", threads=t),
+                "kohya": lambda: kohya_merge(torch, [(a1, b1, 0.8), (a2, b2, 0.5)], k)},
+                repeats=repeats)
+            row = {"merge": "2 x rank 128, 4096 x 4096", "new_rank": k, "threads": t,
+                   "ltx2blas_s": times["ltx2blas"]["min"], "kohya_s": times["kohya"]["min"],
+                   "kohya_over_ltx2blas": times["kohya"]["min"] / times["ltx2blas"]["min"],
+                   "error_over": "optimum" if optimum > 0 else "norm of the sum (rank 256 is "
+                                                               "exact: the optimum is 0)",
+                   "error_ratio": ours_err / scale, "kohya_error_ratio": kohya_err / scale}
+            rows.append(row)
+            print(f"merge 2 x rank 128 -> {k}, {t} thread(s): ltx2blas "
+                  f"{row['ltx2blas_s'] * 1e3:.1f} ms, kohya {row['kohya_s']:.2f} s: "
+                  f"{row['kohya_over_ltx2blas']:.0f} x; error / {row['error_over']}: ltx2blas "
+                  f"{row['error_ratio']:.6g}, kohya {row['kohya_error_ratio']:.6g}", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--merge", action="store_true",
+                        help="also merge two LoRAs against kohya's svd_merge_lora arithmetic")
+    parser.add_argument("--merge-only", action="store_true", help="only that")
     args = parser.parse_args()
     import torch
 
@@ -57,7 +122,9 @@ def main():
     rng = np.random.default_rng(0)
     rows = []
     print(f"CPU: {harness.machine().get('cpu', '?')}; torch {torch.__version__}")
-    for out, inn, r, k in SHAPES:
+    if args.merge_only:
+        args.merge = True
+    for out, inn, r, k in (() if args.merge_only else SHAPES):
         a, b = factors(out, inn, r, rng)
         delta = b.astype(np.float64) @ a.astype(np.float64)
         t0 = time.perf_counter()
@@ -87,9 +154,10 @@ def main():
                   f"{row['kohya_over_ltx2blas']:.0f} x; error / optimum ltx2blas "
                   f"{row['error_over_optimum']:.6f}, kohya {row['kohya_error_over_optimum']:.6f}",
                   flush=True)
+    merged = merge_rows(torch, args.threads, args.repeats, rng) if args.merge else []
     if args.out:
         harness.write_json(args.out, {"machine": harness.machine(), "torch": torch.__version__,
-                                      "rows": rows})
+                                      "rows": rows, "merge_rows": merged})
 
 
 if __name__ == "__main__":

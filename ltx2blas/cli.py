@@ -275,55 +275,50 @@ def _cmd_quantize(args):
     return 0
 
 
-def _cmd_resize(args):
-    from .errors import printable
-    from .files.resize import resize_lora
-
+def _rank_rule(args):
+    """{rule: value} of the one rank rule a resize or merge command was given."""
     rules = {"rank": args.rank, "energy": args.energy, "sv_ratio": args.sv_ratio,
              "sv_fro": args.sv_fro, "sv_cumulative": args.sv_cumulative}
     given = [k for k, v in rules.items() if v is not None]
     if len(given) != 1:
+        named = ", ".join("--" + g.replace("_", "-") for g in given)
         raise _argument_error("give one of --rank, --energy, --sv-ratio, --sv-fro, "
-                              "--sv-cumulative" + (f" (got {', '.join('--' + g.replace('_', '-') for g in given)})"
-                                                   if given else ""))
+                              "--sv-cumulative" + (f" (got {named})" if given else ""))
+    return {given[0]: rules[given[0]]}
+
+
+def _cmd_resize(args):
+    from .files.resize import resize_lora
+
     _check_output(args)
     report = resize_lora(
         args.lora, args.output, max_rank=args.max_rank, alpha=args.alpha, dtype=args.dtype,
         threads=args.threads, progress=None if (args.quiet or args.json) else _ProgressPrinter(),
-        **{given[0]: rules[given[0]]})
-    if args.json:
-        _print(_json(report.as_dict()))
-        return 0
-    lines = [report.summary()]
-    if args.verbose:
-        lines += [f"  {printable(module)}  rank {a} -> {b}, kept {kept:.4f}"
-                  for module, (a, b, kept) in report.ranks.items()]
-    _print("\n".join(lines))
-    return 0
+        **_rank_rule(args))
+    return _print_ranks(args, report, "rank")
 
 
 def _cmd_merge(args):
-    from .errors import printable
     from .files.resize import merge_loras
 
-    rules = {"rank": args.rank, "energy": args.energy, "sv_ratio": args.sv_ratio,
-             "sv_fro": args.sv_fro, "sv_cumulative": args.sv_cumulative}
-    given = [k for k, v in rules.items() if v is not None]
-    if len(given) != 1:
-        raise _argument_error("give one of --rank, --energy, --sv-ratio, --sv-fro, "
-                              "--sv-cumulative")
     _check_output(args)
     report = merge_loras(
         [_lora_arg(item) for item in args.loras], args.output, max_rank=args.max_rank,
         keys=args.keys, alpha=args.alpha, dtype=args.dtype, threads=args.threads,
-        progress=None if (args.quiet or args.json) else _ProgressPrinter(),
-        **{given[0]: rules[given[0]]})
+        progress=None if (args.quiet or args.json) else _ProgressPrinter(), **_rank_rule(args))
+    return _print_ranks(args, report, "ranks")
+
+
+def _print_ranks(args, report, word):
+    """A resize's or merge's report: JSON, or its summary (-v: each module's ranks)."""
+    from .errors import printable
+
     if args.json:
         _print(_json(report.as_dict()))
         return 0
     lines = [report.summary()]
     if args.verbose:
-        lines += [f"  {printable(module)}  ranks {a} -> {b}, kept {kept:.4f}"
+        lines += [f"  {printable(module)}  {word} {a} -> {b}, kept {kept:.4f}"
                   for module, (a, b, kept) in report.ranks.items()]
     _print("\n".join(lines))
     return 0
@@ -462,6 +457,38 @@ class _Parser(argparse.ArgumentParser):
 #: here so that the parser loads no compiled module).
 FORMATS_TEXT = ("comfy_fp8", "comfy_nvfp4", "comfy_mxfp8", "comfy_int8", "fp8_scaled", "nvfp4",
                 "fp8_block")
+
+
+def _rank_rule_arguments(p, what, delta):
+    """The rank rules of resize and merge: --rank, --energy, kohya's three, --max-rank."""
+    p.add_argument("--rank", type=_positive_int, default=None, help=f"every {what} at this rank")
+    p.add_argument("--energy", type=_fraction, default=None,
+                   help=f"each module at the least rank keeping this fraction of its {delta}'s "
+                        "Frobenius norm")
+    p.add_argument("--sv-ratio", type=float, default=None, metavar="X",
+                   help="kohya's rule: the singular values above the largest / X, plus one")
+    p.add_argument("--sv-fro", type=_fraction, default=None, metavar="F",
+                   help="kohya's rule: the least rank keeping fraction F of the Frobenius norm, "
+                        "plus one")
+    p.add_argument("--sv-cumulative", type=_fraction, default=None, metavar="F",
+                   help="kohya's rule: the least rank whose singular values sum to fraction F "
+                        "of their total, plus one")
+    p.add_argument("--max-rank", type=_positive_int, default=None,
+                   help="the largest rank --energy and the kohya rules may choose")
+
+
+def _factor_command_arguments(p, listed):
+    """--alpha, --threads, --json, -q and -v of resize and merge."""
+    p.add_argument("--alpha", choices=("scale", "ignore"), default="scale",
+                   help="scale (default): a file's alpha is part of its delta, as ComfyUI, "
+                        "diffusers and kohya read it; ignore: as upstream LTX-2 reads it")
+    p.add_argument("--threads", type=_thread_count, default=None,
+                   help="threads (default: every CPU this process may use; the same bytes for "
+                        "any count)")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as JSON (and no progress)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.add_argument("-v", "--verbose", action="store_true", help=f"list {listed}")
 
 
 def build_parser():
@@ -650,33 +677,10 @@ def build_parser():
                                    "the input's spelling.")
     p.add_argument("lora", help="the LoRA .safetensors file")
     p.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
-    p.add_argument("--rank", type=_positive_int, default=None, help="every module at this rank")
-    p.add_argument("--energy", type=_fraction, default=None,
-                   help="each module at the least rank keeping this fraction of its delta's "
-                        "Frobenius norm")
-    p.add_argument("--sv-ratio", type=float, default=None, metavar="X",
-                   help="kohya's rule: the singular values above the largest / X, plus one")
-    p.add_argument("--sv-fro", type=_fraction, default=None, metavar="F",
-                   help="kohya's rule: the least rank keeping fraction F of the Frobenius norm, "
-                        "plus one")
-    p.add_argument("--sv-cumulative", type=_fraction, default=None, metavar="F",
-                   help="kohya's rule: the least rank whose singular values sum to fraction F "
-                        "of their total, plus one")
-    p.add_argument("--max-rank", type=_positive_int, default=None,
-                   help="the largest rank --energy and the kohya rules may choose")
-    p.add_argument("--alpha", choices=("scale", "ignore"), default="scale",
-                   help="scale (default): the file's alpha is part of the delta, as ComfyUI, "
-                        "diffusers and kohya read it; ignore: as upstream LTX-2 reads it")
+    _rank_rule_arguments(p, "module", "delta")
     p.add_argument("--dtype", choices=("bf16", "f32"), default=None,
                    help="the new factors' storage (default: bf16 unless every factor is f32)")
-    p.add_argument("--threads", type=_thread_count, default=None,
-                   help="threads (default: every CPU this process may use; the same bytes for "
-                        "any count)")
-    p.add_argument("--json", action="store_true",
-                   help="print the report as JSON (and no progress)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="list every module with its old and new rank and fraction kept")
+    _factor_command_arguments(p, "every module with its old and new rank and fraction kept")
     p.set_defaults(func=_cmd_resize, dry_run=False)
 
     p = sub.add_parser("merge", help="merge LoRAs into one, at the optimum for its rank",
@@ -687,33 +691,13 @@ def build_parser():
     p.add_argument("loras", nargs="+", metavar="LORA[:STRENGTH]",
                    help="the LoRA files, each with its strength (1.0 by default)")
     p.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
-    p.add_argument("--rank", type=_positive_int, default=None,
-                   help="each module at this rank at most (at least the inputs' ranks added "
-                        "keeps the sum whole)")
-    p.add_argument("--energy", type=_fraction, default=None,
-                   help="each module at the least rank keeping this fraction of its summed "
-                        "delta's Frobenius norm")
-    p.add_argument("--sv-ratio", type=float, default=None, metavar="X", help="kohya's rule")
-    p.add_argument("--sv-fro", type=_fraction, default=None, metavar="F", help="kohya's rule")
-    p.add_argument("--sv-cumulative", type=_fraction, default=None, metavar="F",
-                   help="kohya's rule")
-    p.add_argument("--max-rank", type=_positive_int, default=None,
-                   help="the largest rank --energy and the kohya rules may choose")
+    _rank_rule_arguments(p, "module at most (the inputs' ranks added keep the sum whole)",
+                         "summed delta")
     p.add_argument("--keys", choices=("ltx", "diffusers", "comfy"), default=None,
                    help="the output's key spelling (default: the first input's)")
-    p.add_argument("--alpha", choices=("scale", "ignore"), default="scale",
-                   help="scale (default): each file's alpha is part of its delta; ignore: as "
-                        "upstream LTX-2 reads them")
     p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16",
                    help="the factors' storage (default bf16)")
-    p.add_argument("--threads", type=_thread_count, default=None,
-                   help="threads (default: every CPU this process may use; the same bytes for "
-                        "any count)")
-    p.add_argument("--json", action="store_true",
-                   help="print the report as JSON (and no progress)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="list every module with its ranks and fraction kept")
+    _factor_command_arguments(p, "every module with its ranks and fraction kept")
     p.set_defaults(func=_cmd_merge, dry_run=False)
 
     p = sub.add_parser("demo", help="fuse an LTX-2-shaped adapter in memory, check it, time it",
