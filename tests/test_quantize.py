@@ -171,3 +171,25 @@ def test_what_a_format_cannot_hold_is_refused(rng):
 
 def test_the_package_names_it():
     assert ltx2blas.quantize_weight is quantize_weight
+
+
+@pytest.mark.parametrize("fmt,fmax", [("F8_E4M3", 448.0), ("F8_E5M2", 57344.0)])
+def test_the_fp8_encoder_on_every_bf16_value(fmt, fmax, kernel_table):
+    """Every finite bf16 value times multipliers whose products carry full f32 mantissas (and
+    fall among the subnormals, the normals and past the largest value), clamped and encoded by
+    the kernels, against reference.fp8_round: the encoder's subnormal step (one f32 addition)
+    and its normal rounding, whole."""
+    from ltx2blas import _quant
+
+    w = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    w = w[(w & 0x7F80) != 0x7F80]
+    values = (w.astype(np.uint32) << 16).view(np.float32)
+    for mult in (1.0, 0.7071067690849304, 3.0000002384185791, 1e-3, 123.456, 2.0 ** -20,
+                 2.0 ** 30):
+        codes = np.empty(w.size, np.uint8)
+        _quant.scaled_fp8_quantize(w, codes, np.float32(mult), np.float32(fmax),
+                                   fmt == "F8_E5M2", False, 2)
+        with np.errstate(over="ignore"):
+            product = np.clip(values * np.float32(mult), -fmax, fmax).astype(np.float32)
+        want = np.asarray(ref.fp8_round(product, fmt)).view(np.uint8)
+        assert np.array_equal(codes, want), mult
