@@ -424,7 +424,7 @@ def _merge(sources, inputs, output, rule, value, max_rank, keys, alpha, dtype, t
         new = resize_lora_weight(a, b, dtype=dtype, max_rank=max_rank, threads=threads,
                                  **rules)
         report.ranks[name] = (int(a.shape[0]), new.rank, new.kept)
-        report.exact += new.rank >= a.shape[0] or new.kept >= 1.0
+        report.exact += new.rank >= bound  # every singular value of the sum kept
         a_key, b_key, alpha_key = _names(name, keys)
         store = "BF16" if dtype == "bf16" else "F32"
         for key, array, dtype_name in ((a_key, new.lora_a, store), (b_key, new.lora_b, store),
