@@ -286,3 +286,52 @@ def test_merge_refusals_and_the_command_line(rng, tmp_path, capsys):
     merged, _, _ = tensors(out)
     assert "diffusion_model." + next(iter(ck.MODULES)) + ".lora_A.weight" in merged
     assert cli.main(["merge", str(first), "-o", str(tmp_path / "x.safetensors")]) == 2
+
+
+def test_merge_takes_loha_lokr_and_full_differences_exactly(rng, tmp_path):
+    """A LoHa ((P Q) . (R S), alpha 4 over its rank 8: 0.5), a LoKr (kron(W1, W2a W2b), W1 whole,
+    alpha 2 over W2's rank 4: 0.5) and a full difference, beside a LoRA: each written as a
+    product of its own (Khatri-Rao rows, Kronecker factors, D I), stacked and re-factored, so at
+    a rank that holds the sum the merged LoRA is the summed delta to f32 rounding, and below it
+    the optimum of the sum (an f64 SVD of the formed sum, in this test)."""
+    from ltx2blas.files.resize import merge_loras
+
+    out_f, in_f = 64, 48
+    module = "diffusion_model.transformer_blocks.0.attn1.to_q"
+    f = lambda *shape: random_bf16(rng, shape, 0.1)  # noqa: E731
+    w = lambda x: reference.bf16_widen(x).astype(np.float64)  # noqa: E731
+    p, q, r, s = f(out_f, 8), f(8, in_f), f(out_f, 8), f(8, in_f)
+    loha = ck.write(tmp_path / "loha.safetensors", {
+        module + ".hada_w1_a": ("BF16", p), module + ".hada_w1_b": ("BF16", q),
+        module + ".hada_w2_a": ("BF16", r), module + ".hada_w2_b": ("BF16", s),
+        module + ".alpha": ("F32", np.array(4.0, np.float32))})
+    w1, w2a, w2b = f(4, 4), f(16, 4), f(4, 12)
+    lokr = ck.write(tmp_path / "lokr.safetensors", {
+        module + ".lokr_w1": ("BF16", w1), module + ".lokr_w2_a": ("BF16", w2a),
+        module + ".lokr_w2_b": ("BF16", w2b), module + ".alpha": ("F32", np.array(2.0,
+                                                                                   np.float32))})
+    d = rng.standard_normal((out_f, in_f)).astype(np.float32) * 0.01
+    diff = ck.write(tmp_path / "diff.safetensors", {module + ".diff": ("F32", d)})
+    a, b = f(6, in_f), f(out_f, 6)
+    lora = ck.write(tmp_path / "lora.safetensors", {module + ".lora_A.weight": ("BF16", a),
+                                                    module + ".lora_B.weight": ("BF16", b)})
+    summed = (0.7 * 0.5 * (w(p) @ w(q)) * (w(r) @ w(s))
+              + 0.5 * np.kron(w(w1), w(w2a) @ w(w2b))
+              - 0.3 * d.astype(np.float64)
+              + w(b) @ w(a))
+    inputs = [(lora, 1.0), (loha, 0.7), (lokr, 1.0), (diff, -0.3)]
+    whole = tmp_path / "whole.safetensors"
+    report = merge_loras(inputs, whole, rank=48, dtype="f32")
+    got, _, _ = tensors(whole)
+    product = got[module + ".lora_B.weight"].astype(np.float64) @ \
+        got[module + ".lora_A.weight"].astype(np.float64)
+    assert report.exact == 1
+    assert np.linalg.norm(product - summed) <= 1e-6 * np.linalg.norm(summed)
+    small = tmp_path / "small.safetensors"
+    merge_loras(inputs, small, rank=10, dtype="f32")
+    got, _, _ = tensors(small)
+    product = got[module + ".lora_B.weight"].astype(np.float64) @ \
+        got[module + ".lora_A.weight"].astype(np.float64)
+    sv = np.linalg.svd(summed, compute_uv=False)
+    best = np.sqrt(np.sum(sv[10:] ** 2))
+    assert np.linalg.norm(product - summed) <= 1.001 * best + 1e-6 * np.linalg.norm(summed)

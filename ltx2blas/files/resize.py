@@ -22,7 +22,8 @@ from ..resize import RANK_RULES, rank_rule, resize_lora_weight
 from .._validate import choice
 from . import keys as keymatch
 from . import peft
-from .adapters import ALPHA_MODES, AdapterReport, Source, _scale_rule
+from .adapters import (ALPHA_MODES, AdapterReport, Source, _lycoris_dim, _lycoris_scale,
+                       _scale_rule)
 from .checkpoint import Progress, check_output_is_not_an_input
 from .safetensors import SafetensorsWriter, output_path
 
@@ -86,9 +87,10 @@ class ResizeReport:
         return "\n".join(lines)
 
 
-def _modules(source):
+def _modules(source, products=False):
     """({module: {role: key}} of the LoRA pairs in file order, [keys copied as they are]);
-    FormatError naming a module resize cannot re-factor."""
+    FormatError naming a module resize cannot re-factor.  ``products``: LoHa, LoKr and full
+    difference modules are taken too (merge writes each as a product, _product_form)."""
     modules, copied = {}, []
     for key in source.keys:
         module, suffix = keymatch.split_key(key)
@@ -99,7 +101,10 @@ def _modules(source):
             raise FormatError(f"{source.name}: {key!r} belongs to {keymatch.REFUSED[suffix]} "
                               "adapter, which resize does not re-factor; nothing written")
         role = keymatch.ROLES[suffix]
-        if role in NOT_A_PRODUCT or role in keymatch.LOHA_ROLES + keymatch.LOKR_ROLES:
+        lycoris = role in keymatch.LOHA_ROLES + keymatch.LOKR_ROLES or role == "diff"
+        if products and lycoris:
+            pass  # merge writes them as products of their own (_product_form)
+        elif role in NOT_A_PRODUCT or role in keymatch.LOHA_ROLES + keymatch.LOKR_ROLES:
             kind = NOT_A_PRODUCT.get(role) or (
                 "a LoHa (a Hadamard product of two low-rank products)" if role.startswith("hada")
                 else "a LoKr (a Kronecker product)")
@@ -115,6 +120,8 @@ def _modules(source):
         pair[role] = key
     for module, pair in modules.items():
         missing = [r for r in ("down", "up") if r not in pair]
+        if products and _kind(pair) != "lora":
+            continue
         if missing:
             raise FormatError(f"{source.name}: module {module!r} has no "
                               f"{' or '.join('lora_A' if r == 'down' else 'lora_B' for r in missing)}"
@@ -123,6 +130,18 @@ def _modules(source):
         raise FormatError(f"{source.name}: no LoRA pair (lora_A / lora_B, lora_down / lora_up) "
                           "to resize")
     return modules, copied
+
+
+def _kind(roles):
+    """A module's kind by its roles: lora, loha, lokr or diff (FormatError for a mixture)."""
+    kinds = {"lora" if r in ("down", "up") else "loha" if r.startswith("hada") else
+             "lokr" if r.startswith("lokr") else "diff" if r == "diff" else None
+             for r in roles if r != "alpha"}
+    kinds.discard(None)
+    if len(kinds) != 1:
+        raise FormatError(f"a module has tensors of {', '.join(sorted(kinds)) or 'no'} kind: "
+                          f"{sorted(roles.values())}")
+    return kinds.pop()
 
 
 def _factor(source, key):
@@ -374,24 +393,21 @@ def _merge(sources, inputs, output, rule, value, max_rank, keys, alpha, dtype, t
     terms, order, flat = {}, [], {}
     first_modules = None
     for index, (source, (_, strength)) in enumerate(zip(sources, inputs)):
-        modules, copied = _modules(source)
+        modules, copied = _modules(source, products=True)
         if copied:
             shown = ", ".join(map(printable, copied[:3]))
-            raise FormatError(f"{source.name}: {counted(len(copied), 'tensor')} of no LoRA pair "
-                              f"({shown}{', ...' if len(copied) > 3 else ''}): merge takes LoRA "
-                              "pairs only; nothing written")
+            raise FormatError(f"{source.name}: {counted(len(copied), 'tensor')} of no adapter "
+                              f"module ({shown}{', ...' if len(copied) > 3 else ''}): merge "
+                              "takes LoRA, LoHa, LoKr and full-difference modules; nothing "
+                              "written")
         if first_modules is None:
             first_modules = modules
         configs, _ = (peft.read_configs(source.metadata, source.name) if alpha == "scale"
                       else ({}, []))
         scales = AdapterReport(path=source.name, strength=strength, alpha_mode=alpha)
         for module, roles in modules.items():
-            a, b = _factor(source, roles["down"]), _factor(source, roles["up"])
-            if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-                raise ShapeError(f"{source.name}: {module}: lora_A {list(a.shape)} and lora_B "
-                                 f"{list(b.shape)} are not the factors of one product")
-            pair = keymatch.Pair(module, "lora", dict(roles))
-            scale = _scale_rule(configs, source, pair, a.shape[0], alpha, scales)(strength)
+            a, b, scale = _product_form(source, module, roles, alpha, configs, scales,
+                                        strength)
             name, is_flat = _ltx_module(module)
             (flat if is_flat else terms).setdefault(name, []).append((index, module, a, b,
                                                                       scale))
@@ -447,6 +463,52 @@ def _merge(sources, inputs, output, rule, value, max_rank, keys, alpha, dtype, t
         report.bytes_written = writer.size
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _product_form(source, module, roles, alpha, configs, report, strength):
+    """(A [R, in], B [out, R], scale) with the module's delta = scale * B A exactly, in f64 but
+    for the scale: a LoRA its own factors; a LoHa (P Q) . (R S) the row-wise Khatri-Rao
+    products, B = [P_i (x) R_i], A^T = [Q^T_j (x) S^T_j], rank r1 r2; a LoKr kron(U1 V1, U2 V2)
+    = kron(U1, U2) kron(V1, V2), each whole factor split as I W or W I, whichever is narrower
+    (a factored one is its own pair); a full difference D = D I.  Scales as the fuse reads them
+    (alpha / rank, or alpha / dim as ComfyUI takes a LyCORIS module's)."""
+    kind = _kind(roles)
+    value = {r: _as_f64(_factor(source, k)) for r, k in roles.items() if r != "alpha"}
+    for role, array in value.items():
+        if array.ndim != 2:
+            raise ShapeError(f"{source.name}: {module}: {roles[role]!r} has shape "
+                             f"{list(array.shape)}; merge takes 2-D factors")
+    pair = keymatch.Pair(module, kind, dict(roles))
+    if kind == "lora":
+        a, b = value["down"], value["up"]
+        if a.shape[0] != b.shape[1]:
+            raise ShapeError(f"{source.name}: {module}: lora_A {list(a.shape)} and lora_B "
+                             f"{list(b.shape)} are not the factors of one product")
+        return a, b, _scale_rule(configs, source, pair, a.shape[0], alpha, report)(strength)
+    if kind == "diff":
+        d = value["diff"]
+        return np.eye(d.shape[1]), d, strength
+    if kind == "loha":
+        p, q, r, s = (value[k] for k in keymatch.LOHA_ROLES)
+        shape = (p.shape[0], q.shape[1])
+        dim = _lycoris_dim(source, pair, shape, f"module {module} {list(shape)}")
+        b = (p[:, :, None] * r[:, None, :]).reshape(p.shape[0], -1)
+        a = (q.T[:, :, None] * s.T[:, None, :]).reshape(q.shape[1], -1).T
+        return np.ascontiguousarray(a), b, _lycoris_scale(source, pair, dim, alpha, strength,
+                                                          report)
+    split = []
+    for n in ("1", "2"):
+        if f"lokr_w{n}" in value:
+            w = value[f"lokr_w{n}"]
+            split.append((np.eye(w.shape[0]), w) if w.shape[0] <= w.shape[1] else
+                         (w, np.eye(w.shape[1])))
+        else:
+            split.append((value[f"lokr_w{n}_a"], value[f"lokr_w{n}_b"]))
+    (u1, v1), (u2, v2) = split
+    shape = (u1.shape[0] * u2.shape[0], v1.shape[1] * v2.shape[1])
+    dim = _lycoris_dim(source, pair, shape, f"module {module} {list(shape)}")
+    return np.kron(v1, v2), np.kron(u1, u2), _lycoris_scale(source, pair, dim, alpha, strength,
+                                                            report)
 
 
 def _as_f64(x):
