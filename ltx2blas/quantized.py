@@ -36,8 +36,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import _gemm, _quant
-from ._validate import (FP8, Magnitudes, adapter_items, adapters_for, bf16_bits, contiguous,
-                        contiguous_array, f32_array, first_nonfinite_fp8, layout_codes,
+from ._validate import (FP8, Magnitudes, adapter_items, adapters_for, bf16_bits, bf16_to_f32,
+                        contiguous, contiguous_array, f32_array, first_nonfinite_fp8, layout_codes,
                         nonfinite_weight, refuse_nonfinite_adapter, round_up, where)
 from ._threads import resolve_threads
 from .errors import (
@@ -327,12 +327,7 @@ def round_bf16_bits(values):
 def _bf16_of(value):
     """f32 ``value`` rounded to bf16 (nearest-even), as an f32: what torch's arithmetic in a
     bf16 tensor's dtype stores."""
-    return _widen(round_bf16_bits(value))[()]
-
-
-def _widen(bits):
-    """The f32 values of bf16 bits, exactly."""
-    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+    return bf16_to_f32(round_bf16_bits(value))[()]
 
 
 def quantized_shapes(fmt, rows, cols, per_row=False):
@@ -394,8 +389,10 @@ def quantize_weight(fmt, weight, *, threads=None, fp8_format="F8_E4M3", per_row=
     weight : bf16 array [rows, cols]
         ml_dtypes.bfloat16 or uint16 bit patterns; finite.
     out : uint8 array, optional
-        Memory for the codes (C-contiguous, at least their bytes), reused from one weight to
-        the next by the checkpoint quantiser: the returned codes are a view of it.
+        Memory for the codes (C-contiguous, at least their bytes): the returned codes are a
+        view of it.  It may be the weight's own memory, from its first byte or before it (the
+        checkpoint quantiser's one buffer a weight): the rows are then quantised in stripes
+        whose codes land only on rows already read, and the weight is lost.
 
     Returns
     -------
@@ -438,7 +435,6 @@ def quantize_weight(fmt, weight, *, threads=None, fp8_format="F8_E4M3", per_row=
             padded = np.zeros((round_up(rows, group), round_up(cols, group)), np.uint16)
             padded[:rows, :cols] = w
             w = padded
-    flat = w.reshape(-1)
     code_type = np.int8 if fmt == "comfy_int8" else np.uint8
     size = int(np.prod(shapes["weight"][1], dtype=np.int64))
     if out is None:
@@ -573,7 +569,7 @@ def quantization_error(fmt, weight, q, samples=16, fp8_format="F8_E4M3", rows=No
         return 0.0
     cols = w.shape[1]
     at, sampled = error_rows(w, samples) if rows is None else rows
-    values = (sampled.astype(np.uint32) << 16).view(np.float32)
+    values = bf16_to_f32(sampled)
     top = float(np.max(np.abs(values)))
     if top == 0:
         return 0.0
@@ -645,5 +641,5 @@ def dequantize_bf16(layout, weight, *, scale=None, scale_2=None, fmt=None, threa
     nibbles = np.stack([codes >> 4, codes & 0xF], axis=-1).reshape(rows, cols)
     blocks = _quant.fp8_values(False)[_tiled_rows(block, np.arange(rows), cols // NVFP4_GROUP)]
     s2 = _bf16_of(np.float32(second.reshape(-1)[0]))
-    total = _widen(round_bf16_bits(s2 * _widen(round_bf16_bits(blocks))))
+    total = bf16_to_f32(round_bf16_bits(s2 * bf16_to_f32(round_bf16_bits(blocks))))
     return round_bf16_bits(_E2M1[nibbles] * np.repeat(total, NVFP4_GROUP, 1))

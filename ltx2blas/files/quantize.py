@@ -23,7 +23,8 @@ from . import layouts as layoutmod
 from . import provenance
 from .checkpoint import (Checkpoint, Progress, _path_arg, _peak_rss_mib, _version,
                          check_output_is_not_an_input)
-from .safetensors import MAX_HEADER, SafetensorsWriter, header_bytes, page_aligned, read_into
+from .safetensors import (MAX_HEADER, SafetensorsWriter, header_bytes, page_aligned, read_into,
+                          wait_in_steps)
 
 FORMATS = qz.QUANTIZE_FORMATS
 #: The metadata entry naming what was quantised, and how.
@@ -489,7 +490,7 @@ def _write(ckpt, output, entries, metadata, quant, threads, progress, report, t0
         f, info = ckpt.entries[name]
         rows, cols = info.shape
         memory, free = buffers[slot[name]]
-        _wait(free)
+        wait_in_steps(free)
         free.clear()
         at = writer.file_offset(quant.parts(name)[0]) % writer.ALIGN
         start = at + at % 2
@@ -528,12 +529,6 @@ def _write(ckpt, output, entries, metadata, quant, threads, progress, report, t0
             writer.set_metadata(dict(metadata, **{provenance.RECORD_KEY: record(
                 writer.digests())}))
         writer.commit()
-
-
-def _wait(event):
-    """Wait for a buffer the writer holds, in steps, so that a signal is seen between them."""
-    while not event.wait(0.1):
-        pass
 
 
 class _Pending:

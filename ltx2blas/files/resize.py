@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import ArgumentError, DTypeError, FormatError, ShapeError, counted, printable
 from ..resize import RANK_RULES, rank_rule, resize_lora_weight
-from .._validate import choice
+from .._validate import bf16_to_f32, choice
 from . import keys as keymatch
 from . import peft
 from .adapters import (ALPHA_MODES, AdapterReport, Source, _lycoris_dim, _lycoris_scale,
@@ -209,12 +209,7 @@ def _resize(source, output, rule, value, max_rank, alpha, dtype, threads, progre
     total = sum(sizes.values())
     done = 0
     for count, (module, roles) in enumerate(modules.items(), 1):
-        a, b = _factor(source, roles["down"]), _factor(source, roles["up"])
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise ShapeError(f"{source.name}: {module}: lora_A {list(a.shape)} and lora_B "
-                             f"{list(b.shape)} are not the factors of one product")
-        pair = keymatch.Pair(module, "lora", dict(roles))
-        scale = _scale_rule(configs, source, pair, a.shape[0], alpha, scales)(1.0)
+        a, b, scale = _lora_pair(source, module, roles, alpha, configs, scales, 1.0)
         try:
             new = resize_lora_weight(a, b, scale=scale, dtype=dtype, max_rank=max_rank,
                                      threads=threads, **{rule: value})
@@ -433,8 +428,8 @@ def _merge(sources, inputs, output, rule, value, max_rank, keys, alpha, dtype, t
                                for i, _, a, b, _ in parts)
             raise ShapeError(f"module {printable(name)}: the inputs' deltas differ in shape "
                              f"({listed}); nothing written")
-        a = np.concatenate([_as_f64(x) for _, _, x, _, _ in parts], axis=0)
-        b = np.concatenate([_as_f64(y) * s for _, _, _, y, s in parts], axis=1)
+        a = np.concatenate([x for _, _, x, _, _ in parts], axis=0)  # f64 (_product_form)
+        b = np.concatenate([y * s for _, _, _, y, s in parts], axis=1)
         bound = min(a.shape[0], b.shape[0], a.shape[1])
         rules = {rule: min(value, bound) if rule == "rank" else value}
         new = resize_lora_weight(a, b, dtype=dtype, max_rank=max_rank, threads=threads,
@@ -473,18 +468,15 @@ def _product_form(source, module, roles, alpha, configs, report, strength):
     (a factored one is its own pair); a full difference D = D I.  Scales as the fuse reads them
     (alpha / rank, or alpha / dim as ComfyUI takes a LyCORIS module's)."""
     kind = _kind(roles)
+    if kind == "lora":
+        a, b, scale = _lora_pair(source, module, roles, alpha, configs, report, strength)
+        return _as_f64(a), _as_f64(b), scale
     value = {r: _as_f64(_factor(source, k)) for r, k in roles.items() if r != "alpha"}
     for role, array in value.items():
         if array.ndim != 2:
             raise ShapeError(f"{source.name}: {module}: {roles[role]!r} has shape "
                              f"{list(array.shape)}; merge takes 2-D factors")
     pair = keymatch.Pair(module, kind, dict(roles))
-    if kind == "lora":
-        a, b = value["down"], value["up"]
-        if a.shape[0] != b.shape[1]:
-            raise ShapeError(f"{source.name}: {module}: lora_A {list(a.shape)} and lora_B "
-                             f"{list(b.shape)} are not the factors of one product")
-        return a, b, _scale_rule(configs, source, pair, a.shape[0], alpha, report)(strength)
     if kind == "diff":
         d = value["diff"]
         return np.eye(d.shape[1]), d, strength
@@ -511,11 +503,19 @@ def _product_form(source, module, roles, alpha, configs, report, strength):
                                                             report)
 
 
+def _lora_pair(source, module, roles, alpha, configs, report, strength):
+    """(lora_A, lora_B as stored, the pair's scale at ``strength``, as the fuse reads it)."""
+    a, b = _factor(source, roles["down"]), _factor(source, roles["up"])
+    if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+        raise ShapeError(f"{source.name}: {module}: lora_A {list(a.shape)} and lora_B "
+                         f"{list(b.shape)} are not the factors of one product")
+    pair = keymatch.Pair(module, "lora", dict(roles))
+    return a, b, _scale_rule(configs, source, pair, a.shape[0], alpha, report)(strength)
+
+
 def _as_f64(x):
     """A factor's values in f64 (bf16 bits widened exactly)."""
-    if x.dtype == np.uint16:
-        return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return x.astype(np.float64)
+    return (bf16_to_f32(x) if x.dtype == np.uint16 else x).astype(np.float64)
 
 
 __all__ += ["merge_loras", "MergeReport", "MERGE_KEYS"]

@@ -460,6 +460,12 @@ class _BufferedSink:
         pass
 
 
+def wait_in_steps(event):
+    """Wait for a buffer a writer holds, in steps, so that a signal is seen between them."""
+    while not event.wait(0.1):
+        pass
+
+
 def page_aligned(nbytes, alignment=4096):
     """An uninitialised uint8 array of nbytes whose data starts on an ``alignment`` boundary."""
     raw = np.empty(nbytes + alignment, np.uint8)
@@ -745,8 +751,7 @@ class SafetensorsWriter:
         while done < nbytes:
             memory, free = self._copy_buffers[self._copy_turn]
             self._copy_turn ^= 1
-            while not free.wait(0.1):  # in steps: a signal is seen between them
-                pass
+            wait_in_steps(free)
             free.clear()
             at = (position + done) % self.ALIGN
             n = min(nbytes - done, self.COPY_CHUNK - at)
