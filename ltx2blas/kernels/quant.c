@@ -286,6 +286,8 @@ static float block_merge_rows(const uint8_t *codes, int fp6, const float *scales
     return top;
 }
 
+/* Block (bi, bj) alone: fp6, and fp8 in the AVX-512 builds (block_quantize takes the other
+ * builds' fp8 a row of blocks at a time). */
 static void block_quantize_one(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx_idx bj,
                                int fp6, uint8_t *codes, float *scales)
 {
@@ -309,21 +311,6 @@ static void block_quantize_one(const uint16_t *merged, ltx_idx cols, ltx_idx bi,
     const float mult = (1.0f / top) * (fp6 ? 0.1172f : 448.0f); /* inf for an all-zero block */
     const int zero = top == 0.0f;
     scales[bi * (cols / BLOCK) + bj] = 1.0f / mult;
-    if (!fp6) {
-        /* a zero is itself (0 x inf where mult is inf); the product is taken for every
-         * element and chosen by integers, a loop that vectorises */
-        for (ltx_idx r = 0; r < BLOCK; r++) {
-            const uint16_t *x = m + r * cols;
-            uint8_t *row = codes + (bi * BLOCK + r) * ldc + bj * BLOCK;
-            for (ltx_idx i = 0; i < BLOCK; i++) {
-                const float v = ltx_bf16_value(x[i]);
-                const uint32_t p = ltx_f32_bits(v * mult), keep = nonzero_mask(x[i]);
-                row[i] = (uint8_t)fp8_encode(ltx_bits_f32((p & keep) | (ltx_f32_bits(v) & ~keep)),
-                                             0);
-            }
-        }
-        return;
-    }
     for (ltx_idx r = 0; r < BLOCK; r++) {
         uint8_t *row = codes + (bi * BLOCK + r) * ldc + (fp6 ? bj * BLOCK / 4 * 3 : bj * BLOCK);
         for (ltx_idx i = 0; i < BLOCK; i += 4) {
@@ -362,13 +349,15 @@ static void block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx
 #if defined(LTX_VARIANT_AVX512)
     const int own = 1;
 #else
-    const int own = fp6 || bj1 - bj0 > BLOCK_RUN;
+    const int own = fp6;
 #endif
     if (own) {
         for (ltx_idx bj = bj0; bj < bj1; bj++)
             block_quantize_one(merged, cols, bi, bj, fp6, codes, scales);
         return;
     }
+    for (; bj1 - bj0 > BLOCK_RUN; bj0 += BLOCK_RUN)  /* at most BLOCK_RUN blocks a run */
+        block_quantize(merged, cols, bi, bj0, bj0 + BLOCK_RUN, 0, codes, scales);
     const ltx_idx n = bj1 - bj0;
     uint32_t top[BLOCK_RUN];
     float mult[BLOCK_RUN];
@@ -386,7 +375,9 @@ static void block_quantize(const uint16_t *merged, ltx_idx cols, ltx_idx bi, ltx
             top[j] = best;
         }
     for (ltx_idx j = 0; j < n; j++) {
-        /* inf for an all-zero block: its zeros are kept by the mask below */
+        /* inf for an all-zero block: its zeros are kept by the mask below (0 x inf would be
+         * NaN: the product is taken for every element and chosen by integers, a loop that
+         * vectorises) */
         mult[j] = (1.0f / ltx_bf16_value((uint16_t)top[j])) * 448.0f;
         scales[bi * (cols / BLOCK) + bj0 + j] = 1.0f / mult[j];
     }
