@@ -405,3 +405,30 @@ def dgemm_xwt(const double[:, ::1] x, const double[:, ::1] w):
         with nogil:
             dgemm_wxt(m, n, k, &x[0, 0], k, &w[0, 0], k, 0.0, &c[0, 0], n)
     return out
+
+
+# ---- f64 products of the low-rank factorisations (ltx2blas.extract) ----
+# Level-3 BLAS calls on Fortran-ordered f64 arrays, no copies; the caller holds the BLAS to one
+# thread, so that each result is one call's, the same for any thread count.
+
+def gram_f64(a):
+    """a^T a for a [m, w] f64 array in Fortran order, by one dsyrk call: [w, w], its upper
+    triangle set (what dpotrf and eigh(lower=False) read), the lower one zero."""
+    from scipy.linalg import blas
+
+    return blas.dsyrk(1.0, a, trans=1, lower=0)
+
+
+def solve_upper_right(y, r):
+    """y r^-1 for r [w, w] upper triangular, by one dtrsm call; y [m, w] f64 in Fortran order is
+    overwritten and returned."""
+    from scipy.linalg import blas
+
+    return blas.dtrsm(1.0, r, y, side=1, lower=0, overwrite_b=1)
+
+
+def product_f64(a, b, trans_a=False):
+    """a @ b (or a^T @ b) in f64 by one dgemm call, the result in Fortran order."""
+    from scipy.linalg import blas
+
+    return blas.dgemm(1.0, a, b, trans_a=int(bool(trans_a)))

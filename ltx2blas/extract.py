@@ -1,18 +1,19 @@
 """A LoRA from the difference of two weights: ``tuned - base ~ lora_B @ lora_A`` of a chosen
 rank, by a randomized range finder (Halko, Martinsson and Tropp 2011, algorithm 4.4: a random
-test matrix, power iterations orthonormalised between them, then the SVD of a small matrix).
+test matrix, power iterations with a fresh basis between them, then the SVD of a small matrix).
 
 What is promised (docs/extract.md): the same bytes for any thread count; on another machine the
 same bytes wherever its BLAS and LAPACK compute the same products (the same library build and
 kernels).  The test matrix has +-1 entries from a seed and the tensor's name, the same
 everywhere; the products with the difference go through the seam's sgemm in fixed blocks
-(:mod:`ltx2blas._lowrank`); the QR factorisations and the small SVD are LAPACK's on one thread.
+(:mod:`ltx2blas._lowrank`); the factorisations between them (LU, CholeskyQR, the small Gram
+matrix's eigenvectors) are LAPACK's and the BLAS's on one thread (docs/extract.md, "How").
 """
 from typing import NamedTuple
 
 import numpy as np
 
-from . import _lowrank, _quant
+from . import _gemm, _lowrank, _quant
 from ._threads import blas_single_threaded, resolve_threads
 from ._validate import bf16_bits, bf16_to_f32, choice, contiguous, is_bf16, ndarray
 from .errors import ArgumentError, DTypeError, NonFiniteInputError, NumericsError, ShapeError
@@ -83,7 +84,8 @@ def _as_stored(x, name):
 
 def difference(tuned, base, threads=None):
     """(D, ||D||_F^2): ``D = f32(tuned) - f32(base)`` (one f32 subtraction an element) and its
-    squared norm, summed in f64 row by row in column order, the rows added in order."""
+    squared norm in f64: each row's in four interleaved partial sums (_lowrank.difference), the
+    rows added in order."""
     t, b = _as_stored(tuned, "tuned"), _as_stored(base, "base")
     if t.shape != b.shape:
         raise ShapeError(f"tuned {list(t.shape)} and base {list(b.shape)} differ in shape")
@@ -125,12 +127,84 @@ def _scale_exponent(norm_sq, rows, cols):
     return k + (k & 1)
 
 
-def _orthonormal(y):
-    """An orthonormal basis of y's columns (f64 QR, LAPACK)."""
-    from scipy.linalg import qr
+#: CholeskyQR is taken while the diagonal of its R spans at most this ratio (a lower bound of
+#: the columns' condition number); beyond it, or where the Cholesky factorisation fails (the
+#: columns dependent to f64 rounding: a difference of lower rank than the range finder's width),
+#: Householder QR.  CholeskyQR2 orthonormalises to f64 rounding up to a condition of about
+#: 2^26 (Yamamoto, Nakatsukasa, Yanagisawa and Fukaya 2015); 2^20 leaves room for the diagonal
+#: under-estimating the condition.
+CHOLESKY_MAX_SPREAD = 2.0 ** 20
 
-    q, _ = qr(y.astype(np.float64), mode="economic", check_finite=False)
+
+def _cholesky_r(q):
+    """R of q = Q R, upper triangular, from the Cholesky factorisation of the Gram matrix q^T q
+    (f64); None where the factorisation fails or R is too ill-conditioned to trust."""
+    from scipy.linalg import lapack
+
+    r, info = lapack.dpotrf(_gemm.gram_f64(q), lower=0, clean=1, overwrite_a=1)
+    if info != 0:
+        return None
+    diag = np.abs(np.diagonal(r))
+    if not diag.min() * CHOLESKY_MAX_SPREAD >= diag.max():
+        return None
+    return r
+
+
+def _orthonormal(y, rounds):
+    """An orthonormal basis of the columns of y [m, w] (f32): Q [m, w], f64 in Fortran order.
+
+    CholeskyQR (the Gram matrix, its Cholesky factor R, Q = y R^-1: level-3 BLAS, a fraction of
+    Householder's time) ``rounds`` times: once leaves Q orthonormal to about f64 rounding times
+    the condition squared -- a well-conditioned basis of the same columns, all a power
+    iteration needs -- twice to f64 rounding, which the final projection needs.  Where y is too
+    ill-conditioned for it, Householder QR (LAPACK's geqrf and orgqr)."""
+    q = np.array(y, np.float64, order="F")
+    for _ in range(rounds):
+        r = _cholesky_r(q)
+        if r is None:
+            from scipy.linalg import qr
+
+            return np.asfortranarray(qr(np.asarray(y, np.float64), mode="economic",
+                                        check_finite=False)[0])
+        q = _gemm.solve_upper_right(q, r)
     return q
+
+
+def _lu_basis(a, out, transposed):
+    """A basis of the columns of a [m, w] (f32, Fortran order; overwritten) for a power
+    iteration, into out [m, w] (or its transpose [w, m]): P L of a's LU factorisation with
+    partial pivoting (LAPACK's getrf, a quarter of the work of a Householder QR and its Q).
+    The same columns' span, entries at most 1 in magnitude (so the products' bound of
+    SAFE_EXPONENT holds as for +-1 entries); the power iterations need a well-conditioned basis,
+    not an orthonormal one (Li, Linderman, Szlam, Stanton, Kluger and Tygert 2017)."""
+    from scipy.linalg import lapack
+
+    lu, pivots, info = lapack.sgetrf(a, overwrite_a=1)
+    if info < 0:
+        raise NumericsError(f"LAPACK sgetrf refused its argument {-info}")
+    # info > 0: a zero pivot (a column dependent on those before it); L's column there is
+    # still its unit diagonal, so the basis keeps full rank
+    _lowrank.lu_basis(lu, np.asarray(pivots, np.int32), out, transposed)
+
+
+def _projected_svd(b):
+    """(Ub, s, W) for b = Q^T D [w, n] (f32): the eigenvectors Ub of the Gram matrix b b^T (f64,
+    largest first), W = b^T Ub [n, w] and s its column norms, so that b ~ Ub diag(s) (W / s)^T.
+
+    Ub Ub^T b is an orthogonal projection of b whatever the rounding of the eigenvalues, so the
+    truncation keeps the range finder's optimum; the singular values are taken as the norms of
+    b^T Ub rather than as square roots of eigenvalues, which lose their digits below
+    sqrt(eps) of the largest.  Far cheaper than an SVD of the wide b (no bidiagonalisation of
+    it)."""
+    from scipy.linalg import eigh
+
+    bt = np.asarray(b.T, np.float64)                       # [n, w], Fortran order
+    _, ub = eigh(_gemm.gram_f64(bt), lower=False, driver="evd", check_finite=False)
+    ub = np.asfortranarray(ub[:, ::-1])                   # largest eigenvalue first
+    w = _gemm.product_f64(bt, ub)
+    s = np.sqrt(np.einsum("ij,ij->j", w, w))
+    order = np.argsort(-s, kind="stable")
+    return ub[:, order], s[order], w[:, order]
 
 
 def extract_lora_weight(tuned, base, *, rank=None, energy=None, max_rank=256,
@@ -198,29 +272,32 @@ def extract_lora_weight(tuned, base, *, rank=None, energy=None, max_rank=256,
     if shift:  # entries near f32's limit: D * 2^-shift, exact (but for far smaller entries)
         np.ldexp(d, -shift, out=d)
     key = _quant.stochastic_key(int(seed), str(name))
-    from scipy.linalg import svd
-
+    iterations = int(power_iterations)
     with blas_single_threaded():
         omega = np.empty((cols, width), np.float32)
         _lowrank.rademacher(key, omega)
         y = np.empty((rows, width), np.float32)       # D X, [rows, width]
         zt = np.empty((width, cols), np.float32)      # Q^T D = (D^T Q)^T, [width, cols]
         _lowrank.d_times(d, omega, y, threads)
-        q = _orthonormal(y)
-        for _ in range(int(power_iterations)):
-            _lowrank.dt_times(d, np.ascontiguousarray(q.T, np.float32), zt, threads)
-            p = _orthonormal(zt.T)
-            _lowrank.d_times(d, np.ascontiguousarray(p, np.float32), y, threads)
-            q = _orthonormal(y)
-        _lowrank.dt_times(d, np.ascontiguousarray(q.T, np.float32), zt, threads)   # B = Q^T D
+        x = np.empty((cols, width), np.float32)       # the next product's basis
+        qt = np.empty((width, rows), np.float32)      # a basis of D X's columns, transposed
+        for i in range(iterations + 1):
+            if i == iterations:                        # the projection's: orthonormal
+                qt[:] = _orthonormal(y, 2).T
+                break
+            _lu_basis(np.asfortranarray(y), qt, transposed=True)
+            _lowrank.dt_times(d, qt, zt, threads)
+            _lu_basis(zt.T, x, transposed=False)      # zt^T: a Fortran-ordered [cols, width]
+            _lowrank.d_times(d, x, y, threads)
+        _lowrank.dt_times(d, qt, zt, threads)   # B = Q^T D
         if not np.all(np.isfinite(zt)):  # the scaling above keeps them finite; LAPACK would
             raise NumericsError(        # only say "A has a NaN entry"
                 f"{name or 'the weight'}: the range finder's products are not finite "
                 f"(||D||_F = {np.sqrt(norm_sq):.6g})")
-        # B = Ub S Vb^T, so D ~ Q B = (Q Ub) S Vb^T
-        ub, s, vbt = svd(zt.astype(np.float64), full_matrices=False, check_finite=False,
-                         lapack_driver="gesdd")
-        u = q @ ub
+        # B ~ Ub S V^T with V = W / s, so D ~ Q B = (Q Ub) S V^T
+        ub, s, w = _projected_svd(zt)
+        u = _gemm.product_f64(qt.T, ub[:, :wanted])
+    v = w[:, :wanted] / np.where(s[:wanted] > 0.0, s[:wanted], 1.0)
     if shift:
         s = s * 2.0 ** shift    # f64: the singular values of D itself
     if rank is None:
@@ -228,7 +305,7 @@ def extract_lora_weight(tuned, base, *, rank=None, energy=None, max_rank=256,
         enough = np.flatnonzero(kept_sq >= (energy ** 2) * norm_sq)
         wanted = min(wanted, int(enough[0]) + 1 if enough.size else wanted)
     kept = float(np.sqrt(min(1.0, float(np.sum(s[:wanted] ** 2)) / norm_sq)))
-    return _factors(u, s, vbt.T, wanted, kept, float(np.sqrt(norm_sq)), dtype, s)
+    return _factors(u, s, v, wanted, kept, float(np.sqrt(norm_sq)), dtype, s)
 
 
 def _factors(u, s, v, rank, kept, norm, dtype, estimates):

@@ -115,8 +115,13 @@ def test_the_difference_and_its_norm(rng):
     d, norm_sq = difference(tuned, base, threads=3)
     want = reference.bf16_widen(tuned) - reference.bf16_widen(base)   # one f32 subtraction
     assert np.array_equal(d, want)
-    rows = [sum(float(v) * float(v) for v in row) for row in want.astype(np.float64)]
-    assert norm_sq == pytest.approx(sum(rows), rel=1e-15)
+    total = 0.0
+    for row in want.astype(np.float64):   # each row in four partial sums, by column mod 4
+        parts = [0.0, 0.0, 0.0, 0.0]
+        for c, v in enumerate(row):
+            parts[c % 4] += v * v
+        total += (parts[0] + parts[1]) + (parts[2] + parts[3])
+    assert norm_sq == total
 
 
 def test_bad_arguments_are_refused(rng):
@@ -348,3 +353,88 @@ def test_a_changed_bias_is_written_under_its_modules_name(checkpoints, tmp_path,
     ltx2blas.fuse_checkpoint(paths["base"], [(paths["out"], 1.0)], refused)
     diff = read(paths["out"])[0]["diffusion_model.transformer_blocks.0.attn1.to_k.diff_b"]
     assert np.array_equal(read(refused)[0][bias], reference.fuse_bias(base[bias][1], [(diff, 1.0)]))
+
+
+# ---- the factorisations between the products ----
+
+def test_the_lu_basis_is_p_l_with_the_columns_span(rng):
+    from scipy.linalg import lapack
+
+    from ltx2blas import _lowrank
+
+    a = rng.standard_normal((40, 7)).astype(np.float32)
+    a[:, 4] = 0.0                                    # a dependent column: a zero pivot
+    lu, pivots, info = lapack.sgetrf(np.asfortranarray(a))
+    assert info > 0
+    basis = np.empty((40, 7), np.float32)
+    _lowrank.lu_basis(lu, pivots.astype(np.int32), basis, False)
+    t = np.empty((7, 40), np.float32)
+    _lowrank.lu_basis(lu, pivots.astype(np.int32), t, True)
+    assert np.array_equal(t.T, basis)
+    # P L U = a, with U read from getrf's upper triangle
+    u = np.triu(lu[:7]).astype(np.float64)
+    assert np.allclose(basis.astype(np.float64) @ u, a, atol=1e-5)
+    # P L: each row of L once, in a's order: L's unit diagonal and zeros above it
+    p = np.arange(40)
+    for i, j in enumerate(pivots):
+        p[i], p[j] = p[j], p[i]
+    lower = basis[p]
+    assert np.array_equal(np.diagonal(lower), np.ones(7, np.float32))
+    assert np.array_equal(np.triu(lower[:7], 1), np.zeros((7, 7), np.float32))
+    assert np.abs(basis).max() <= 1.0 and np.linalg.matrix_rank(basis) == 7
+
+
+@pytest.mark.parametrize("dependent", [False, True])
+def test_the_final_basis_is_orthonormal_either_way(rng, dependent):
+    """CholeskyQR2 where the columns are well conditioned, Householder where they are not (a
+    column dependent on the others: the Cholesky factorisation fails)."""
+    from ltx2blas import extract
+
+    y = rng.standard_normal((300, 24)).astype(np.float32)
+    if dependent:
+        y[:, 5] = y[:, 3]
+    assert (extract._cholesky_r(np.asfortranarray(y, np.float64)) is None) == dependent
+    q = extract._orthonormal(y, 2)
+    assert q.flags.f_contiguous and q.dtype == np.float64
+    # orthonormal to f64 rounding: CholeskyQR2's error is a small multiple of 300 * 2^-53
+    assert np.abs(q.T @ q - np.eye(24)).max() <= 1e-13
+    # the span of y's columns: y's projection onto q is y
+    y64 = y.astype(np.float64)
+    assert np.linalg.norm(y64 - q @ (q.T @ y64)) <= 1e-12 * np.linalg.norm(y64)
+
+
+def test_the_small_svd_from_the_gram_matrix(rng):
+    """Ub, s, W of b against an f64 SVD: the singular values, the projection of b onto Ub's
+    first columns, and b = Ub diag(s) (W / s)^T."""
+    from ltx2blas import extract
+
+    u, _ = np.linalg.qr(rng.standard_normal((20, 20)))
+    v, _ = np.linalg.qr(rng.standard_normal((500, 20)))
+    sigma = 10.0 ** -np.linspace(0, 6, 20)          # down to 1e-6 of the largest
+    b = ((u * sigma) @ v.T).astype(np.float32)
+    want = np.linalg.svd(b.astype(np.float64), compute_uv=False)
+    ub, s, w = extract._projected_svd(b)
+    # the norms of b^T Ub: f64 products of f32 data, each value to a few f64 roundings of the
+    # largest (2^-53 * 20 * sigma_0); the square roots of eigenvalues would miss the small ones
+    assert np.allclose(s, want, rtol=0, atol=1e-13)
+    assert np.all(np.diff(s) <= 0)
+    b64 = b.astype(np.float64)
+    # Ub diag(s) (W / s)^T = Ub W^T = Ub Ub^T b: all of b, Ub being square here
+    assert np.linalg.norm(b64 - (ub * s) @ (w / s).T) <= 1e-13 * np.linalg.norm(b64)
+    for k in (1, 5, 12):   # truncated: the optimum's error, to rounding
+        approx = ub[:, :k] @ (ub[:, :k].T @ b64)
+        assert np.linalg.norm(b64 - approx) == pytest.approx(np.sqrt(np.sum(want[k:] ** 2)),
+                                                             rel=1e-9, abs=1e-14)
+
+
+def test_a_rank_below_the_asked_gives_finite_factors_and_the_difference(rng):
+    """A difference of rank 3 asked for rank 8: the Householder basis, singular values of zero
+    or rounding size past the third, factors finite, the product the difference."""
+    base = random_bf16(rng, (64, 48), 0.02)
+    tuned, _ = tuned_by(rng, base, 3)
+    d32 = tuned.astype(np.float64) - widen(base)
+    low = extract_lora_weight(tuned, base, rank=8, dtype="f32")
+    assert np.all(np.isfinite(low.lora_a)) and np.all(np.isfinite(low.lora_b))
+    assert low.singular_values[3] <= 1e-6 * low.singular_values[0]
+    got = low.lora_b.astype(np.float64) @ low.lora_a.astype(np.float64)
+    assert np.linalg.norm(got - d32) <= 1e-5 * np.linalg.norm(d32)
