@@ -9,9 +9,11 @@ each rank and thread count, interleaved:
   * ``products``: its GEMM part alone, the 2 x (iterations + 1) products of the difference with
     a thin matrix (d_times, dt_times), and their rate against ``sgemm_square`` (2048^3, same
     threads);
+  * ``difference``: the f32 difference of the two weights alone, the first step of ltx2blas's;
   * where torch is installed, ``svd_lowrank`` on the same f32 difference with the same columns
-    (rank + 10) and iterations, and a full ``torch.linalg.svd`` (timed once per weight; its
-    truncation is the optimum).
+    and iterations (given the difference: the range finder alone), the same from the two bf16
+    weights (``tuned.float() - base.float()`` first, as a torch script extracts), and a full
+    ``torch.linalg.svd`` (timed once per weight; its truncation is the optimum).
 Errors are ||D - B A||_F / ||D||_F with the factors as returned (bf16 for ltx2blas, f32 for
 torch), and their ratio to the optimum's.  Then the checkpoint: ``--blocks`` blocks of LTX-2's
 transformer, tuned by a LoRA of ``--checkpoint-rank`` fused in, extracted at that rank, against
@@ -93,14 +95,21 @@ def run_weights(threads_list, shape, ranks, repeats=3, full_svd=True, log=print)
                     for _ in range(ITERATIONS + 1):
                         _lowrank.d_times(d, x, y, threads)
                         _lowrank.dt_times(d, yt, zt, threads)
-            cands = {"ltx2blas": ours, "products": products, "sgemm_square": square}
+            cands = {"ltx2blas": ours, "products": products, "sgemm_square": square,
+                     "difference": lambda: difference(tuned, base, threads)}
             if torch is not None:
                 torch.set_num_threads(threads)
                 dt = torch.from_numpy(d)
+                tt = torch.from_numpy(tuned.view(np.int16)).view(torch.bfloat16)
+                bt = torch.from_numpy(base.view(np.int16)).view(torch.bfloat16)
 
                 def lowrank():
                     made["torch"] = torch.svd_lowrank(dt, q=width, niter=ITERATIONS)
+
+                def lowrank_pair():   # from the weights, as a torch script extracts
+                    torch.svd_lowrank(tt.float() - bt.float(), q=width, niter=ITERATIONS)
                 cands["svd_lowrank"] = lowrank
+                cands["svd_lowrank_pair"] = lowrank_pair
             t = harness.interleaved(cands, repeats=repeats)
             peak = square_flops / t["sgemm_square"][harness.STAT] / 1e9
             product_flops = 2.0 * rows * cols * width * 2 * (ITERATIONS + 1)
@@ -130,7 +139,15 @@ def run_weights(threads_list, shape, ranks, repeats=3, full_svd=True, log=print)
                 row["svd_lowrank_columns"] = width
                 row["svd_lowrank_time_ratio"] = t["svd_lowrank"][harness.STAT] / row["seconds"]
                 row["svd_lowrank_error"] = relative_error(d, tb, ta)
-                text += (f"; svd_lowrank {row['svd_lowrank_time_ratio']:.2f}x its time, error "
+                row["svd_lowrank_round_ratios"] = harness.round_ratios(t, "svd_lowrank",
+                                                                       "ltx2blas")
+                row["svd_lowrank_pair_time_ratio"] = (t["svd_lowrank_pair"][harness.STAT]
+                                                      / row["seconds"])
+                row["difference_seconds"] = t["difference"][harness.STAT]
+                text += (f"; svd_lowrank {row['svd_lowrank_time_ratio']:.2f}x its time "
+                         f"(rounds {min(row['svd_lowrank_round_ratios']):.2f}-"
+                         f"{max(row['svd_lowrank_round_ratios']):.2f}), from the weights "
+                         f"{row['svd_lowrank_pair_time_ratio']:.2f}x, error "
                          f"{row['svd_lowrank_error']:.5f}")
             out_rows.append(row)
             log(text)

@@ -70,8 +70,9 @@ def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.25, m
     advances by fixed amounts, so that which candidate counts as slow does not depend on the
     machine's load.
 
-    Returns name -> {"median": s, "min": s, "max": s, "spread": (max - min) / median}, times
-    per call."""
+    Returns name -> {"median": s, "min": s, "max": s, "spread": (max - min) / median, "n",
+    "samples": every timing in round order}, times per call.  Candidates timed every round
+    have samples that pair by round (round_ratios)."""
     inner = dict.fromkeys(candidates, 1)
     warm = {}
     for _ in range(warmup):
@@ -100,8 +101,15 @@ def interleaved(candidates, repeats=5, warmup=1, min_seconds=0.0, settle=0.25, m
     for name, ts in times.items():
         med = statistics.median(ts)
         out[name] = {"median": med, "min": min(ts), "max": max(ts),
-                     "spread": (max(ts) - min(ts)) / med if med else 0.0, "n": len(ts)}
+                     "spread": (max(ts) - min(ts)) / med if med else 0.0, "n": len(ts),
+                     "samples": ts}
     return out
+
+
+def round_ratios(times, numerator, denominator):
+    """numerator's time / denominator's, round by round, from interleaved()'s samples: each
+    pair taken within one round, under the same load."""
+    return [a / b for a, b in zip(times[numerator]["samples"], times[denominator]["samples"])]
 
 
 def reset_peak_rss():

@@ -14,6 +14,7 @@ The Linear's products (``sgemm_wxt``, ``dgemm_wxt``, ``chunk_wxt``'s kernels) ha
 contract; their order is fixed by the blocks the driver cuts, so results repeat exactly.
 """
 from cpython.pycapsule cimport PyCapsule_GetName, PyCapsule_GetPointer
+from cython.parallel cimport prange
 from libc.stdint cimport uint16_t, uint32_t
 from libc.string cimport memset
 
@@ -35,8 +36,15 @@ ctypedef void (*sgemm_fn)(char *, char *, int *, int *, int *, float *, const fl
 ctypedef void (*dgemm_fn)(char *, char *, int *, int *, int *, double *, const double *, int *,
                           const double *, int *, double *, double *, int *) noexcept nogil
 
+ctypedef void (*dsyrk_fn)(char *, char *, int *, int *, double *, const double *, int *,
+                          double *, double *, int *) noexcept nogil
+ctypedef void (*dtrsm_fn)(char *, char *, char *, char *, int *, int *, double *,
+                          const double *, int *, double *, int *) noexcept nogil
+
 cdef sgemm_fn _sgemm = NULL
 cdef dgemm_fn _dgemm = NULL
+cdef dsyrk_fn _dsyrk = NULL
+cdef dtrsm_fn _dtrsm = NULL
 cdef const ltx_kernels *_fast = ltx_fast_kernels()
 cdef const ltx_kernels *_strict = ltx_strict_kernels()
 
@@ -45,7 +53,9 @@ cdef void *_capsule_pointer(object capsule, str name) except NULL:
     """The function pointer in one of cython_blas's capsules, refusing an integer ABI we do not
     call correctly (the capsule's name is the C signature, and names the integer type)."""
     cdef const char *signature = PyCapsule_GetName(capsule)
-    int_type = signature.decode().split(",")[2].strip()
+    # the first argument that is not a character (a flag) is a size
+    int_type = next(a.strip() for a in signature.decode().split("(", 1)[1].split(",")
+                    if a.strip() != "char *")
     if int_type != "int *":
         raise ImportError(
             f"scipy.linalg.cython_blas.{name} takes {int_type!r} sizes; ltx2blas calls "
@@ -55,12 +65,14 @@ cdef void *_capsule_pointer(object capsule, str name) except NULL:
 
 
 def _bind_blas():
-    """Take sgemm and dgemm from scipy.linalg.cython_blas."""
-    global _sgemm, _dgemm
+    """Take sgemm, dgemm, dsyrk and dtrsm from scipy.linalg.cython_blas."""
+    global _sgemm, _dgemm, _dsyrk, _dtrsm
     from scipy.linalg import cython_blas
 
     _sgemm = <sgemm_fn>_capsule_pointer(cython_blas.__pyx_capi__["sgemm"], "sgemm")
     _dgemm = <dgemm_fn>_capsule_pointer(cython_blas.__pyx_capi__["dgemm"], "dgemm")
+    _dsyrk = <dsyrk_fn>_capsule_pointer(cython_blas.__pyx_capi__["dsyrk"], "dsyrk")
+    _dtrsm = <dtrsm_fn>_capsule_pointer(cython_blas.__pyx_capi__["dtrsm"], "dtrsm")
 
 
 _bind_blas()
@@ -408,27 +420,76 @@ def dgemm_xwt(const double[:, ::1] x, const double[:, ::1] w):
 
 
 # ---- f64 products of the low-rank factorisations (ltx2blas.extract) ----
-# Level-3 BLAS calls on Fortran-ordered f64 arrays, no copies; the caller holds the BLAS to one
-# thread, so that each result is one call's, the same for any thread count.
+# Level-3 BLAS calls on Fortran-ordered f64 arrays, cut into blocks of rows fixed by the shape
+# alone, one call a block with the BLAS on one thread (the caller holds it there), the blocks
+# shared among the threads: the same bytes for any thread count, as the f32 products'.
 
-def gram_f64(a):
-    """a^T a for a [m, w] f64 array in Fortran order, by one dsyrk call: [w, w], its upper
-    triangle set (what dpotrf and eigh(lower=False) read), the lower one zero."""
-    from scipy.linalg import blas
-
-    return blas.dsyrk(1.0, a, trans=1, lower=0)
-
-
-def solve_upper_right(y, r):
-    """y r^-1 for r [w, w] upper triangular, by one dtrsm call; y [m, w] f64 in Fortran order is
-    overwritten and returned."""
-    from scipy.linalg import blas
-
-    return blas.dtrsm(1.0, r, y, side=1, lower=0, overwrite_b=1)
+cdef enum:
+    # Rows of a block: enough for each call to run near the BLAS's rate at widths of tens of
+    # columns, few enough to share a 4096-row factor among several threads.
+    F64_BLOCK = 512
 
 
-def product_f64(a, b, trans_a=False):
-    """a @ b (or a^T @ b) in f64 by one dgemm call, the result in Fortran order."""
-    from scipy.linalg import blas
+cdef inline int _blocks(Py_ssize_t rows) noexcept nogil:
+    return <int>((rows + F64_BLOCK - 1) // F64_BLOCK)
 
-    return blas.dgemm(1.0, a, b, trans_a=int(bool(trans_a)))
+
+def gram_f64(const double[::1, :] a, int threads=1):
+    """a^T a for a [m, w] f64 array in Fortran order: [w, w] in Fortran order, its upper
+    triangle set (what dpotrf and eigh(lower=False) read), the lower one zero.  One dsyrk call
+    per block of F64_BLOCK rows, into a Gram matrix of its own; those added in block order."""
+    cdef int m = <int>a.shape[0], w = <int>a.shape[1], blocks = _blocks(a.shape[0]), b, r0, rb
+    cdef int i, j
+    cdef double one = 1.0, zero = 0.0
+    parts_array = np.zeros((max(blocks, 1), w, w), np.float64)
+    cdef double[:, :, ::1] parts = parts_array
+    if m and w:
+        for b in prange(blocks, nogil=True, num_threads=max(threads, 1), schedule="dynamic"):
+            r0 = b * F64_BLOCK
+            rb = min(F64_BLOCK, m - r0)
+            # each part's [w, w] buffer, C-ordered, is read by the BLAS as its transpose: the
+            # upper triangle asked for lands in the buffer's lower one, transposed below
+            _dsyrk(b"U", b"T", &w, &rb, &one, &a[r0, 0], &m, &zero, &parts[b, 0, 0], &w)
+        with nogil:
+            for b in range(1, blocks):
+                for i in range(w):
+                    for j in range(i + 1):
+                        parts[0, i, j] = parts[0, i, j] + parts[b, i, j]
+    # parts[0] holds (column-major) the upper triangle: as a C array, the lower; its transpose
+    # is the Fortran-ordered upper triangle
+    return np.asfortranarray(np.tril(parts_array[0]).T)
+
+
+def solve_upper_right(double[::1, :] y, const double[::1, :] r, int threads=1):
+    """y r^-1 in place, for r [w, w] upper triangular (Fortran order) and y [m, w] f64 in
+    Fortran order: each row of the result depends on that row of y alone, so the blocks of
+    F64_BLOCK rows are solved apart, one dtrsm call each."""
+    cdef int m = <int>y.shape[0], w = <int>y.shape[1], blocks = _blocks(y.shape[0]), b, r0, rb
+    cdef double one = 1.0
+    if r.shape[0] != w or r.shape[1] != w:
+        raise ValueError("shape mismatch")
+    if m and w:
+        for b in prange(blocks, nogil=True, num_threads=max(threads, 1), schedule="dynamic"):
+            r0 = b * F64_BLOCK
+            rb = min(F64_BLOCK, m - r0)
+            _dtrsm(b"R", b"U", b"N", b"N", &rb, &w, &one, &r[0, 0], &w, &y[r0, 0], &m)
+    return np.asarray(y)
+
+
+def product_f64(const double[::1, :] a, const double[::1, :] b, int threads=1):
+    """a @ b for a [m, k] and b [k, n], f64 in Fortran order: [m, n] in Fortran order, one
+    dgemm call per block of F64_BLOCK rows of a."""
+    cdef int m = <int>a.shape[0], k = <int>a.shape[1], n = <int>b.shape[1]
+    cdef int blocks = _blocks(a.shape[0]), i, r0, rb
+    cdef double one = 1.0, zero = 0.0
+    if b.shape[0] != k:
+        raise ValueError("shape mismatch")
+    out = np.zeros((m, n), np.float64, order="F")
+    cdef double[::1, :] c = out
+    if m and n and k:
+        for i in prange(blocks, nogil=True, num_threads=max(threads, 1), schedule="dynamic"):
+            r0 = i * F64_BLOCK
+            rb = min(F64_BLOCK, m - r0)
+            _dgemm(b"N", b"N", &rb, &n, &k, &one, &a[r0, 0], &m, &b[0, 0], &k, &zero, &c[r0, 0],
+                   &m)
+    return out

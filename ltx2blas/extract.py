@@ -136,12 +136,12 @@ def _scale_exponent(norm_sq, rows, cols):
 CHOLESKY_MAX_SPREAD = 2.0 ** 20
 
 
-def _cholesky_r(q):
+def _cholesky_r(q, threads=1):
     """R of q = Q R, upper triangular, from the Cholesky factorisation of the Gram matrix q^T q
     (f64); None where the factorisation fails or R is too ill-conditioned to trust."""
     from scipy.linalg import lapack
 
-    r, info = lapack.dpotrf(_gemm.gram_f64(q), lower=0, clean=1, overwrite_a=1)
+    r, info = lapack.dpotrf(_gemm.gram_f64(q, threads), lower=0, clean=1, overwrite_a=1)
     if info != 0:
         return None
     diag = np.abs(np.diagonal(r))
@@ -150,7 +150,7 @@ def _cholesky_r(q):
     return r
 
 
-def _orthonormal(y, rounds):
+def _orthonormal(y, rounds, threads=1):
     """An orthonormal basis of the columns of y [m, w] (f32): Q [m, w], f64 in Fortran order.
 
     CholeskyQR (the Gram matrix, its Cholesky factor R, Q = y R^-1: level-3 BLAS, a fraction of
@@ -160,13 +160,13 @@ def _orthonormal(y, rounds):
     ill-conditioned for it, Householder QR (LAPACK's geqrf and orgqr)."""
     q = np.array(y, np.float64, order="F")
     for _ in range(rounds):
-        r = _cholesky_r(q)
+        r = _cholesky_r(q, threads)
         if r is None:
             from scipy.linalg import qr
 
             return np.asfortranarray(qr(np.asarray(y, np.float64), mode="economic",
                                         check_finite=False)[0])
-        q = _gemm.solve_upper_right(q, r)
+        q = _gemm.solve_upper_right(q, r, threads)
     return q
 
 
@@ -187,7 +187,7 @@ def _lu_basis(a, out, transposed):
     _lowrank.lu_basis(lu, np.asarray(pivots, np.int32), out, transposed)
 
 
-def _projected_svd(b):
+def _projected_svd(b, threads=1):
     """(Ub, s, W) for b = Q^T D [w, n] (f32): the eigenvectors Ub of the Gram matrix b b^T (f64,
     largest first), W = b^T Ub [n, w] and s its column norms, so that b ~ Ub diag(s) (W / s)^T.
 
@@ -199,12 +199,12 @@ def _projected_svd(b):
     from scipy.linalg import eigh
 
     bt = np.asarray(b.T, np.float64)                       # [n, w], Fortran order
-    _, ub = eigh(_gemm.gram_f64(bt), lower=False, driver="evd", check_finite=False)
+    _, ub = eigh(_gemm.gram_f64(bt, threads), lower=False, driver="evd", check_finite=False)
     ub = np.asfortranarray(ub[:, ::-1])                   # largest eigenvalue first
-    w = _gemm.product_f64(bt, ub)
+    w = _gemm.product_f64(bt, ub, threads)
     s = np.sqrt(np.einsum("ij,ij->j", w, w))
     order = np.argsort(-s, kind="stable")
-    return ub[:, order], s[order], w[:, order]
+    return np.asfortranarray(ub[:, order]), s[order], w[:, order]
 
 
 def extract_lora_weight(tuned, base, *, rank=None, energy=None, max_rank=256,
@@ -283,7 +283,7 @@ def extract_lora_weight(tuned, base, *, rank=None, energy=None, max_rank=256,
         qt = np.empty((width, rows), np.float32)      # a basis of D X's columns, transposed
         for i in range(iterations + 1):
             if i == iterations:                        # the projection's: orthonormal
-                qt[:] = _orthonormal(y, 2).T
+                qt[:] = _orthonormal(y, 2, threads).T
                 break
             _lu_basis(np.asfortranarray(y), qt, transposed=True)
             _lowrank.dt_times(d, qt, zt, threads)
@@ -295,8 +295,8 @@ def extract_lora_weight(tuned, base, *, rank=None, energy=None, max_rank=256,
                 f"{name or 'the weight'}: the range finder's products are not finite "
                 f"(||D||_F = {np.sqrt(norm_sq):.6g})")
         # B ~ Ub S V^T with V = W / s, so D ~ Q B = (Q Ub) S V^T
-        ub, s, w = _projected_svd(zt)
-        u = _gemm.product_f64(qt.T, ub[:, :wanted])
+        ub, s, w = _projected_svd(zt, threads)
+        u = _gemm.product_f64(np.asarray(qt.T, np.float64), ub[:, :wanted], threads)
     v = w[:, :wanted] / np.where(s[:wanted] > 0.0, s[:wanted], 1.0)
     if shift:
         s = s * 2.0 ** shift    # f64: the singular values of D itself

@@ -438,3 +438,28 @@ def test_a_rank_below_the_asked_gives_finite_factors_and_the_difference(rng):
     assert low.singular_values[3] <= 1e-6 * low.singular_values[0]
     got = low.lora_b.astype(np.float64) @ low.lora_a.astype(np.float64)
     assert np.linalg.norm(got - d32) <= 1e-5 * np.linalg.norm(d32)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_f64_products_by_blocks_of_rows(rng, threads):
+    """The seam's f64 Gram matrix, triangular solve and product, cut into blocks of rows (1300
+    rows: two whole blocks and a part): within f64 rounding of numpy's, and byte for byte the
+    same for any thread count."""
+    from ltx2blas import _gemm
+    from ltx2blas._threads import blas_single_threaded
+
+    a = np.asfortranarray(rng.standard_normal((1300, 37)))
+    b = np.asfortranarray(rng.standard_normal((37, 11)))
+    r = np.asfortranarray(np.triu(rng.standard_normal((37, 37))) + 8 * np.eye(37))
+    with blas_single_threaded():
+        g1, g = _gemm.gram_f64(a, 1), _gemm.gram_f64(a, threads)
+        p1, p = _gemm.product_f64(a, b, 1), _gemm.product_f64(a, b, threads)
+        s1 = _gemm.solve_upper_right(np.array(a, order="F"), r, 1)
+        s = _gemm.solve_upper_right(np.array(a, order="F"), r, threads)
+    for one, other in ((g1, g), (p1, p), (s1, s)):
+        assert one.tobytes() == other.tobytes() and other.flags.f_contiguous
+    # each entry a sum of 1300 products of unit-scale normals: f64 rounding of a few 1e-13
+    assert np.array_equal(np.tril(g, -1), np.zeros((37, 37)))
+    assert np.allclose(g, np.triu(a.T @ a), rtol=0, atol=1e-10)
+    assert np.allclose(p, a @ b, rtol=0, atol=1e-11)
+    assert np.allclose(s @ r, a, rtol=0, atol=1e-11)
