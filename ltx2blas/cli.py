@@ -238,7 +238,7 @@ def _cmd_extract(args):
         max_rank=args.max_rank, keys=args.keys, dtype=args.dtype, full_diff=args.full_diff,
         seed=args.seed, power_iterations=args.power_iterations, threads=args.threads,
         progress=None if (args.quiet or args.json or args.dry_run) else _ProgressPrinter(),
-        dry_run=args.dry_run)
+        dry_run=args.dry_run, weights_at_once=args.weights_at_once)
     if args.json:
         _print(_json(report.as_dict()))
         return 0
@@ -618,6 +618,10 @@ def build_parser():
                         "error within 2%% of the optimum")
     p.add_argument("--threads", type=_thread_count, default=None,
                    help="threads (default: every CPU this process may use)")
+    p.add_argument("--weights-at-once", type=_positive_int, default=None,
+                   help="weights extracted side by side, the threads shared among them "
+                        "(default: one per 4 threads); the same file either way, memory for "
+                        "that many weights")
     p.add_argument("--dry-run", action="store_true",
                    help="plan from the headers, reading no weight: the weights, their ranks "
                         "(with --energy the largest each may get) and the output's size at "

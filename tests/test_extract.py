@@ -211,6 +211,35 @@ def test_the_same_file_for_any_thread_count_and_the_energy_mode(checkpoints, tmp
                                            for w in record["weights"].values())
 
 
+@pytest.mark.parametrize("threads, at_once", [(2, 2), (3, 3), (3, 2), (8, None)])
+def test_weights_side_by_side_write_the_same_file(checkpoints, tmp_path, threads, at_once):
+    """Weights extracted side by side (each on its share of the threads, the results taken in
+    order) make the file one weight at a time makes, progress reported for every tensor."""
+    from ltx2blas.files.extract import weight_lanes
+
+    paths, *_ = checkpoints
+    extract_lora(paths["tuned"], paths["base"], paths["out"], rank=3, threads=1)
+    again = tmp_path / "again.safetensors"
+    seen = []
+    report = extract_lora(paths["tuned"], paths["base"], again, rank=3, threads=threads,
+                          weights_at_once=at_once, progress=lambda p: seen.append(p))
+    assert paths["out"].read_bytes() == again.read_bytes()
+    assert [p.tensors_done for p in seen] == list(range(1, seen[0].tensors_total + 1))
+    assert report.weights_extracted == 3
+    assert weight_lanes(threads, at_once)[0] == (2 if at_once is None else at_once)
+
+
+def test_the_weights_at_once_rule():
+    from ltx2blas.files.extract import weight_lanes
+
+    assert weight_lanes(1) == (1, 1) and weight_lanes(3) == (1, 3) and weight_lanes(4) == (1, 4)
+    assert weight_lanes(8) == (2, 4) and weight_lanes(20) == (5, 4) and weight_lanes(9) == (2, 4)
+    assert weight_lanes(2, 2) == (2, 1) and weight_lanes(2, 5) == (2, 1)
+    for bad in (0, -1, 1.5, "two", True):
+        with pytest.raises(errors.ArgumentError, match="weights_at_once must be a positive"):
+            weight_lanes(2, bad)
+
+
 @pytest.mark.parametrize("keys, a_key", [
     ("diffusers", "transformer.transformer_blocks.0.attn1.to_q.lora_A.weight"),
     ("comfy", "diffusion_model.transformer_blocks.0.attn1.to_q.lora_down.weight")])

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .._threads import resolve_threads
 from .._validate import FP8, bf16_bits, bf16_to_f32, choice
 from ..errors import (ArgumentError, DTypeError, KeyMatchError, Ltx2IOError, NumericsError,
                       ShapeError, counted, printable)
@@ -238,7 +239,7 @@ def _float_values(array, dtype):
 def extract_lora(tuned, base, output, *, rank=None, energy=None, max_rank=256, keys="ltx",
                  dtype="bf16", full_diff=False, seed=0, oversample=OVERSAMPLE,
                  power_iterations=POWER_ITERATIONS, threads=None, progress=None,
-                 dry_run=False):
+                 dry_run=False, weights_at_once=None):
     """Extract a LoRA of ``tuned - base`` into a safetensors file (see the module docstring).
 
     Parameters
@@ -259,6 +260,10 @@ def extract_lora(tuned, base, output, *, rank=None, energy=None, max_rank=256, k
         ``.diff_b`` beside a bias); they are listed either way.
     seed, oversample, power_iterations, threads
         As for :func:`ltx2blas.extract.extract_lora_weight`.
+    weights_at_once : int, optional
+        Weights extracted side by side, the threads shared among them (weight_lanes; by
+        default one per THREADS_PER_WEIGHT threads).  The same file either way; memory holds
+        that many weights' pairs and differences.
     progress : callable, optional
         Called with a :class:`~ltx2blas.files.checkpoint.Progress` after each tensor; its
         work is the bytes read from both checkpoints and the range finder's arithmetic (the
@@ -277,6 +282,7 @@ def extract_lora(tuned, base, output, *, rank=None, energy=None, max_rank=256, k
     if (rank is None) == (energy is None):
         raise ArgumentError("give rank or energy, one of them")
     check_counts(oversample, power_iterations)
+    weight_lanes(threads, weights_at_once)
     if output is not None or not dry_run:
         output_path(output)  # a missing folder, a folder or a device: refused by name, first
     t0 = time.perf_counter()
@@ -291,7 +297,7 @@ def extract_lora(tuned, base, output, *, rank=None, energy=None, max_rank=256, k
             return _plan_only(*sides, output, rank, energy, max_rank, dtype, full_diff,
                               oversample, power_iterations, t0)
         return _extract(*sides, output, rank, energy, max_rank, keys, dtype, full_diff, seed,
-                        oversample, power_iterations, threads, progress, t0)
+                        oversample, power_iterations, threads, progress, t0, weights_at_once)
     finally:
         for side in sides:
             side.close()
@@ -384,8 +390,39 @@ def _plan_only(tuned, base, output, rank, energy, max_rank, dtype, full_diff, ov
     return report
 
 
+def _taken(pending):
+    name, future = pending
+    return name, future.result()
+
+
+#: Threads one weight's extraction keeps busy: its transposed products run in blocks of 1024
+#: columns, four on a 4096-column weight (ltx2blas._lowrank.COLUMN_BLOCK).  Where more threads
+#: are given, weights run side by side, each on its share.
+THREADS_PER_WEIGHT = 4
+
+
+def weight_lanes(threads=None, weights_at_once=None):
+    """(weights extracted at once, threads each): by default one weight for every
+    THREADS_PER_WEIGHT threads, at least one; ``weights_at_once`` (1 to the thread count)
+    sets it.  Each weight in flight holds its two weights read and their f32 difference."""
+    threads = resolve_threads(threads)
+    if weights_at_once is None:
+        lanes = max(1, threads // THREADS_PER_WEIGHT)
+    else:
+        try:
+            whole = not isinstance(weights_at_once, bool) and \
+                int(weights_at_once) == weights_at_once >= 1
+        except (TypeError, ValueError, OverflowError):
+            whole = False
+        if not whole:
+            raise ArgumentError(f"weights_at_once must be a positive integer, got "
+                                f"{weights_at_once!r}")
+        lanes = min(int(weights_at_once), threads)
+    return lanes, threads // lanes
+
+
 def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff, seed,
-             oversample, power_iterations, threads, progress, t0):
+             oversample, power_iterations, threads, progress, t0, weights_at_once=None):
     linear, other = _plan(tuned, base)
     report = ExtractReport(output=os.fspath(output), rank=rank, energy=energy,
                            max_rank=max_rank if energy is not None else None,
@@ -420,22 +457,23 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
             entries.append((name, dtype_name, tuple(array.shape), data.nbytes))
             places.append((offset, data.nbytes))
 
-        done = 0
-        for name, (t_layout, b_layout) in linear:
-            t_values, b_values = tuned.values(name, t_layout), base.values(name, b_layout)
+        def extract_one(name, t_values, b_values, weight_threads):
+            if t_values.dtype == b_values.dtype and np.array_equal(t_values, b_values):
+                return None
+            try:
+                return extract_lora_weight(
+                    t_values, b_values, rank=rank, energy=energy, max_rank=max_rank,
+                    oversample=oversample, power_iterations=power_iterations, seed=seed,
+                    name=name, dtype=dtype, threads=weight_threads)
+            except (NumericsError, ShapeError) as exc:
+                # the weight's own messages begin with its name (raw): named once, escaped
+                text = str(exc)
+                text = text[len(name) + 2:] if text.startswith(name + ": ") else text
+                raise type(exc)(f"{printable(name)}: {text}") from None
+
+        def record(name, low):
+            nonlocal done, gflop_total
             done += 1
-            low = None
-            if not (t_values.dtype == b_values.dtype and np.array_equal(t_values, b_values)):
-                try:
-                    low = extract_lora_weight(
-                        t_values, b_values, rank=rank, energy=energy, max_rank=max_rank,
-                        oversample=oversample, power_iterations=power_iterations, seed=seed,
-                        name=name, dtype=dtype, threads=threads)
-                except (NumericsError, ShapeError) as exc:
-                    # the weight's own messages begin with its name (raw): named once, escaped
-                    text = str(exc)
-                    text = text[len(name) + 2:] if text.startswith(name + ": ") else text
-                    raise type(exc)(f"{printable(name)}: {text}") from None
             report.bytes_read += sizes[name]
             if low is None or low.rank == 0:   # equal values (stored alike or not)
                 report.weights_equal += 1
@@ -453,6 +491,37 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
                 progress(Progress(done, total, report.gflop, gflop_total,
                                   time.perf_counter() - t0, name, report.bytes_read,
                                   bytes_total))
+
+        done = 0
+        lanes, weight_threads = weight_lanes(threads, weights_at_once)
+        if lanes == 1:
+            for name, (t_layout, b_layout) in linear:
+                record(name, extract_one(name, tuned.values(name, t_layout),
+                                         base.values(name, b_layout), weight_threads))
+        else:
+            # weights side by side, each on its share of the threads; read here in order, the
+            # results taken in the same order (each weight's bytes do not depend on its thread
+            # count): the file is the one lanes == 1 writes
+            from collections import deque
+            from concurrent.futures import ThreadPoolExecutor
+
+            pending = deque()
+            with ThreadPoolExecutor(lanes) as pool:
+                try:
+                    for name, (t_layout, b_layout) in linear:
+                        if len(pending) == lanes:
+                            record(*_taken(pending.popleft()))
+                        t_values = tuned.values(name, t_layout)
+                        b_values = base.values(name, b_layout)
+                        pending.append((name, pool.submit(extract_one, name, t_values,
+                                                          b_values, weight_threads)))
+                        del t_values, b_values
+                    while pending:
+                        record(*_taken(pending.popleft()))
+                except BaseException:
+                    for _, future in pending:
+                        future.cancel()
+                    raise
         for name in other:
             t_dtype, b_dtype = tuned.entries[name][0], base.entries[name][0]
             t_raw, b_raw = tuned.read(name), base.read(name)
