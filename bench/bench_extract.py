@@ -16,8 +16,9 @@ each rank and thread count, interleaved:
     ``torch.linalg.svd`` (timed once per weight; its truncation is the optimum).
 Errors are ||D - B A||_F / ||D||_F with the factors as returned (bf16 for ltx2blas, f32 for
 torch), and their ratio to the optimum's.  Then the checkpoint: ``--blocks`` blocks of LTX-2's
-transformer, tuned by a LoRA of ``--checkpoint-rank`` fused in, extracted at that rank, against
-reading every tensor of both files.
+transformer, tuned by a LoRA of ``--checkpoint-rank`` fused in, extracted at that rank (a weight
+at a time on every thread, and with two or more threads a weight per thread side by side),
+against reading every tensor of both files.
 
     python bench/bench_extract.py [--threads 1,2] [--ranks 32,64,128,384] [--shape 4096x4096]
                                   [--blocks 2] [--out F]
@@ -190,8 +191,16 @@ def run_checkpoint(threads_list, blocks, rank, log=print, scale=1):
             made = {}
 
             def extract():
-                made["report"] = extract_lora(tuned, base, out, rank=rank, threads=threads)
-            t = harness.interleaved({"extract": extract, "read_both": read_both}, repeats=2)
+                made["report"] = extract_lora(tuned, base, out, rank=rank, threads=threads,
+                                              weights_at_once=1)
+
+            def side_by_side():   # a weight per thread, each on one
+                extract_lora(tuned, base, out, rank=rank, threads=threads,
+                             weights_at_once=threads)
+            cands = {"extract": extract, "read_both": read_both}
+            if threads > 1:
+                cands["side_by_side"] = side_by_side
+            t = harness.interleaved(cands, repeats=2)
             report = made["report"]
             row = {"workload": "extract_checkpoint", "blocks": blocks, "rank": rank,
                    "threads": threads, "weights": report.weights_extracted,
@@ -199,10 +208,17 @@ def run_checkpoint(threads_list, blocks, rank, log=print, scale=1):
                    "read_seconds": t["read_both"][harness.STAT],
                    "of_read": t["extract"][harness.STAT] / t["read_both"][harness.STAT],
                    "least_kept": min(k for _, k in report.ranks.values())}
+            text = (f"extract checkpoint threads={threads} {blocks} blocks, {row['weights']} "
+                    f"weights at rank {rank}: {row['seconds']:.2f} s = {row['of_read']:.1f}x "
+                    f"reading both files ({row['read_seconds']:.2f} s); least fraction kept "
+                    f"{row['least_kept']:.5f}")
+            if "side_by_side" in t:
+                row["side_by_side_seconds"] = t["side_by_side"][harness.STAT]
+                row["side_by_side_speedup"] = row["seconds"] / row["side_by_side_seconds"]
+                text += (f"; {threads} weights side by side {row['side_by_side_seconds']:.2f} s "
+                         f"({row['side_by_side_speedup']:.2f}x)")
             out_rows.append(row)
-            log(f"extract checkpoint threads={threads} {blocks} blocks, {row['weights']} weights "
-                f"at rank {rank}: {row['seconds']:.2f} s = {row['of_read']:.1f}x reading both "
-                f"files ({row['read_seconds']:.2f} s); least fraction kept {row['least_kept']:.5f}")
+            log(text)
     finally:
         import shutil
 

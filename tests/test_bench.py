@@ -291,12 +291,14 @@ def test_the_lycoris_benchmark_runs_and_checks_its_results(tmp_path):
 def test_the_extract_benchmark_runs(tmp_path):
     out = tmp_path / "extract.json"
     r = subprocess.run([sys.executable, os.path.join(os.path.dirname(BENCH), "bench_extract.py"),
-                        "--threads", "1", "--ranks", "8", "--shape", "200x160", "--repeats", "1",
-                        "--blocks", "1", "--scale", "16", "--checkpoint-rank", "8",
+                        "--threads", "1,2", "--ranks", "8", "--shape", "200x160", "--repeats",
+                        "1", "--blocks", "1", "--scale", "16", "--checkpoint-rank", "8",
                         "--out", str(out)], capture_output=True, text=True, cwd="/", timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [row["workload"] for row in rows] == ["extract", "extract_checkpoint"]
+    assert [row["workload"] for row in rows] == ["extract"] * 2 + ["extract_checkpoint"] * 2
+    assert "side_by_side_seconds" in rows[3] and "side_by_side_seconds" not in rows[2]
+    rows = [rows[0], rows[2]]
     # a rank-8 extraction of a decaying spectrum keeps part of it; the checkpoint's tuning is
     # rank 8 (plus the bf16 rounding of the fused weights), nearly all of it kept
     assert 0 < rows[0]["error"] < 1 and rows[1]["least_kept"] > 0.99
