@@ -7,7 +7,8 @@ same bytes wherever its BLAS and LAPACK compute the same products (the same libr
 kernels).  The test matrix has +-1 entries from a seed and the tensor's name, the same
 everywhere; the products with the difference go through the seam's sgemm in fixed blocks
 (:mod:`ltx2blas._lowrank`); the factorisations between them (LU, CholeskyQR, the small Gram
-matrix's eigenvectors) are LAPACK's and the BLAS's on one thread (docs/extract.md, "How").
+matrix's eigenvectors) are LAPACK's on one thread and the seam's f64 BLAS calls in fixed blocks
+of rows (docs/extract.md, "How").
 """
 from typing import NamedTuple
 
@@ -150,16 +151,15 @@ def _cholesky_r(q, threads=1):
     return r
 
 
-def _orthonormal(y, rounds, threads=1):
+def _orthonormal(y, threads=1):
     """An orthonormal basis of the columns of y [m, w] (f32): Q [m, w], f64 in Fortran order.
 
-    CholeskyQR (the Gram matrix, its Cholesky factor R, Q = y R^-1: level-3 BLAS, a fraction of
-    Householder's time) ``rounds`` times: once leaves Q orthonormal to about f64 rounding times
-    the condition squared -- a well-conditioned basis of the same columns, all a power
-    iteration needs -- twice to f64 rounding, which the final projection needs.  Where y is too
-    ill-conditioned for it, Householder QR (LAPACK's geqrf and orgqr)."""
+    CholeskyQR2 (the Gram matrix, its Cholesky factor R, Q = y R^-1, twice: the second pass
+    takes the first's error, f64 rounding times the condition squared, down to f64 rounding;
+    level-3 BLAS, a fraction of Householder's time), or where y is too ill-conditioned for it,
+    Householder QR (LAPACK's geqrf and orgqr)."""
     q = np.array(y, np.float64, order="F")
-    for _ in range(rounds):
+    for _ in range(2):
         r = _cholesky_r(q, threads)
         if r is None:
             from scipy.linalg import qr
@@ -281,14 +281,12 @@ def extract_lora_weight(tuned, base, *, rank=None, energy=None, max_rank=256,
         _lowrank.d_times(d, omega, y, threads)
         x = np.empty((cols, width), np.float32)       # the next product's basis
         qt = np.empty((width, rows), np.float32)      # a basis of D X's columns, transposed
-        for i in range(iterations + 1):
-            if i == iterations:                        # the projection's: orthonormal
-                qt[:] = _orthonormal(y, 2, threads).T
-                break
+        for _ in range(iterations):
             _lu_basis(np.asfortranarray(y), qt, transposed=True)
             _lowrank.dt_times(d, qt, zt, threads)
             _lu_basis(zt.T, x, transposed=False)      # zt^T: a Fortran-ordered [cols, width]
             _lowrank.d_times(d, x, y, threads)
+        qt[:] = _orthonormal(y, threads).T            # the projection's basis: orthonormal
         _lowrank.dt_times(d, qt, zt, threads)   # B = Q^T D
         if not np.all(np.isfinite(zt)):  # the scaling above keeps them finite; LAPACK would
             raise NumericsError(        # only say "A has a NaN entry"

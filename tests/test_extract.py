@@ -423,7 +423,7 @@ def test_the_final_basis_is_orthonormal_either_way(rng, dependent):
     if dependent:
         y[:, 5] = y[:, 3]
     assert (extract._cholesky_r(np.asfortranarray(y, np.float64)) is None) == dependent
-    q = extract._orthonormal(y, 2)
+    q = extract._orthonormal(y)
     assert q.flags.f_contiguous and q.dtype == np.float64
     # orthonormal to f64 rounding: CholeskyQR2's error is a small multiple of 300 * 2^-53
     assert np.abs(q.T @ q - np.eye(24)).max() <= 1e-13
