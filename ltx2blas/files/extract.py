@@ -403,8 +403,9 @@ THREADS_PER_WEIGHT = 4
 
 def weight_lanes(threads=None, weights_at_once=None):
     """(weights extracted at once, threads each): by default one weight for every
-    THREADS_PER_WEIGHT threads, at least one; ``weights_at_once`` (1 to the thread count)
-    sets it.  Each weight in flight holds its two weights read and their f32 difference."""
+    THREADS_PER_WEIGHT threads, at least one; ``weights_at_once`` (a positive integer, held to
+    the thread count) sets it.  Each weight in flight holds its two weights read and their f32
+    difference, and the calling thread reads the next pair meanwhile."""
     threads = resolve_threads(threads)
     if weights_at_once is None:
         lanes = max(1, threads // THREADS_PER_WEIGHT)
