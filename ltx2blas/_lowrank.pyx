@@ -20,9 +20,9 @@ import numpy as np
 BLOCK = 256
 #: Columns of D one sgemm call of ``Y^T @ D`` takes.  Each call packs all of Y^T (the thin
 #: operand, [width, rows]) for the BLAS's kernel, a copy as large as a quarter of a 256-column
-#: block of D at rank 64; 1024 columns make that copy a sixteenth and run the product at D @ X's
-#: rate (bench/results), at the price of fewer blocks to share (four on a 4096-column weight:
-#: more threads than that are for weights side by side).
+#: block of D at rank 64; 1024 columns make that copy a sixteenth, at the price of fewer blocks
+#: to share (four on a 4096-column weight: more threads than that are for weights side by
+#: side).
 COLUMN_BLOCK = 1024
 
 ctypedef fused stored:

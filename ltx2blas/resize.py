@@ -58,7 +58,7 @@ def _f64(x, name):
         raise DTypeError(f"{name} must be bf16, float16, float32 or float64, got {a.dtype}")
     if a.ndim != 2:
         raise ShapeError(f"{name} must be 2-D, got shape {a.shape}")
-    a = a.astype(np.float64)
+    a = a.astype(np.float64, copy=False)   # read only: f64 factors (merge's) are not copied
     if not np.all(np.isfinite(a)):
         bad = np.argwhere(~np.isfinite(a))[0]
         raise NonFiniteInputError(f"{name} is not finite at {tuple(int(i) for i in bad)}")

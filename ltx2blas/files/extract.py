@@ -390,11 +390,6 @@ def _plan_only(tuned, base, output, rank, energy, max_rank, dtype, full_diff, ov
     return report
 
 
-def _taken(pending):
-    name, future = pending
-    return name, future.result()
-
-
 #: Threads one weight's extraction keeps busy: its transposed products run in blocks of 1024
 #: columns, four on a 4096-column weight (ltx2blas._lowrank.COLUMN_BLOCK).  Where more threads
 #: are given, weights run side by side, each on its share.
@@ -495,32 +490,37 @@ def _extract(tuned, base, output, rank, energy, max_rank, keys, dtype, full_diff
 
         done = 0
         lanes, weight_threads = weight_lanes(threads, weights_at_once)
+
+        def read(name, layouts):   # in the calling thread, in order
+            return name, tuned.values(name, layouts[0]), base.values(name, layouts[1])
+
+        def extracted(weight):
+            name, t_values, b_values = weight
+            return name, extract_one(name, t_values, b_values, weight_threads)
         if lanes == 1:
-            for name, (t_layout, b_layout) in linear:
-                record(name, extract_one(name, tuned.values(name, t_layout),
-                                         base.values(name, b_layout), weight_threads))
+            for name, layouts in linear:
+                record(*extracted(read(name, layouts)))
         else:
-            # weights side by side, each on its share of the threads; read here in order, the
-            # results taken in the same order (each weight's bytes do not depend on its thread
-            # count): the file is the one lanes == 1 writes
+            # weights side by side, each on its share of the threads, at most ``lanes`` in
+            # flight, the results taken in order (each weight's bytes do not depend on its
+            # thread count): the file is the one lanes == 1 writes.  A pool that joins its
+            # threads, not _stop.Workers' daemons: a daemon still inside the BLAS or OpenMP as
+            # the interpreter finalises can crash the process; on a stop the watchdog ends the
+            # process within GRACE while the pool waits.
             from collections import deque
             from concurrent.futures import ThreadPoolExecutor
 
             pending = deque()
             with ThreadPoolExecutor(lanes) as pool:
                 try:
-                    for name, (t_layout, b_layout) in linear:
+                    for name, layouts in linear:
                         if len(pending) == lanes:
-                            record(*_taken(pending.popleft()))
-                        t_values = tuned.values(name, t_layout)
-                        b_values = base.values(name, b_layout)
-                        pending.append((name, pool.submit(extract_one, name, t_values,
-                                                          b_values, weight_threads)))
-                        del t_values, b_values
+                            record(*pending.popleft().result())
+                        pending.append(pool.submit(extracted, read(name, layouts)))
                     while pending:
-                        record(*_taken(pending.popleft()))
+                        record(*pending.popleft().result())
                 except BaseException:
-                    for _, future in pending:
+                    for future in pending:
                         future.cancel()
                     raise
         for name in other:

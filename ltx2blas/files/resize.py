@@ -101,10 +101,10 @@ def _modules(source, products=False):
             raise FormatError(f"{source.name}: {key!r} belongs to {keymatch.REFUSED[suffix]} "
                               "adapter, which resize does not re-factor; nothing written")
         role = keymatch.ROLES[suffix]
-        lycoris = role in keymatch.LOHA_ROLES + keymatch.LOKR_ROLES or role == "diff"
-        if products and lycoris:
-            pass  # merge writes them as products of their own (_product_form)
-        elif role in NOT_A_PRODUCT or role in keymatch.LOHA_ROLES + keymatch.LOKR_ROLES:
+        lycoris = role in keymatch.LOHA_ROLES + keymatch.LOKR_ROLES
+        # merge takes LyCORIS modules and full differences, each as a product of its own
+        taken = products and (lycoris or role == "diff")
+        if (role in NOT_A_PRODUCT or lycoris) and not taken:
             kind = NOT_A_PRODUCT.get(role) or (
                 "a LoHa (a Hadamard product of two low-rank products)" if role.startswith("hada")
                 else "a LoKr (a Kronecker product)")
@@ -353,8 +353,9 @@ def merge_loras(inputs, output, *, rank=None, energy=None, sv_ratio=None, sv_fro
     rank at least the sum keeps the sum whole, up to the factors' storage.  ``rank`` is each
     module's largest (a module whose inputs' ranks add up to less keeps that); the other rules
     as for resize.  Keys in ``keys`` (ltx2blas extract's spellings; default the first input's),
-    each pair's .alpha its rank.  DoRA, LoHa, LoKr, full differences and tensors of no LoRA pair
-    are refused, naming them, before anything is written.
+    each pair's .alpha its rank.  LoHa, LoKr and full-difference modules enter as exact
+    products of their own (_product_form); DoRA and tensors of no adapter module are refused,
+    naming them, before anything is written.
     """
     rule, value = rank_rule(rank, energy, sv_ratio, sv_fro, sv_cumulative, max_rank)
     choice(alpha, ALPHA_MODES, "alpha")
@@ -420,6 +421,7 @@ def _merge(sources, inputs, output, rule, value, max_rank, keys, alpha, dtype, t
     report = MergeReport(output=os.fspath(output), inputs=inputs, rule=rule, value=value,
                          max_rank=max_rank if rule != "rank" else None, keys=keys)
     entries, arrays = [], {}
+    store = "BF16" if dtype == "bf16" else "F32"
     for count, name in enumerate(order, 1):
         parts = terms[name]
         shapes = {(b.shape[0], a.shape[1]) for _, _, a, b, _ in parts}
@@ -437,7 +439,6 @@ def _merge(sources, inputs, output, rule, value, max_rank, keys, alpha, dtype, t
         report.ranks[name] = (int(a.shape[0]), new.rank, new.kept)
         report.exact += new.rank >= bound  # every singular value of the sum kept
         a_key, b_key, alpha_key = _names(name, keys)
-        store = "BF16" if dtype == "bf16" else "F32"
         for key, array, dtype_name in ((a_key, new.lora_a, store), (b_key, new.lora_b, store),
                                        (alpha_key, np.array(new.rank, np.float32), "F32")):
             entries.append((key, dtype_name, tuple(array.shape), array.nbytes))
